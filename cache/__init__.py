@@ -1,0 +1,1 @@
+"""ditkit cache (plain torch; no ComfyUI imports)."""

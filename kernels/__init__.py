@@ -1,0 +1,1 @@
+"""ditkit kernels (plain torch; no ComfyUI imports)."""

@@ -1,0 +1,1 @@
+"""Checkpoint readers and model-layout converters (plain torch; no ComfyUI imports)."""

@@ -1,0 +1,243 @@
+"""The one safe safetensors reader every ditkit loader uses.
+
+* bounded header length, checked against the file size before anything is allocated;
+* strict JSON: no duplicate keys, no NaN/Infinity constants, objects where objects are required;
+* every tensor entry checked: known dtype, integer non-negative shape, offsets in range, byte length equal
+  to ``numel * itemsize``, no two tensors overlapping;
+* ``__metadata__`` must map strings to strings;
+* tensors are read lazily, one at a time (never the whole file in RAM).
+
+No pickle anywhere: this module is the only way ditkit reads weights. Errors are
+:class:`~ditkit.errors.CheckpointError` and name the file, the key and the problem.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..errors import CheckpointError
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # same bound as the reference safetensors implementation
+MAX_METADATA_VALUE = 1 << 20
+
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8), "I32": (torch.int32, 4), "I16": (torch.int16, 2), "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
+}
+for _name, _attr, _size in (("F8_E4M3", "float8_e4m3fn", 1), ("F8_E5M2", "float8_e5m2", 1),
+                            ("U16", "uint16", 2), ("U32", "uint32", 4), ("U64", "uint64", 8)):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = (getattr(torch, _attr), _size)
+TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass
+class Header:
+    path: str
+    header_len: int
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+
+def _strict_pairs(where: str):
+    def hook(pairs):
+        out = {}
+        for k, v in pairs:
+            if k in out:
+                raise CheckpointError(f"{where}: duplicate JSON key {k!r} in the safetensors header")
+            out[k] = v
+        return out
+
+    return hook
+
+
+def _reject_constant(where: str):
+    def hook(name):
+        raise CheckpointError(f"{where}: non-finite JSON constant {name} in the safetensors header")
+
+    return hook
+
+
+def strict_json_loads(text: str, where: str):
+    """``json.loads`` that rejects duplicate keys and NaN/Infinity (raises CheckpointError naming ``where``)."""
+    try:
+        return json.loads(text, object_pairs_hook=_strict_pairs(where), parse_constant=_reject_constant(where))
+    except CheckpointError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where}: invalid JSON ({e})") from None
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Parse and fully validate a safetensors header without reading tensor data."""
+    path = os.fspath(path)
+    where = f"safetensors file '{path}'"
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{where}: file is {size} bytes, too short to hold a header (truncated?)")
+            (n,) = struct.unpack("<Q", head)
+            if n == 0 or n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{where}: header length {n} is not in 1..{MAX_HEADER_BYTES} (not a safetensors file?)")
+            if 8 + n > size:
+                raise CheckpointError(f"{where}: header length {n} exceeds the file size {size} (truncated file)")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{where}: header is not UTF-8 (not a safetensors file?)") from None
+    obj = strict_json_loads(text.rstrip(" "), where)
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{where}: header is not a JSON object")
+    meta_raw = obj.pop("__metadata__", None) or {}
+    if not isinstance(meta_raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta_raw.items()):
+        raise CheckpointError(f"{where}: __metadata__ must map strings to strings")
+    for k, v in meta_raw.items():
+        if len(v) > MAX_METADATA_VALUE:
+            raise CheckpointError(f"{where}: __metadata__ value of {k!r} is {len(v)} characters (limit {MAX_METADATA_VALUE})")
+    data_len = size - 8 - n
+    tensors: dict[str, TensorInfo] = {}
+    for name, ent in obj.items():
+        tw = f"{where}, tensor {name!r}"
+        if not isinstance(ent, dict):
+            raise CheckpointError(f"{tw}: entry is not an object")
+        dt, shape, offs = ent.get("dtype"), ent.get("shape"), ent.get("data_offsets")
+        if dt not in DTYPES:
+            raise CheckpointError(f"{tw}: unknown dtype {dt!r}")
+        if (not isinstance(shape, list) or len(shape) > 8
+                or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**40 for s in shape)):
+            raise CheckpointError(f"{tw}: invalid shape {shape!r}")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
+            raise CheckpointError(f"{tw}: invalid data_offsets {offs!r}")
+        b, e = offs
+        if not (0 <= b <= e):
+            raise CheckpointError(f"{tw}: data_offsets {offs} are not ordered")
+        if e > data_len:
+            raise CheckpointError(f"{tw}: data_offsets end {e} is past the data section ({data_len} bytes; truncated file)")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if numel * DTYPES[dt][1] != e - b:
+            raise CheckpointError(f"{tw}: {e - b} bytes do not match dtype {dt} x shape {shape}")
+        tensors[name] = TensorInfo(name, dt, tuple(shape), b, e)
+    spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{where}: tensors {n0!r} and {n1!r} overlap (bytes {b1}..{e0})")
+    return Header(path=path, header_len=n, tensors=tensors, metadata=dict(meta_raw))
+
+
+class SafeFile:
+    """Lazy reader over a validated file: ``get(name)`` reads one tensor."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.header = read_header(path)
+        self.path = self.header.path
+        self._fh = None
+
+    def __enter__(self):
+        self._fh = open(self.path, "rb")
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def keys(self) -> list[str]:
+        return self.header.keys()
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.header.metadata
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.header.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"safetensors file '{self.path}': no tensor named {name!r}") from None
+
+    def get(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        ti = self.info(name)
+        fh = self._fh or open(self.path, "rb")
+        try:
+            fh.seek(self.header.data_start + ti.begin)
+            buf = bytearray(fh.read(ti.nbytes))
+        finally:
+            if self._fh is None:
+                fh.close()
+        if len(buf) != ti.nbytes:
+            raise CheckpointError(f"safetensors file '{self.path}', tensor {name!r}: short read (file changed or truncated)")
+        if ti.nbytes == 0:
+            t = torch.empty(ti.shape, dtype=ti.torch_dtype)
+        else:
+            t = torch.frombuffer(buf, dtype=ti.torch_dtype).reshape(ti.shape)
+        return t.to(device) if str(device) != "cpu" else t
+
+    def items(self, device="cpu") -> Iterator[tuple[str, torch.Tensor]]:
+        for k in self.keys():
+            yield k, self.get(k, device)
+
+
+def load_file(path: str | os.PathLike, device="cpu", keys=None) -> dict[str, torch.Tensor]:
+    """Read (a subset of) a validated file into a dict."""
+    with SafeFile(path) as f:
+        names = f.keys() if keys is None else list(keys)
+        return {k: f.get(k, device) for k in names}
+
+
+def load_with_metadata(path, device="cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with SafeFile(path) as f:
+        return {k: f.get(k, device) for k in f.keys()}, dict(f.metadata)
+
+
+def save_file(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file (via the reference library; deterministic key order)."""
+    from safetensors.torch import save_file as _save
+
+    _save({k: v.contiguous() for k, v in sorted(tensors.items())}, os.fspath(path), metadata=metadata)

@@ -1,0 +1,54 @@
+"""ComfyUI-facing layer. The only package (with the root ``__init__``) that imports ComfyUI.
+
+Every module in this package whose name does not start with ``_`` is imported and its ``NODES`` list
+(``io.ComfyNode`` subclasses) is registered. A feature adds a module here and touches nothing else.
+A module that fails to import is logged loudly and listed in :data:`IMPORT_ERRORS`; the other nodes
+still load, so one broken optional dependency never takes the whole pack down.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import pkgutil
+
+from comfy_api.latest import ComfyExtension, io
+
+log = logging.getLogger("ditkit")
+
+IMPORT_ERRORS: dict[str, str] = {}
+
+
+def discover_nodes() -> list[type[io.ComfyNode]]:
+    found: list[type[io.ComfyNode]] = []
+    seen: set[str] = set()
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        try:
+            mod = importlib.import_module(f"{__name__}.{info.name}")
+        except Exception as e:  # noqa: BLE001 - reported, never silent
+            IMPORT_ERRORS[info.name] = f"{type(e).__name__}: {e}"
+            log.exception("[ditkit] node module %s failed to import; its nodes are not registered", info.name)
+            continue
+        for cls in getattr(mod, "NODES", []):
+            node_id = cls.GET_SCHEMA().node_id
+            if not node_id.startswith("DitKit"):
+                raise RuntimeError(f"ditkit node id {node_id!r} must start with 'DitKit'")
+            if node_id in seen:
+                raise RuntimeError(f"duplicate ditkit node id {node_id!r}")
+            seen.add(node_id)
+            found.append(cls)
+    return found
+
+
+class DitKitExtension(ComfyExtension):
+    async def on_load(self) -> None:
+        from .._version_check import check_host
+
+        check_host(log)
+
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        nodes = discover_nodes()
+        log.info("[ditkit] registered %d nodes%s", len(nodes),
+                 f" ({len(IMPORT_ERRORS)} node modules failed: {sorted(IMPORT_ERRORS)})" if IMPORT_ERRORS else "")
+        return nodes

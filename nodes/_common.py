@@ -1,0 +1,64 @@
+"""Shared helpers for ditkit nodes: reports to the UI, progress bars, log lines.
+
+Reports: every ditkit node that patches, loads or decodes sends one ``ditkit.report`` websocket event
+after it ran (rendered as a badge by ``web/js/ditkit.js``) and writes one log line. The payload is
+``{"node": <unique_id>, "node_type": <node id>, "kind": <feature>, "summary": <short text>,
+"data": <json-able dict>}``. Runtime reports (e.g. per-sampling cache counters) are sent the same way
+from the wrappers, keyed by the node id captured when the node executed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable
+
+log = logging.getLogger("ditkit")
+
+REPORT_EVENT = "ditkit.report"
+
+
+def send_report(node_id: str | None, node_type: str, kind: str, summary: str, data: dict | None = None) -> dict:
+    """Log a report line and push it to the UI. Returns the payload (also used as the node's ``ui`` dict)."""
+    payload = {"node": node_id, "node_type": node_type, "kind": kind, "summary": summary,
+               "data": _jsonable(data or {})}
+    log.info("[ditkit] %s #%s %s: %s", node_type, node_id, kind, summary)
+    try:
+        from server import PromptServer
+
+        inst = getattr(PromptServer, "instance", None)
+        if inst is not None:
+            inst.send_sync(REPORT_EVENT, payload)
+            if node_id is not None:
+                inst.send_progress_text(summary, node_id)
+    except Exception:  # noqa: BLE001 - UI delivery is best effort; the log line above always exists
+        log.debug("[ditkit] could not deliver report to UI", exc_info=True)
+    return payload
+
+
+def ui_report(payload: dict) -> dict:
+    """The ``ui`` dict of a NodeOutput carrying a report (kept in /history outputs too)."""
+    return {"ditkit_report": [payload]}
+
+
+def progress(total: int, node_id: str | None = None) -> Callable[[int, int], None]:
+    """A ``callback(done, total)`` driving ComfyUI's progress bar for this node."""
+    import comfy.utils
+
+    bar = comfy.utils.ProgressBar(max(int(total), 1), node_id=node_id)
+
+    def cb(done: int, tot: int | None = None) -> None:
+        bar.update_absolute(int(done), int(tot) if tot is not None else None)
+
+    return cb
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        json.dumps(obj)
+        return obj
+    except TypeError:
+        if isinstance(obj, dict):
+            return {str(k): _jsonable(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [_jsonable(v) for v in obj]
+        return str(obj)

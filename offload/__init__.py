@@ -1,0 +1,1 @@
+"""ditkit offload (plain torch; no ComfyUI imports)."""

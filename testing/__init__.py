@@ -1,0 +1,1 @@
+"""ditkit testing (plain torch; no ComfyUI imports)."""

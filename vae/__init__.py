@@ -1,0 +1,1 @@
+"""ditkit vae (plain torch; no ComfyUI imports)."""
