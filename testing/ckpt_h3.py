@@ -1,0 +1,367 @@
+"""Tiny structural MiniMax H3 DiT checkpoints (real key names, layouts and dtypes, scaled down).
+
+All variants derive from ONE seeded set of base weights (:func:`base_state_dict`, ComfyUI layout) so the
+layouts are comparable tensor by tensor:
+
+* ``h3_dit``           -> ``diffusion_models/h3_tiny_comfy.safetensors``: ComfyUI/Comfy-Org layout, qkv rows
+  ``[q_all; k_all; v_all]`` (what the stock ``UNETLoader`` reads).
+* ``h3_dit_official``  -> ``diffusion_models/h3_tiny_official/``: the official FL2VA ``transformer/`` layout,
+  ``model.safetensors.index.json`` + 2 shards ``model-0000X-of-00002.safetensors`` + ``config.json``;
+  qkv rows per-head interleaved ``[h0: q,k,v; h1: q,k,v; ...]`` (DiT blocks AND refiner blocks).
+* ``h3_dit_diffusers`` -> ``diffusion_models/h3_tiny_diffusers/``: diffusers names, 3 shards
+  ``diffusion_pytorch_model-0000X-of-00003.safetensors`` + index + ``config.json``; ``to_q/to_k/to_v`` split,
+  ``ff.net.0.proj`` halves swapped to ``[value; gate]``, ``rope.inv_freq`` dropped.
+* ``h3_dit_curve``     -> ``diffusion_models/h3_tiny_curve.safetensors``: Comfy-Org "pruned" AdaLN curve form
+  (``adaln_t_table [GRID, K]`` F32, AdaLN weights ``[18*hidden, K]`` / ``[2*hidden, K]`` F16, no
+  ``time_embedder``), built from the base weights as ``table = U_K*S_K`` of the centred ``silu(e(t))`` curve,
+  ``W' = W V_K``, ``b' = b + W mean(silu(e))``.
+* ``h3_dit_fasth3``    -> ``diffusion_models/h3_tiny_fasth3.safetensors``: ComfyUI layout + trained-gate stand-ins
+  ``blocks.N.attn.to_gate_compress.weight [inner, hidden]`` (FastH3 VSA checkpoints).
+
+Dtypes follow the official bf16 release: fp32 islands ``video_patch_proj``, ``audio_patch_proj``,
+``time_embedder``, ``final_layer.video_out``/``audio_out`` and ``rope.inv_freq``; bf16 everywhere else.
+ComfyUI casts them to its compute dtype (fp32 on CPU) at load, so CPU sampling is unaffected.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ..loaders.safetensors_io import save_file
+from .checkpoints import register
+
+SEED = 20261130
+
+# tiny config (original/ComfyUI names). heads*head_dim (96) != hidden (64) like the real 7168 != 5376;
+# 6*rope_inv_freq_len (24) <= head_dim (32).
+CONFIG: dict = {
+    "hidden_size": 64,
+    "num_attention_heads": 3,
+    "attention_head_dim": 32,
+    "num_layers": 2,
+    "token_refiner_num_layers": 2,
+    "ffn_hidden_size": 128,
+    "latents_dim": 24,
+    "audio_latents_dim": 32,
+    "patch_size": [1, 2, 2],
+    "text_dim": 48,
+    "timestep_input_dim": 16,
+    "time_embed_hidden_size": 64,
+    "time_embed_dim": 32,
+    "rope_inv_freq_len": 4,
+    "rope_theta": 10000.0,
+    "norm_eps": 1e-5,
+    "qk_norm_eps": 1e-5,
+    "final_norm_eps": 1e-5,
+}
+CURVE_GRID = 65
+CURVE_RANK = 8
+
+COMFY_FILE = "diffusion_models/h3_tiny_comfy.safetensors"
+OFFICIAL_DIR = "diffusion_models/h3_tiny_official"
+DIFFUSERS_DIR = "diffusion_models/h3_tiny_diffusers"
+CURVE_FILE = "diffusion_models/h3_tiny_curve.safetensors"
+FASTH3_FILE = "diffusion_models/h3_tiny_fasth3.safetensors"
+
+FP32_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
+                 "final_layer.audio_out.", "rope.")
+
+
+def inner_dim(cfg=CONFIG) -> int:
+    return cfg["num_attention_heads"] * cfg["attention_head_dim"]
+
+
+def rope_inv_freq(n: int, theta: float = 10000.0) -> torch.Tensor:
+    """``1/theta^(arange(0, 2n, 2)/(2n))`` in fp32 (the real file: n = 16)."""
+    return 1.0 / (theta ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
+
+
+def _block_shapes(cfg, adaln: bool) -> dict[str, tuple[int, ...]]:
+    h, hd, inner, ffn = cfg["hidden_size"], cfg["attention_head_dim"], inner_dim(cfg), cfg["ffn_hidden_size"]
+    d = {
+        "norm1.weight": (h,), "norm2.weight": (h,),
+        "attn.qkv_proj.weight": (3 * inner, h),
+        "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,),
+        "attn.out_proj.weight": (h, inner),
+        "mlp.fc1.weight": (2 * ffn, h), "mlp.fc2.weight": (h, ffn),
+    }
+    if adaln:
+        d["adaln_proj.linear.weight"] = (18 * h, cfg["time_embed_dim"])
+        d["adaln_proj.linear.bias"] = (18 * h,)
+    return d
+
+
+def comfy_shapes(cfg=CONFIG) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of the ComfyUI/original layout (h3.md §2.6 A), scaled by ``cfg``."""
+    h = cfg["hidden_size"]
+    vdim = cfg["latents_dim"] * math.prod(cfg["patch_size"])
+    s: dict[str, tuple[int, ...]] = {
+        "video_patch_proj.weight": (h, vdim), "video_patch_proj.bias": (h,),
+        "audio_patch_proj.weight": (h, cfg["audio_latents_dim"]), "audio_patch_proj.bias": (h,),
+        "condition_proj.weight": (h, cfg["text_dim"]), "condition_proj.bias": (h,),
+        "time_embedder.proj_in.weight": (cfg["time_embed_hidden_size"], cfg["timestep_input_dim"]),
+        "time_embedder.proj_in.bias": (cfg["time_embed_hidden_size"],),
+        "time_embedder.proj_out.weight": (cfg["time_embed_dim"], cfg["time_embed_hidden_size"]),
+        "time_embedder.proj_out.bias": (cfg["time_embed_dim"],),
+        "rope.inv_freq": (cfg["rope_inv_freq_len"],),
+        "token_refiner.final_norm.weight": (h,),
+        "final_layer.norm.weight": (h,),
+        "final_layer.adaln_proj.linear.weight": (2 * h, cfg["time_embed_dim"]),
+        "final_layer.adaln_proj.linear.bias": (2 * h,),
+        "final_layer.video_out.weight": (vdim, h), "final_layer.video_out.bias": (vdim,),
+        "final_layer.audio_out.weight": (cfg["audio_latents_dim"], h),
+        "final_layer.audio_out.bias": (cfg["audio_latents_dim"],),
+    }
+    for i in range(cfg["num_layers"]):
+        for k, v in _block_shapes(cfg, True).items():
+            s[f"blocks.{i}.{k}"] = v
+    for j in range(cfg["token_refiner_num_layers"]):
+        for k, v in _block_shapes(cfg, False).items():
+            s[f"token_refiner.blocks.{j}.{k}"] = v
+    return s
+
+
+def dtype_for(key: str) -> torch.dtype:
+    return torch.float32 if key.startswith(FP32_PREFIXES) else torch.bfloat16
+
+
+def base_state_dict(cfg=CONFIG, seed: int = SEED) -> dict[str, torch.Tensor]:
+    """The one seeded set of weights (ComfyUI layout, real dtypes). Deterministic on any machine (CPU RNG)."""
+    g = torch.Generator("cpu").manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for key, shape in sorted(comfy_shapes(cfg).items()):
+        if key == "rope.inv_freq":
+            t = rope_inv_freq(shape[0], cfg["rope_theta"])
+        elif key.endswith("norm.weight") or key.endswith("norm1.weight") or key.endswith("norm2.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float32)
+        elif key.endswith(".bias"):
+            t = 0.02 * torch.randn(shape, generator=g, dtype=torch.float32)
+        else:
+            fan_in = shape[1]
+            std = 0.5 / math.sqrt(fan_in) if "adaln_proj" in key else 1.0 / math.sqrt(fan_in)
+            t = std * torch.randn(shape, generator=g, dtype=torch.float32)
+        out[key] = t.to(dtype_for(key)).contiguous()
+    return out
+
+
+# ---------------------------------------------------------------- layout transforms (generator side)
+
+def interleave_qkv(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """ComfyUI ``[q_all; k_all; v_all]`` rows -> official per-head interleaved ``[h0:q,k,v; h1:q,k,v; ...]``."""
+    q, k, v = w.reshape(3, heads, head_dim, w.shape[-1]).unbind(0)
+    return torch.stack([q, k, v], dim=1).reshape(3 * heads * head_dim, w.shape[-1]).contiguous()
+
+
+def official_state_dict(base: dict[str, torch.Tensor], cfg=CONFIG) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in base.items():
+        if k.endswith("attn.qkv_proj.weight"):
+            v = interleave_qkv(v, cfg["num_attention_heads"], cfg["attention_head_dim"])
+        out[k] = v
+    return out
+
+
+_DIFFUSERS_TOP = {
+    "video_patch_proj.": "proj_in.",
+    "audio_patch_proj.": "audio_proj_in.",
+    "condition_proj.": "context_embedder.",
+    "time_embedder.proj_in.": "time_embedder.linear_1.",
+    "time_embedder.proj_out.": "time_embedder.linear_2.",
+    "final_layer.norm.": "norm_out.norm.",
+    "final_layer.adaln_proj.linear.": "norm_out.linear.",
+    "final_layer.video_out.": "proj_out.",
+    "final_layer.audio_out.": "audio_proj_out.",
+    "token_refiner.final_norm.": "token_refiner.final_norm.",
+}
+_DIFFUSERS_BLOCK = {
+    "attn.q_norm.weight": "attn.norm_q.weight",
+    "attn.k_norm.weight": "attn.norm_k.weight",
+    "attn.out_proj.weight": "attn.to_out.0.weight",
+    "mlp.fc1.weight": "ff.net.0.proj.weight",
+    "mlp.fc2.weight": "ff.net.2.weight",
+    "attn.to_gate_compress.weight": "attn.to_gate_compress.weight",
+    "norm1.weight": "norm1.weight",
+    "norm2.weight": "norm2.weight",
+    "adaln_proj.linear.weight": "adaln_proj.linear.weight",
+    "adaln_proj.linear.bias": "adaln_proj.linear.bias",
+}
+
+
+def diffusers_state_dict(base: dict[str, torch.Tensor], cfg=CONFIG) -> dict[str, torch.Tensor]:
+    """h3.md §2.6 B: rename, split qkv into to_q/to_k/to_v, swap fc1 halves, drop rope.inv_freq."""
+    inner = inner_dim(cfg)
+    out = {}
+    for k, v in base.items():
+        if k == "rope.inv_freq":
+            continue
+        if k.startswith("token_refiner.blocks."):
+            j, rest = k[len("token_refiner.blocks."):].split(".", 1)
+            prefix = f"token_refiner.refiner_blocks.{j}."
+        elif k.startswith("blocks."):
+            i, rest = k[len("blocks."):].split(".", 1)
+            prefix = f"transformer_blocks.{i}."
+        else:
+            for a, b in _DIFFUSERS_TOP.items():
+                if k.startswith(a):
+                    out[b + k[len(a):]] = v
+                    break
+            else:
+                raise KeyError(k)
+            continue
+        if rest == "attn.qkv_proj.weight":
+            q, kk, vv = v.split(inner, dim=0)
+            out[prefix + "attn.to_q.weight"] = q.contiguous()
+            out[prefix + "attn.to_k.weight"] = kk.contiguous()
+            out[prefix + "attn.to_v.weight"] = vv.contiguous()
+        elif rest == "mlp.fc1.weight":
+            gate, value = v.chunk(2, dim=0)
+            out[prefix + _DIFFUSERS_BLOCK[rest]] = torch.cat([value, gate], dim=0).contiguous()
+        else:
+            out[prefix + _DIFFUSERS_BLOCK[rest]] = v
+    return out
+
+
+def _time_embed(base, t: torch.Tensor, cfg=CONFIG) -> torch.Tensor:
+    """Float64 reference of the H3 time embedder (cos before sin, t in [0, 1], not x1000)."""
+    half = cfg["timestep_input_dim"] // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half)
+    args = t.to(torch.float64)[:, None] * freqs[None]
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    w1, b1 = base["time_embedder.proj_in.weight"].double(), base["time_embedder.proj_in.bias"].double()
+    w2, b2 = base["time_embedder.proj_out.weight"].double(), base["time_embedder.proj_out.bias"].double()
+    return torch.nn.functional.silu(emb @ w1.T + b1) @ w2.T + b2
+
+
+def curve_state_dict(base: dict[str, torch.Tensor], cfg=CONFIG, grid: int = CURVE_GRID,
+                     rank: int = CURVE_RANK) -> dict[str, torch.Tensor]:
+    """Comfy-Org "pruned" curve form (h3.md §2.9), computed in float64 from the base weights."""
+    t = torch.linspace(0.0, 1.0, grid, dtype=torch.float64)
+    s = torch.nn.functional.silu(_time_embed(base, t, cfg))          # [grid, time_embed_dim]
+    mean = s.mean(dim=0)
+    u, sv, vh = torch.linalg.svd(s - mean, full_matrices=False)
+    table = u[:, :rank] * sv[:rank]                                   # [grid, rank]
+    vk = vh[:rank].T                                                  # [time_embed_dim, rank]
+    out = {k: v for k, v in base.items() if not k.startswith("time_embedder.")}
+    out["adaln_t_table"] = table.to(torch.float32).contiguous()
+    for k in [k for k in base if k.endswith("adaln_proj.linear.weight")]:
+        w = base[k].double()
+        b = base[k[:-len("weight")] + "bias"].double()
+        out[k] = (w @ vk).to(torch.float16).contiguous()
+        out[k[:-len("weight")] + "bias"] = (b + w @ mean).to(torch.float16).contiguous()
+    return out
+
+
+def fasth3_state_dict(base: dict[str, torch.Tensor], cfg=CONFIG, seed: int = SEED + 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator("cpu").manual_seed(seed)
+    out = dict(base)
+    h, inner = cfg["hidden_size"], inner_dim(cfg)
+    for i in range(cfg["num_layers"]):
+        w = torch.randn((inner, h), generator=g, dtype=torch.float32) / math.sqrt(h)
+        out[f"blocks.{i}.attn.to_gate_compress.weight"] = w.to(torch.bfloat16)
+    return out
+
+
+def official_config(cfg=CONFIG) -> dict:
+    """``config.json`` of the official original format (h3.md §2.1, original names)."""
+    c = {k: v for k, v in cfg.items() if k != "rope_theta"}
+    c["adaln_out_features"] = 18 * cfg["hidden_size"]
+    c["final_adaln_out_features"] = 2 * cfg["hidden_size"]
+    return c
+
+
+def diffusers_config(cfg=CONFIG) -> dict:
+    return {
+        "_class_name": "MiniMaxH3Transformer3DModel",
+        "_diffusers_version": "0.37.0.dev0",
+        "hidden_size": cfg["hidden_size"],
+        "num_attention_heads": cfg["num_attention_heads"],
+        "attention_head_dim": cfg["attention_head_dim"],
+        "num_layers": cfg["num_layers"],
+        "num_refiner_layers": cfg["token_refiner_num_layers"],
+        "ffn_dim": cfg["ffn_hidden_size"],
+        "in_channels": cfg["latents_dim"],
+        "audio_in_channels": cfg["audio_latents_dim"],
+        "patch_size": list(cfg["patch_size"]),
+        "text_dim": cfg["text_dim"],
+        "freq_dim": cfg["timestep_input_dim"],
+        "time_embed_hidden_dim": cfg["time_embed_hidden_size"],
+        "time_embed_dim": cfg["time_embed_dim"],
+        "rope_freq_dim": cfg["rope_inv_freq_len"],
+        "rope_theta": cfg["rope_theta"],
+        "norm_eps": cfg["norm_eps"],
+        "qk_norm_eps": cfg["qk_norm_eps"],
+        "final_norm_eps": cfg["final_norm_eps"],
+    }
+
+
+# ---------------------------------------------------------------- writers
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _shard_plan(keys: list[str], n: int) -> list[list[str]]:
+    """Deterministic split of sorted keys into ``n`` contiguous, non-empty groups."""
+    keys = sorted(keys)
+    size = math.ceil(len(keys) / n)
+    return [keys[i * size:(i + 1) * size] for i in range(n)]
+
+
+def write_sharded(sd: dict[str, torch.Tensor], folder: Path, stem: str, index_name: str, n_shards: int,
+                  config: dict | None = None) -> list[Path]:
+    """Write ``sd`` as ``<stem>-0000X-of-0000N.safetensors`` + ``index_name`` (+ ``config.json``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    weight_map = {}
+    total = 0
+    for i, group in enumerate(_shard_plan(list(sd), n_shards), start=1):
+        name = f"{stem}-{i:05d}-of-{n_shards:05d}.safetensors"
+        save_file({k: sd[k] for k in group}, folder / name, metadata={"format": "pt"})
+        for k in group:
+            weight_map[k] = name
+            total += sd[k].numel() * sd[k].element_size()
+        written.append(folder / name)
+    _write_json(folder / index_name, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    written.append(folder / index_name)
+    if config is not None:
+        _write_json(folder / "config.json", config)
+        written.append(folder / "config.json")
+    return written
+
+
+def _single(out: Path, rel: str, sd) -> list[Path]:
+    p = Path(out) / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, p)
+    return [p]
+
+
+@register("h3_dit")
+def gen_h3_dit(out: Path) -> list[Path]:
+    return _single(out, COMFY_FILE, base_state_dict())
+
+
+@register("h3_dit_official")
+def gen_h3_dit_official(out: Path) -> list[Path]:
+    sd = official_state_dict(base_state_dict())
+    return write_sharded(sd, Path(out) / OFFICIAL_DIR, "model", "model.safetensors.index.json", 2, official_config())
+
+
+@register("h3_dit_diffusers")
+def gen_h3_dit_diffusers(out: Path) -> list[Path]:
+    sd = diffusers_state_dict(base_state_dict())
+    return write_sharded(sd, Path(out) / DIFFUSERS_DIR, "diffusion_pytorch_model",
+                         "diffusion_pytorch_model.safetensors.index.json", 3, diffusers_config())
+
+
+@register("h3_dit_curve")
+def gen_h3_dit_curve(out: Path) -> list[Path]:
+    return _single(out, CURVE_FILE, curve_state_dict(base_state_dict()))
+
+
+@register("h3_dit_fasth3")
+def gen_h3_dit_fasth3(out: Path) -> list[Path]:
+    return _single(out, FASTH3_FILE, fasth3_state_dict(base_state_dict()))
