@@ -1,1 +1,10 @@
-"""ditkit kernels (plain torch; no ComfyUI imports)."""
+"""ditkit kernels (plain torch; no ComfyUI imports).
+
+``REGISTRY`` holds every op with its reference and accelerated backends; the public entry points are
+:func:`video_sparse_attn`, :func:`block_sparse_attn` (FastVideo argument semantics) and
+:func:`vsa_h3_attention` (packed H3 sequences).
+"""
+from .registry import REGISTRY, BackendError, Selection  # noqa: F401
+from .vsa import (block_sparse_attn, pool_tiles, select_h3, token_level_oracle, video_sparse_attn,  # noqa: F401
+                  vsa_h3_attention, VSAStats)
+from .vsa_layout import H3TileLayout, LayoutError, build_h3_layout, compute_topk  # noqa: F401

@@ -1,0 +1,212 @@
+"""One registry for every ditkit kernel op.
+
+Each op has a name, a pure-torch reference and zero or more accelerated implementations. An
+implementation declares a capability check ``check(query, explicit) -> reason | None`` (device, compute
+capability, dtype, head dim, installed package). :meth:`Registry.resolve` picks the first capable
+implementation in priority order (the reference last) once per (op, device, dtype, head_dim, request) and
+caches the answer; the chosen backend and the reason each other one was rejected stay queryable
+(:class:`Selection`) and are logged once.
+
+Rules (tested with mocked capabilities in ``tests/unit/test_kernels_registry.py``):
+
+* an explicitly requested backend is used or refused with :class:`BackendError` -- never swapped;
+* approximate implementations (``exact=False``) are only used on explicit request, never picked by ``auto``;
+* no retry: the registry hands out one callable; a device error raised by it propagates to the caller and no
+  other kernel is launched (a device fault can poison the context).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import BackendError
+
+log = logging.getLogger("ditkit.kernels")
+
+REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class Query:
+    op: str
+    device_type: str
+    device_index: Optional[int]
+    capability: Optional[tuple[int, int]]
+    dtype: torch.dtype
+    head_dim: int
+
+
+CheckFn = Callable[[Query, bool], Optional[str]]
+
+
+@dataclass
+class Impl:
+    name: str
+    fn: Optional[Callable]
+    check: CheckFn
+    exact: bool = True
+    priority: int = 100          # lower first
+    note: str = ""
+
+
+@dataclass
+class Op:
+    name: str
+    reference: Callable
+    impls: dict[str, Impl] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Selection:
+    op: str
+    backend: str
+    fn: Callable
+    exact: bool
+    rejected: tuple[tuple[str, str], ...]
+    query: Query
+
+    def summary(self) -> str:
+        rej = "; ".join(f"{n}: {r}" for n, r in self.rejected) or "none"
+        return f"{self.op} -> {self.backend} (rejected: {rej})"
+
+    def as_dict(self) -> dict:
+        return {"op": self.op, "backend": self.backend, "exact": self.exact,
+                "rejected": dict(self.rejected), "device": self.query.device_type,
+                "capability": self.query.capability, "dtype": str(self.query.dtype).replace("torch.", ""),
+                "head_dim": self.query.head_dim}
+
+
+def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """Compute capability of a CUDA device (None elsewhere). Tests monkeypatch this."""
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def package_available(name: str) -> bool:
+    """Whether ``name`` is importable (tests monkeypatch this)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def triton_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.ops: dict[str, Op] = {}
+        self._cache: dict[tuple, Selection] = {}
+        self._logged: set[tuple] = set()
+
+    # -- registration -------------------------------------------------------------------------------------
+    def op(self, name: str, reference: Callable) -> Op:
+        if name in self.ops:
+            self.ops[name].reference = reference
+        else:
+            self.ops[name] = Op(name, reference)
+        self._cache.clear()
+        return self.ops[name]
+
+    def impl(self, op: str, impl: Impl) -> Impl:
+        if op not in self.ops:
+            raise KeyError(f"register op {op!r} (with its reference) before its implementations")
+        self.ops[op].impls[impl.name] = impl
+        self._cache.clear()
+        return impl
+
+    def backends(self, op: str) -> list[str]:
+        o = self.ops[op]
+        return [i.name for i in sorted(o.impls.values(), key=lambda i: i.priority)] + [REFERENCE]
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+        self._logged.clear()
+
+    # -- resolution ---------------------------------------------------------------------------------------
+    def query(self, op: str, device, dtype: torch.dtype, head_dim: int) -> Query:
+        device = torch.device(device)
+        cap = device_capability(device) if device.type == "cuda" else None
+        return Query(op, device.type, device.index, cap, dtype, int(head_dim))
+
+    def resolve(self, op: str, device, dtype: torch.dtype, head_dim: int, backend: Optional[str] = None) -> Selection:
+        if op not in self.ops:
+            raise KeyError(f"unknown kernel op {op!r}; known: {sorted(self.ops)}")
+        req = None if backend in (None, "", "auto") else str(backend)
+        dev = torch.device(device)
+        key = (op, dev.type, dev.index, dtype, int(head_dim), req)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        o = self.ops[op]
+        q = self.query(op, dev, dtype, head_dim)
+        rejected: list[tuple[str, str]] = []
+        chosen: Optional[Selection] = None
+        if req is not None:
+            if req == REFERENCE:
+                chosen = Selection(op, REFERENCE, o.reference, True, (), q)
+            elif req not in o.impls:
+                raise BackendError(f"kernel backend {req!r} is not known for {op}; choose one of "
+                                   f"{['auto'] + self.backends(op)}")
+            else:
+                impl = o.impls[req]
+                reason = impl.check(q, True)
+                if reason is None and impl.fn is None:
+                    reason = "no launcher is implemented for this backend"
+                if reason is not None:
+                    raise BackendError(f"kernel backend {req!r} cannot run {op} here: {reason} "
+                                       f"(device={dev}, dtype={str(dtype).replace('torch.', '')}, head_dim={head_dim}). "
+                                       "Pick another backend explicitly or use 'auto'.")
+                chosen = Selection(op, req, impl.fn, impl.exact, (), q)
+        else:
+            for impl in sorted(o.impls.values(), key=lambda i: i.priority):
+                if not impl.exact:
+                    rejected.append((impl.name, "approximate; only used when requested explicitly"))
+                    continue
+                reason = impl.check(q, False)
+                if reason is None and impl.fn is None:
+                    reason = "no launcher is implemented for this backend"
+                if reason is not None:
+                    rejected.append((impl.name, reason))
+                    continue
+                chosen = Selection(op, impl.name, impl.fn, True, tuple(rejected), q)
+                break
+            if chosen is None:
+                chosen = Selection(op, REFERENCE, o.reference, True, tuple(rejected), q)
+        self._cache[key] = chosen
+        if key not in self._logged:
+            self._logged.add(key)
+            log.info("[ditkit] kernel %s", chosen.summary())
+        return chosen
+
+    def explain(self, op: str, device, dtype: torch.dtype, head_dim: int) -> dict[str, str]:
+        """Every backend of ``op`` with 'ok' or the reason it cannot run (nothing cached)."""
+        o = self.ops[op]
+        q = self.query(op, device, dtype, head_dim)
+        out = {}
+        for impl in sorted(o.impls.values(), key=lambda i: i.priority):
+            r = impl.check(q, True)
+            if r is None and impl.fn is None:
+                r = "no launcher is implemented for this backend"
+            out[impl.name] = r or ("ok" if impl.exact else "ok (approximate, explicit only)")
+        out[REFERENCE] = "ok"
+        return out
+
+
+REGISTRY = Registry()
+
+
+# -- common capability helpers ---------------------------------------------------------------------------
+def need_cuda(q: Query, min_cc: tuple[int, int] = (8, 0)) -> Optional[str]:
+    if q.device_type != "cuda":
+        return f"needs a CUDA device (got {q.device_type})"
+    if q.capability is None or tuple(q.capability) < tuple(min_cc):
+        return f"needs compute capability >= sm{min_cc[0]}{min_cc[1]} (got {q.capability})"
+    return None

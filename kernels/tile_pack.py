@@ -1,0 +1,151 @@
+"""Tile-major pack / unpack(+gate-compress combine) of the packed H3 sequence.
+
+* ``pack(x, tile_src)``: ``[B,H,S,D]`` packed rows -> ``[B,H,P,D]`` tile buffer, ``out[..., p, :] =
+  x[..., tile_src[p], :]`` for live slots and exactly zero for pad slots (``tile_src[p] == -1``).
+* ``unpack_combine(fine, coarse, untile_index, gate)``: tile buffer -> packed rows, folding the
+  compression branch: ``out[..., r, :] = fine[..., u, :] + g[..., r, :] * coarse[..., u // 64, :]`` with
+  ``u = untile_index[r]``; ``g`` = gate (packed order) or 1 when ``gate`` is None and ``coarse`` is given;
+  without ``coarse`` it is a plain gather. The sum is formed in fp32 and rounded once.
+
+Each op: pure-torch reference, a private ``@triton.jit`` kernel + launcher (int64 offsets), registry entries.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._triton import HAS_TRITON, tl, triton
+from .registry import REGISTRY, Impl, need_cuda, triton_interpreter
+
+TILE = 64
+
+
+# ---------------------------------------------------------------------------------------------------------
+# references
+def pack_reference(x: torch.Tensor, tile_src: torch.Tensor) -> torch.Tensor:
+    src = tile_src.to(device=x.device, dtype=torch.long)
+    live = src >= 0
+    out = x.new_zeros(*x.shape[:-2], src.numel(), x.shape[-1])
+    out[..., live, :] = x[..., src[live], :]
+    return out
+
+
+def unpack_combine_reference(fine: torch.Tensor, untile_index: torch.Tensor, coarse: Optional[torch.Tensor] = None,
+                             gate: Optional[torch.Tensor] = None, tile: int = TILE) -> torch.Tensor:
+    u = untile_index.to(device=fine.device, dtype=torch.long)
+    out = fine[..., u, :]
+    if coarse is None:
+        return out
+    c = coarse[..., u // tile, :].float()
+    if gate is not None:
+        c = c * gate.float()
+    return (out.float() + c).to(fine.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# triton
+if HAS_TRITON:
+    from ._triton import offs64
+
+    @triton.jit
+    def _pack_kernel(X, OUT, SRC, H, stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os,
+                     D: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        rows = offs64(t, BLOCK) + tl.arange(0, BLOCK)
+        src = tl.load(SRC + rows)
+        valid = src >= 0
+        src = tl.where(valid, src, 0)
+        d = tl.arange(0, D)
+        x_base = X + offs64(b, stride_xb) + offs64(h, stride_xh)
+        vals = tl.load(x_base + offs64(src, stride_xs)[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        o_base = OUT + offs64(b, stride_ob) + offs64(h, stride_oh)
+        tl.store(o_base + offs64(rows, stride_os)[:, None] + d[None, :], vals)
+
+    @triton.jit
+    def _unpack_combine_kernel(F, C, G, OUT, U, S, H,
+                               stride_fb, stride_fh, stride_fs, stride_cb, stride_ch, stride_ct,
+                               stride_gb, stride_gh, stride_gs, stride_ob, stride_oh, stride_os,
+                               D: tl.constexpr, BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr,
+                               HAS_C: tl.constexpr, HAS_G: tl.constexpr):
+        r0 = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        rows = offs64(r0, BLOCK) + tl.arange(0, BLOCK)
+        rmask = rows < S
+        u = tl.load(U + rows, mask=rmask, other=0)
+        d = tl.arange(0, D)
+        f_base = F + offs64(b, stride_fb) + offs64(h, stride_fh)
+        acc = tl.load(f_base + offs64(u, stride_fs)[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
+        acc = acc.to(tl.float32)
+        if HAS_C:
+            c_base = C + offs64(b, stride_cb) + offs64(h, stride_ch)
+            c = tl.load(c_base + offs64(u // TILE_ROWS, stride_ct)[:, None] + d[None, :], mask=rmask[:, None],
+                        other=0.0).to(tl.float32)
+            if HAS_G:
+                g_base = G + offs64(b, stride_gb) + offs64(h, stride_gh)
+                g = tl.load(g_base + offs64(rows, stride_gs)[:, None] + d[None, :], mask=rmask[:, None],
+                            other=0.0).to(tl.float32)
+                c = c * g
+            acc = acc + c
+        o_base = OUT + offs64(b, stride_ob) + offs64(h, stride_oh)
+        tl.store(o_base + offs64(rows, stride_os)[:, None] + d[None, :], acc.to(OUT.dtype.element_ty),
+                 mask=rmask[:, None])
+
+
+def _lastdim_contig(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def pack_triton(x: torch.Tensor, tile_src: torch.Tensor) -> torch.Tensor:
+    B, H, S, D = x.shape
+    x = _lastdim_contig(x)
+    src = tile_src.to(device=x.device, dtype=torch.int64).contiguous()
+    P = src.numel()
+    out = torch.empty(B, H, P, D, device=x.device, dtype=x.dtype)
+    _pack_kernel[(P // TILE, B * H)](x, out, src, H, x.stride(0), x.stride(1), x.stride(2),
+                                     out.stride(0), out.stride(1), out.stride(2), D=D, BLOCK=TILE)
+    return out
+
+
+def unpack_combine_triton(fine: torch.Tensor, untile_index: torch.Tensor, coarse: Optional[torch.Tensor] = None,
+                          gate: Optional[torch.Tensor] = None, tile: int = TILE) -> torch.Tensor:
+    B, H, P, D = fine.shape
+    fine = _lastdim_contig(fine)
+    u = untile_index.to(device=fine.device, dtype=torch.int64).contiguous()
+    S = u.numel()
+    out = torch.empty(B, H, S, D, device=fine.device, dtype=fine.dtype)
+    c = _lastdim_contig(coarse) if coarse is not None else fine
+    g = _lastdim_contig(gate) if gate is not None else fine
+    blk = 64
+    _unpack_combine_kernel[(triton.cdiv(S, blk), B * H)](
+        fine, c, g, out, u, S, H,
+        fine.stride(0), fine.stride(1), fine.stride(2), c.stride(0), c.stride(1), c.stride(2),
+        g.stride(0), g.stride(1), g.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        D=D, BLOCK=blk, TILE_ROWS=tile, HAS_C=coarse is not None, HAS_G=gate is not None)
+    return out
+
+
+def _triton_check(q, explicit: bool):
+    if not HAS_TRITON:
+        return "triton is not installed"
+    if q.head_dim < 16 or q.head_dim & (q.head_dim - 1):
+        return f"head_dim must be a power of two >= 16 (got {q.head_dim})"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} not supported"
+    if q.device_type == "cpu":
+        if triton_interpreter() and explicit:
+            return None
+        return "CPU runs Triton only under TRITON_INTERPRET=1 and on explicit request (tests)"
+    return need_cuda(q, (8, 0))
+
+
+REGISTRY.op("vsa_pack", pack_reference)
+REGISTRY.op("vsa_unpack_combine", unpack_combine_reference)
+REGISTRY.impl("vsa_pack", Impl("triton", pack_triton if HAS_TRITON else None, _triton_check, priority=10))
+REGISTRY.impl("vsa_unpack_combine", Impl("triton", unpack_combine_triton if HAS_TRITON else None, _triton_check,
+                                         priority=10))

@@ -1,0 +1,246 @@
+"""VSA and VSA-H3 on top of the registry ops (plain torch; no ComfyUI).
+
+Public entry points (FastVideo fastvideo-kernel 0.3.5 argument semantics, tile-ordered ``[B, H, S, D]``):
+
+* :func:`video_sparse_attn` -- ``ops.video_sparse_attn``: coarse pooled attention, top-k key tiles per query
+  tile, block-sparse fine stage, ``out = out_s + w * out_c`` (``w = compress_attn_weight`` or 1).
+* :func:`block_sparse_attn` -- ``block_sparse_attn_from_indices``: ``(out, lse)``, lse in FastVideo's log2
+  domain.
+
+VSA-H3 (FastVideo ``video_sparse_attn_h3``, tile 64, "exempt" prefix): :func:`vsa_h3_attention` takes the
+*packed* H3 sequence ``[B, H, S, D]`` plus its :class:`H3TileLayout`; pooled fp32 scores ``q̄·k̄ᵀ/√D``; prefix
+query tiles dense; video query tiles see every prefix key tile plus the top ``k = ceil(keep·n_video)`` video
+tiles; ``out = fine + gate ⊙ softmax(scores)·v̄`` where the gate is the checkpoint's ``to_gate_compress``
+output (packed order) and the branch is skipped without one (FastVideo H3: "untrained inference is exactly
+pure-sparse"). :func:`token_level_oracle` is the dense SDPA reference with the equivalent token mask.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import DitKitError
+from . import block_sparse, tile_pack  # noqa: F401  (registers the ops)
+from ._triton import HAS_TRITON
+from .registry import REGISTRY, Selection
+from .vsa_layout import TILE, H3TileLayout, check_seq_len
+
+LOG2E = block_sparse.LOG2E
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.library custom ops around the Triton launchers (fake impls let torch.compile trace them)
+def _define_ops():
+    if not HAS_TRITON:
+        return {}
+    ops = {}
+    lib_ns = torch.ops.ditkit if hasattr(torch.ops, "ditkit") else None
+
+    def existing(name):
+        try:
+            return getattr(lib_ns, name) if lib_ns is not None else None
+        except (AttributeError, RuntimeError):
+            return None
+
+    if existing("bsa_fwd_triton") is None:
+        @torch.library.custom_op("ditkit::bsa_fwd_triton", mutates_args=())
+        def bsa_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q2k_index: torch.Tensor,
+                           q2k_num: torch.Tensor, variable_block_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            o, lse = block_sparse.block_sparse_attn_triton(q, k, v, q2k_index, q2k_num, variable_block_sizes)
+            return o, lse
+
+        @bsa_fwd_triton.register_fake
+        def _(q, k, v, q2k_index, q2k_num, variable_block_sizes):
+            return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+        @torch.library.custom_op("ditkit::vsa_pack_triton", mutates_args=())
+        def vsa_pack_triton(x: torch.Tensor, tile_src: torch.Tensor) -> torch.Tensor:
+            return tile_pack.pack_triton(x, tile_src)
+
+        @vsa_pack_triton.register_fake
+        def _(x, tile_src):
+            return x.new_empty(*x.shape[:-2], tile_src.shape[0], x.shape[-1])
+
+        @torch.library.custom_op("ditkit::vsa_unpack_combine_triton", mutates_args=())
+        def vsa_unpack_combine_triton(fine: torch.Tensor, untile_index: torch.Tensor, coarse: Optional[torch.Tensor],
+                                      gate: Optional[torch.Tensor]) -> torch.Tensor:
+            return tile_pack.unpack_combine_triton(fine, untile_index, coarse, gate)
+
+        @vsa_unpack_combine_triton.register_fake
+        def _(fine, untile_index, coarse, gate):
+            return fine.new_empty(*fine.shape[:-2], untile_index.shape[0], fine.shape[-1])
+
+    ops["bsa"] = torch.ops.ditkit.bsa_fwd_triton
+    ops["pack"] = torch.ops.ditkit.vsa_pack_triton
+    ops["unpack"] = torch.ops.ditkit.vsa_unpack_combine_triton
+    return ops
+
+
+CUSTOM_OPS = _define_ops()
+if CUSTOM_OPS:
+    # route the registry's triton entries through the custom ops
+    REGISTRY.ops["block_sparse_attn"].impls["triton"].fn = (
+        lambda q, k, v, i, n, s, need_lse=True: CUSTOM_OPS["bsa"](q, k, v, i, n, s))
+    REGISTRY.ops["vsa_pack"].impls["triton"].fn = lambda x, src: CUSTOM_OPS["pack"](x, src)
+    REGISTRY.ops["vsa_unpack_combine"].impls["triton"].fn = (
+        lambda f, u, c=None, g=None, tile=TILE: CUSTOM_OPS["unpack"](f, u, c, g))
+    REGISTRY.clear_cache()
+
+
+def _check_qkv(q, k, v):
+    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise DitKitError(f"expected q/k/v [B, H, S, D] with matching B, H, D; got {tuple(q.shape)}, "
+                          f"{tuple(k.shape)}, {tuple(v.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+def block_sparse_attn(q, k, v, q2k_index, q2k_num, variable_block_sizes, backend: Optional[str] = None):
+    """Block-sparse attention over 64x64 tiles -> ``(out, lse_log2)`` (see ``block_sparse.py``)."""
+    _check_qkv(q, k, v)
+    if q.shape[2] % TILE or k.shape[2] % TILE:
+        raise DitKitError(f"sequence lengths must be multiples of {TILE} (got {q.shape[2]}, {k.shape[2]}); "
+                          "pad to whole tiles with zero rows")
+    sel = REGISTRY.resolve("block_sparse_attn", q.device, q.dtype, q.shape[-1], backend)
+    return sel.fn(q, k, v, q2k_index, q2k_num, variable_block_sizes)
+
+
+def pool_tiles(x: torch.Tensor, sizes: torch.Tensor, tile: int = TILE) -> torch.Tensor:
+    """fp32 mean of each tile's live rows (pad rows are zero): ``[B,H,P,D] -> [B,H,P/tile,D]`` fp32."""
+    B, H, P, D = x.shape
+    s = x.view(B, H, P // tile, tile, D).sum(dim=3, dtype=torch.float32)
+    return s / sizes.to(device=x.device, dtype=torch.float32).view(1, 1, -1, 1)
+
+
+def topk_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k key tiles per query tile as ascending int32 lists (``[B,H,T,k]``, ``num``)."""
+    top = scores.topk(k, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
+    num = torch.full(scores.shape[:-1], k, dtype=torch.int32, device=scores.device)
+    return top.contiguous(), num
+
+
+def video_sparse_attn(q, k, v, variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
+                      compress_attn_weight: Optional[torch.Tensor] = None, backend: Optional[str] = None):
+    """FastVideo ``video_sparse_attn`` on tile-ordered ``[B,H,S,D]`` (pad rows zero)."""
+    _check_qkv(q, k, v)
+    if isinstance(block_size, int):
+        block_size = (block_size,) if block_size == TILE else (block_size,) * 3
+    if math.prod(block_size) != TILE:
+        raise DitKitError(f"only 64-element tiles are supported (got block_size={block_size})")
+    B, H, S, D = q.shape
+    T, Tk = S // TILE, k.shape[2] // TILE
+    if S % TILE or k.shape[2] % TILE:
+        raise DitKitError(f"q_seq_len and kv_seq_len must be divisible by {TILE}, got {S}, {k.shape[2]}")
+    if variable_block_sizes.numel() != Tk or q_variable_block_sizes.numel() != T:
+        raise DitKitError(f"variable_block_sizes needs {Tk} entries and q_variable_block_sizes {T}; got "
+                          f"{variable_block_sizes.numel()} and {q_variable_block_sizes.numel()}")
+    topk = max(1, min(int(topk), Tk))
+    qc = pool_tiles(q, q_variable_block_sizes).to(q.dtype)
+    kc = pool_tiles(k, variable_block_sizes).to(k.dtype)
+    vc = pool_tiles(v, variable_block_sizes).to(v.dtype)
+    scores = torch.matmul(qc, kc.transpose(-2, -1)) / (D ** 0.5)
+    out_c = torch.matmul(torch.softmax(scores, dim=-1), vc)                              # [B,H,T,D]
+    idx, num = topk_index(scores.float(), topk)
+    out_s, _ = block_sparse_attn(q, k, v, idx, num, variable_block_sizes, backend=backend)
+    out_c = out_c.repeat_interleave(TILE, dim=2)
+    if compress_attn_weight is not None:
+        return out_c * compress_attn_weight + out_s
+    return out_c + out_s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# VSA-H3
+def select_h3(scores: torch.Tensor, num_prefix_tiles: int, num_video_tiles: int, k_vid: int,
+              exempt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """FastVideo ``_build_block_mask`` as ascending int32 index lists ``(q2k_index [B,H,T,T], q2k_num)``."""
+    B, H, T, _ = scores.shape
+    npre = num_prefix_tiles
+    dev = scores.device
+    idx = torch.arange(T, device=dev, dtype=torch.int32).expand(B, H, T, T).clone()
+    num = torch.full((B, H, T), T, device=dev, dtype=torch.int32)
+    if k_vid >= num_video_tiles:
+        return idx, num
+    if exempt or npre == 0:
+        top = scores[:, :, npre:, npre:].topk(k_vid, dim=-1).indices + npre
+        top = top.sort(dim=-1).values.to(torch.int32)
+        idx[:, :, npre:, npre:npre + k_vid] = top
+        num[:, :, npre:] = npre + k_vid
+    else:
+        kt = min(k_vid + npre, T)
+        top = scores[:, :, npre:, :].topk(kt, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
+        idx[:, :, npre:, :kt] = top
+        num[:, :, npre:] = kt
+    return idx, num
+
+
+@dataclass
+class VSAStats:
+    backend: str
+    pack_backend: str
+    block_pairs: int
+    block_pairs_dense: int
+    k_video: int
+    n_tiles: int
+
+    @property
+    def density(self) -> float:
+        return self.block_pairs / max(1, self.block_pairs_dense)
+
+
+def vsa_h3_attention(q, k, v, layout: H3TileLayout, keep: float, gate: Optional[torch.Tensor] = None,
+                     exempt: bool = True, backend: Optional[str] = None) -> tuple[torch.Tensor, VSAStats]:
+    """VSA-H3 over the packed sequence ``[B,H,S,D]`` -> (output in packed order, stats)."""
+    _check_qkv(q, k, v)
+    check_seq_len(layout, q.shape[2])
+    if gate is not None and gate.shape != q.shape:
+        raise DitKitError(f"gate must match q {tuple(q.shape)} (packed order); got {tuple(gate.shape)}")
+    B, H, S, D = q.shape
+    lay = layout.to(q.device)
+    pk = resolve_aux("vsa_pack", q, backend)
+    un = resolve_aux("vsa_unpack_combine", q, backend)
+    qt, kt, vt = (pk.fn(x, lay.tile_src) for x in (q, k, v))
+    qp = pool_tiles(qt, lay.sizes)
+    kp = pool_tiles(kt, lay.sizes)
+    scores = torch.matmul(qp, kp.transpose(-2, -1)) / (D ** 0.5)
+    k_vid = layout.topk(keep)
+    idx, num = select_h3(scores, lay.num_prefix_tiles, lay.num_video_tiles, k_vid, exempt)
+    sel = REGISTRY.resolve("block_sparse_attn", q.device, q.dtype, D, backend)
+    fine, _ = sel.fn(qt, kt, vt, idx, num, lay.sizes)
+    coarse = None
+    if gate is not None:
+        vp = pool_tiles(vt, lay.sizes)
+        coarse = torch.matmul(torch.softmax(scores, dim=-1), vp)
+    out = un.fn(fine, lay.untile_index, coarse, gate)
+    T = lay.n_tiles
+    stats = VSAStats(sel.backend, pk.backend, int(num.long().sum()), B * H * T * T, k_vid, T)
+    return out, stats
+
+
+def resolve_aux(op: str, q: torch.Tensor, backend: Optional[str]) -> Selection:
+    """Pack/unpack follow the fine-stage request: 'triton' -> triton, anything else -> auto."""
+    req = "triton" if backend == "triton" else None
+    return REGISTRY.resolve(op, q.device, q.dtype, q.shape[-1], req)
+
+
+def token_level_oracle(q, k, v, layout: H3TileLayout, q2k_index: torch.Tensor, q2k_num: torch.Tensor,
+                       gate: Optional[torch.Tensor] = None, coarse_tiles: Optional[torch.Tensor] = None,
+                       dtype=torch.float64) -> torch.Tensor:
+    """Dense SDPA over the packed sequence with the token mask equivalent to a tile selection."""
+    B, H, S, D = q.shape
+    tid = (layout.untile_index // layout.tile).to(q.device)                    # tile of each packed row
+    T = layout.n_tiles
+    allowed = torch.zeros(B, H, T, T + 1, dtype=torch.bool, device=q.device)
+    cap = q2k_index.shape[-1]
+    slot_ok = torch.arange(cap, device=q.device) < q2k_num.long()[..., None]
+    ind = torch.where(slot_ok, q2k_index.long(), torch.full_like(q2k_index, T, dtype=torch.long))
+    allowed.scatter_(-1, ind, True)
+    allowed = allowed[..., :T]
+    mask = allowed[:, :, tid][:, :, :, tid]                                       # [B,H,S,S]
+    out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
+    if coarse_tiles is not None:
+        c = coarse_tiles.to(dtype)[:, :, tid]
+        out = out + (c * gate.to(dtype) if gate is not None else c)
+    return out

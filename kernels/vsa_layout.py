@@ -1,0 +1,177 @@
+"""VSA-H3 tile geometry for H3's packed sequence ``[prefix segments | video]``.
+
+Plain torch, no ComfyUI. Semantics follow FastVideo's ``video_sparse_attn_h3`` (tile 64):
+
+* every prefix segment (text, cond keyframes, cond/ref audio, target audio ...) is cut into 64-row tiles with
+  a remainder tile, never crossing a segment boundary;
+* the video grid ``(T, H, W)`` (post-patch tokens, rows in t,h,w raster order) is cut into (4,4,4) cubes in
+  (t,h,w) raster order, tokens inside a cube in raster order, edge cubes truncated;
+* inside the padded tile buffer the live rows of tile ``i`` sit at ``i*64 + j`` for ``j < sizes[i]``; the
+  other rows are padding and must be zero (pooling sums them).
+
+``H3TileLayout.tile_src[p]`` is the packed row stored at padded position ``p`` (or -1 for a pad row) and
+``untile_index[r]`` is the padded position of packed row ``r`` (FastVideo's ``untile_combined_index``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from ..errors import DitKitError
+
+TILE = 64
+VIDEO_CUBE = (4, 4, 4)
+
+
+class LayoutError(DitKitError):
+    """A packed-sequence geometry that VSA-H3 cannot tile (sizes, lengths, metadata drift)."""
+
+
+@dataclass(frozen=True)
+class H3TileLayout:
+    prefix_segments: tuple[int, ...]
+    video_shape: tuple[int, int, int]
+    tile: int
+    sizes: torch.Tensor            # [n_tiles] int64, live rows per tile
+    tile_src: torch.Tensor         # [n_tiles*tile] int64, packed row or -1
+    untile_index: torch.Tensor     # [seq_len] int64, padded position of each packed row
+    num_prefix_tiles: int
+    num_video_tiles: int
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.prefix_segments) + math.prod(self.video_shape)
+
+    @property
+    def prefix_len(self) -> int:
+        return sum(self.prefix_segments)
+
+    @property
+    def n_tiles(self) -> int:
+        return int(self.sizes.numel())
+
+    @property
+    def padded_len(self) -> int:
+        return self.n_tiles * self.tile
+
+    def to(self, device) -> "H3TileLayout":
+        device = torch.device(device)
+        if self.sizes.device == device:
+            return self
+        return _layout_on(self, device)
+
+    def topk(self, keep: float) -> int:
+        """FastVideo ``compute_topk``: ceil(keep * n_video_tiles) clamped to [1, n_video_tiles]."""
+        return compute_topk(1.0 - keep, self.num_video_tiles)
+
+    def describe(self) -> str:
+        return (f"prefix={self.prefix_segments} video={self.video_shape} tiles={self.num_prefix_tiles}+"
+                f"{self.num_video_tiles} padded={self.padded_len} rows for {self.seq_len}")
+
+
+def compute_topk(sparsity: float, num_blocks: int) -> int:
+    """FastVideo's rule: clamp(ceil((1 - sparsity) * num_blocks), 1, num_blocks)."""
+    if num_blocks <= 0:
+        return 0
+    # round to 9 decimals first so 0.1 * 30 does not become 3.0000000000000004 -> 4
+    k = math.ceil(round((1.0 - float(sparsity)) * num_blocks, 9))
+    return max(1, min(int(k), num_blocks))
+
+
+def video_tile_partition(video_shape: tuple[int, int, int], cube=VIDEO_CUBE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raster indices in tile-major order, live tokens per cube) for a (T,H,W) grid."""
+    t, h, w = video_shape
+    ct, ch, cw = cube
+    idx = torch.arange(t * h * w, dtype=torch.int64).view(t, h, w)
+    order, sizes = [], []
+    for ti in range(0, t, ct):
+        for hi in range(0, h, ch):
+            for wi in range(0, w, cw):
+                blk = idx[ti:ti + ct, hi:hi + ch, wi:wi + cw].reshape(-1)
+                order.append(blk)
+                sizes.append(blk.numel())
+    if not order:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    return torch.cat(order), torch.tensor(sizes, dtype=torch.int64)
+
+
+@lru_cache(maxsize=16)
+def build_h3_layout(prefix_segments: tuple[int, ...], video_shape: tuple[int, int, int],
+                    tile: int = TILE) -> H3TileLayout:
+    """Tile geometry of a packed ``[prefix | video]`` sequence (CPU tensors; cached per geometry)."""
+    if tile != TILE:
+        raise LayoutError(f"VSA-H3 tile must be {TILE} (FastH3 trains (4,4,4) cubes); got {tile}")
+    prefix_segments = tuple(int(s) for s in prefix_segments if int(s) > 0)
+    video_shape = tuple(int(x) for x in video_shape)
+    if len(video_shape) != 3 or min(video_shape) <= 0:
+        raise LayoutError(f"VSA-H3 needs a non-empty (T, H, W) video grid, got {video_shape}")
+    prefix_len = sum(prefix_segments)
+    sizes: list[int] = []
+    for seg in prefix_segments:
+        full, rem = divmod(seg, tile)
+        sizes.extend([tile] * full)
+        if rem:
+            sizes.append(rem)
+    n_prefix = len(sizes)
+    vorder, vsizes = video_tile_partition(video_shape)
+    sizes_t = torch.cat([torch.tensor(sizes, dtype=torch.int64), vsizes])
+    n_tiles = sizes_t.numel()
+    # packed rows in tile-major order
+    order = torch.cat([torch.arange(prefix_len, dtype=torch.int64), vorder + prefix_len])
+    # padded positions of the live rows: tile*64 + j for j < size
+    live = (torch.arange(tile)[None, :] < sizes_t[:, None]).reshape(-1)
+    non_pad = torch.nonzero(live).view(-1)
+    tile_src = torch.full((n_tiles * tile,), -1, dtype=torch.int64)
+    tile_src[non_pad] = order
+    untile = torch.empty(order.numel(), dtype=torch.int64)
+    untile[order] = non_pad
+    layout = H3TileLayout(prefix_segments, video_shape, tile, sizes_t, tile_src, untile, n_prefix,
+                          int(vsizes.numel()))
+    validate_layout(layout)
+    return layout
+
+
+def validate_layout(layout: H3TileLayout) -> None:
+    """Synchronous geometry guard (FastVideo ``_validate_h3_tile_geometry``): never let a bad index reach a kernel."""
+    s = layout.sizes
+    total = layout.seq_len
+    if s.numel() == 0 or int(s.min()) < 1 or int(s.max()) > layout.tile or int(s.sum()) != total:
+        raise LayoutError(f"VSA-H3 tile sizes out of bounds for {layout.describe()}: "
+                          f"min={int(s.min()) if s.numel() else None} max={int(s.max()) if s.numel() else None} "
+                          f"sum={int(s.sum())} expected {total}")
+    u = layout.untile_index
+    if u.numel() != total or int(u.min()) < 0 or int(u.max()) >= layout.padded_len:
+        raise LayoutError(f"VSA-H3 untile index is not a map into the padded buffer ({layout.describe()})")
+    if bool(((u % layout.tile) >= s[u // layout.tile]).any()) or torch.unique(u).numel() != total:
+        raise LayoutError(f"VSA-H3 untile index is not injective into live slots ({layout.describe()})")
+
+
+_DEVICE_CACHE: dict = {}
+
+
+def _layout_on(layout: H3TileLayout, device: torch.device) -> H3TileLayout:
+    key = (layout.prefix_segments, layout.video_shape, layout.tile, str(device))
+    hit = _DEVICE_CACHE.get(key)
+    if hit is None:
+        hit = H3TileLayout(layout.prefix_segments, layout.video_shape, layout.tile, layout.sizes.to(device),
+                           layout.tile_src.to(device), layout.untile_index.to(device), layout.num_prefix_tiles,
+                           layout.num_video_tiles)
+        if len(_DEVICE_CACHE) > 32:
+            _DEVICE_CACHE.clear()
+        _DEVICE_CACHE[key] = hit
+    return hit
+
+
+def check_seq_len(layout: H3TileLayout, n: int) -> None:
+    if n != layout.seq_len:
+        raise LayoutError(f"VSA-H3 metadata was built for {layout.seq_len} packed rows, got {n} "
+                          f"({layout.describe()}); a non-packed sequence (e.g. the token refiner) must stay dense")
+
+
+def token_tile_ids(layout: H3TileLayout) -> torch.Tensor:
+    """Tile id of every packed row (for token-level oracles)."""
+    return layout.untile_index // layout.tile

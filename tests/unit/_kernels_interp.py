@@ -1,0 +1,37 @@
+"""Make sure ditkit's Triton kernels run under the Triton interpreter on CPU (TRITON_INTERPRET=1).
+
+Triton decides interpreted vs compiled when ``@triton.jit`` runs (module import), so this sets the variable
+and, if the kernel modules were already imported compiled by an earlier test, reloads them.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+_MODS = ("ditkit.kernels._triton", "ditkit.kernels.tile_pack", "ditkit.kernels.block_sparse", "ditkit.kernels.vsa",
+         "ditkit.kernels")
+
+
+def ensure_interpreted():
+    if ON_GPU:
+        return
+    t = sys.modules.get("ditkit.kernels._triton")
+    if t is not None and getattr(t, "HAS_TRITON", False):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(t.offs64, InterpretedFunction):
+            for m in _MODS:
+                if m in sys.modules:
+                    importlib.reload(sys.modules[m])
+    import ditkit.kernels  # noqa: F401
+
+
+ensure_interpreted()
+DEVICE = "cuda" if ON_GPU else "cpu"
