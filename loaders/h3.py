@@ -1,0 +1,583 @@
+"""MiniMax H3 DiT checkpoints in any published layout -> the ComfyUI state dict.
+
+Layouts (h3.md §2.6–2.9, §9):
+
+* ``comfy``      single ``.safetensors`` with original names and qkv rows ``[q_all; k_all; v_all]``
+                 (Comfy-Org repacks, GGUF-derived files). Includes the AdaLN *curve* form (``adaln_t_table``)
+                 and int8/fp8 repacks: quantized weights and their ``.comfy_quant`` / ``.weight_scale`` sidecars
+                 pass through untouched.
+* ``official``   folder with ``model.safetensors.index.json`` (+ shards, optional ``config.json``), original names,
+                 qkv rows **per-head interleaved** ``[h0: q,k,v; h1: q,k,v; ...]`` (DiT and refiner blocks).
+* ``diffusers``  folder with ``diffusion_pytorch_model.safetensors.index.json`` (+ shards) or a single
+                 ``diffusion_pytorch_model.safetensors``, plus ``config.json``: diffusers names, ``to_q/to_k/to_v``,
+                 ``ff.net.0.proj`` halves ``[value; gate]``, no ``rope.inv_freq``.
+
+Conversion: per-head de-interleave -> ``[q;k;v]``; diffusers rename, merge ``to_q/to_k/to_v`` (shapes checked),
+swap the fc1 halves back to ``[gate; value]``, re-add ``rope.inv_freq = 1/theta^(arange(0,2n,2)/2n)`` (fp32).
+
+Everything is validated from the safetensors headers (and index/config JSON) **before** any tensor data is
+read; tensors are then read one at a time through :class:`~ditkit.loaders.safetensors_io.SafeFile`, converted
+and stored, with a progress callback. On any error the partial state dict is cleared before the
+:class:`~ditkit.errors.CheckpointError` propagates.
+
+Dtype rule (documented in the node docs): the *bulk* tensors -- every floating tensor that is not an fp32
+island (``video_patch_proj``, ``audio_patch_proj``, ``time_embedder``, ``final_layer.video_out/audio_out``,
+``rope.inv_freq``, ``adaln_t_table``), not a curve-form AdaLN projection (F16 in Comfy-Org pruned files), not a
+quantized carrier (I8/F8/U8) and not a quantization sidecar -- must all have ONE dtype across every shard.
+A shard saved in another dtype (e.g. one fp16 shard in a bf16 release) is reported naming the tensor and file.
+Every 2-D I8 weight must carry a ``.comfy_quant`` marker.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import CheckpointError
+from .safetensors_io import SafeFile, TensorInfo, read_header, strict_json_loads
+
+OFFICIAL_INDEX = "model.safetensors.index.json"
+DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+DIFFUSERS_SINGLE = "diffusion_pytorch_model.safetensors"
+MAX_JSON_BYTES = 64 * 1024 * 1024
+
+FP32_ISLANDS = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
+                "final_layer.audio_out.", "rope.inv_freq", "adaln_t_table")
+QUANT_SIDECARS = (".comfy_quant", ".weight_scale", ".weight_scale_2", ".input_scale", ".scale_weight",
+                  ".scale_input")
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+BLOCK_KEYS = ("norm1.weight", "norm2.weight", "attn.qkv_proj.weight", "attn.q_norm.weight", "attn.k_norm.weight",
+              "attn.out_proj.weight", "mlp.fc1.weight", "mlp.fc2.weight")
+DIT_EXTRA = ("adaln_proj.linear.weight", "adaln_proj.linear.bias")
+TOP_KEYS = ("video_patch_proj.weight", "video_patch_proj.bias", "audio_patch_proj.weight", "audio_patch_proj.bias",
+            "condition_proj.weight", "condition_proj.bias", "rope.inv_freq", "token_refiner.final_norm.weight",
+            "final_layer.norm.weight", "final_layer.adaln_proj.linear.weight", "final_layer.adaln_proj.linear.bias",
+            "final_layer.video_out.weight", "final_layer.video_out.bias", "final_layer.audio_out.weight",
+            "final_layer.audio_out.bias")
+TIME_KEYS = ("time_embedder.proj_in.weight", "time_embedder.proj_in.bias", "time_embedder.proj_out.weight",
+             "time_embedder.proj_out.bias")
+
+# diffusers -> original (h3.md §2.6 B)
+_D_TOP = (("proj_in.", "video_patch_proj."), ("audio_proj_in.", "audio_patch_proj."),
+          ("context_embedder.", "condition_proj."), ("time_embedder.linear_1.", "time_embedder.proj_in."),
+          ("time_embedder.linear_2.", "time_embedder.proj_out."), ("norm_out.norm.", "final_layer.norm."),
+          ("norm_out.linear.", "final_layer.adaln_proj.linear."), ("proj_out.", "final_layer.video_out."),
+          ("audio_proj_out.", "final_layer.audio_out."), ("token_refiner.final_norm.", "token_refiner.final_norm."))
+_D_BLOCK = {"attn.norm_q.weight": "attn.q_norm.weight", "attn.norm_k.weight": "attn.k_norm.weight",
+            "attn.to_out.0.weight": "attn.out_proj.weight", "ff.net.0.proj.weight": "mlp.fc1.weight",
+            "ff.net.2.weight": "mlp.fc2.weight", "norm1.weight": "norm1.weight", "norm2.weight": "norm2.weight",
+            "adaln_proj.linear.weight": "adaln_proj.linear.weight",
+            "adaln_proj.linear.bias": "adaln_proj.linear.bias",
+            "attn.to_gate_compress.weight": "attn.to_gate_compress.weight"}
+
+# other families (first match wins) -> what to use instead
+_FAMILIES = (
+    ("adaln_single.emb.timestep_embedder.linear_1.bias", "an LTX-Video / LTX-2 DiT",
+     "load it with the stock 'Load Diffusion Model' (UNETLoader)"),
+    ("double_blocks.0.img_attn.qkv.weight", "a FLUX DiT", "load it with UNETLoader"),
+    ("double_stream_modulation_img.lin.weight", "a FLUX.2 DiT", "load it with UNETLoader"),
+    ("cap_embedder.1.weight", "a Z-Image / Lumina2 DiT", "load it with UNETLoader"),
+    ("head.modulation", "a Wan DiT", "load it with UNETLoader"),
+    ("decoder.transformer_blocks.0.scale1", "the H3 video VAE", "load it with VAELoader"),
+    ("encoder.down.0.block.0.conv1.weight", "a VAE", "load it with VAELoader"),
+    ("model.layers.0.self_attn.q_proj.weight", "a text encoder", "load it with CLIPLoader"),
+)
+
+
+@dataclass
+class H3Source:
+    """Where the tensors of one H3 checkpoint live, and in which layout."""
+
+    path: str
+    layout: str                      # "comfy" | "official" | "diffusers"
+    files: list[str]                 # safetensors files (shards in order)
+    locations: dict[str, tuple[str, TensorInfo]]   # source key -> (file, info); prefix already stripped
+    prefix: str = ""
+    config: dict | None = None       # config.json next to the shards, if any
+    metadata: dict[str, str] = field(default_factory=dict)  # single-file __metadata__ (passed to ComfyUI)
+
+
+@dataclass
+class H3LoadReport:
+    path: str
+    layout: str
+    variant: str
+    shards: int
+    tensors_read: int
+    tensors_out: int
+    converted: dict[str, int]
+    bytes_read: int
+    bulk_dtype: str | None
+    config: dict
+    passthrough: list[str]
+    quantized: int
+
+    def summary(self) -> str:
+        conv = ", ".join(f"{v} {k}" for k, v in self.converted.items() if v) or "no conversion"
+        c = self.config
+        return (f"{self.layout} layout ({self.variant}, {self.shards} file{'s' if self.shards != 1 else ''}): "
+                f"{self.tensors_out} tensors, {conv}; hidden {c.get('hidden_size')}, "
+                f"{c.get('num_attention_heads')}x{c.get('attention_head_dim')} heads, {c.get('num_layers')} layers"
+                + (f", {self.quantized} quantized weights passed through" if self.quantized else ""))
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "layout": self.layout, "variant": self.variant, "shards": self.shards,
+                "tensors_read": self.tensors_read, "tensors_out": self.tensors_out, "converted": dict(self.converted),
+                "bytes_read": self.bytes_read, "bulk_dtype": self.bulk_dtype, "config": dict(self.config),
+                "passthrough": list(self.passthrough), "quantized": self.quantized}
+
+
+# ------------------------------------------------------------------ detection
+
+def _read_json(path: Path) -> dict:
+    try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"'{path}': {size} bytes is too large for an index/config JSON")
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"'{path}': cannot read ({e})") from None
+    obj = strict_json_loads(text, f"'{path}'")
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"'{path}': expected a JSON object")
+    return obj
+
+
+def _index_files(folder: Path, index_name: str) -> tuple[list[str], dict[str, str]]:
+    idx_path = folder / index_name
+    idx = _read_json(idx_path)
+    wm = idx.get("weight_map")
+    if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CheckpointError(f"'{idx_path}': 'weight_map' must be a non-empty object mapping tensor names to shard files")
+    for shard in set(wm.values()):
+        if Path(shard).name != shard or not shard.endswith(".safetensors"):
+            raise CheckpointError(f"'{idx_path}': shard name {shard!r} must be a plain '*.safetensors' file name in the folder")
+    files = sorted(set(wm.values()))
+    for shard in files:
+        if not (folder / shard).is_file():
+            names = sorted(k for k, v in wm.items() if v == shard)
+            raise CheckpointError(f"'{idx_path}': shard '{shard}' is missing from {folder} "
+                                  f"({len(names)} tensors, e.g. {names[0]!r}); re-download it")
+    meta = idx.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise CheckpointError(f"'{idx_path}': 'metadata' must be an object")
+    return files, wm
+
+
+def _strip_prefix(keys) -> str:
+    keys = list(keys)
+    for p in PREFIXES:
+        if any(k.startswith(p + "video_patch_proj.") or k.startswith(p + "proj_in.") for k in keys):
+            return p
+    return ""
+
+
+def detect(path: str | os.PathLike) -> H3Source:
+    """Detect the layout of ``path`` (file or folder) from names and headers only (no tensor data read)."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"'{p}': no such file or folder")
+    if p.is_dir():
+        has_off, has_diff = (p / OFFICIAL_INDEX).is_file(), (p / DIFFUSERS_INDEX).is_file()
+        if has_off and has_diff:
+            raise CheckpointError(f"'{p}': holds both {OFFICIAL_INDEX} and {DIFFUSERS_INDEX}; keep one layout per folder")
+        cfg = _read_json(p / "config.json") if (p / "config.json").is_file() else None
+        if has_off or has_diff:
+            index_name = OFFICIAL_INDEX if has_off else DIFFUSERS_INDEX
+            files, wm = _index_files(p, index_name)
+            locations: dict[str, tuple[str, TensorInfo]] = {}
+            for shard in files:
+                fpath = str(p / shard)
+                hdr = read_header(fpath)
+                want = {k for k, v in wm.items() if v == shard}
+                missing = sorted(want - set(hdr.tensors))
+                if missing:
+                    raise CheckpointError(f"'{p / index_name}' names tensor {missing[0]!r} in shard '{shard}', but that "
+                                          f"shard does not contain it ({len(missing)} missing); the index and shards "
+                                          "do not match (partial download?)")
+                extra = sorted(set(hdr.tensors) - want)
+                if extra:
+                    raise CheckpointError(f"shard '{fpath}' holds tensor {extra[0]!r} that the index "
+                                          f"'{index_name}' does not list ({len(extra)} unlisted); index and shards do not match")
+                for k in want:
+                    locations[k] = (fpath, hdr.tensors[k])
+            layout = "official" if has_off else "diffusers"
+            return _finish(H3Source(str(p), layout, [str(p / f) for f in files], locations, config=cfg))
+        if (p / DIFFUSERS_SINGLE).is_file():
+            hdr = read_header(p / DIFFUSERS_SINGLE)
+            loc = {k: (hdr.path, ti) for k, ti in hdr.tensors.items()}
+            return _finish(H3Source(str(p), "diffusers", [hdr.path], loc, config=cfg, metadata=hdr.metadata))
+        sts = sorted(x.name for x in p.glob("*.safetensors"))
+        raise CheckpointError(f"'{p}': unknown folder layout: no {OFFICIAL_INDEX}, {DIFFUSERS_INDEX} or {DIFFUSERS_SINGLE} "
+                              f"(found {len(sts)} .safetensors file(s){': ' + ', '.join(sts[:3]) if sts else ''}); "
+                              "select a single-file checkpoint or an official/diffusers transformer folder")
+    if not p.name.lower().endswith((".safetensors", ".sft")):
+        raise CheckpointError(f"'{p}': not a .safetensors file (ditkit never unpickles .ckpt/.pt files)")
+    m = re.search(r"-(\d{5})-of-(\d{5})\.safetensors$", p.name)
+    if m and ((p.parent / OFFICIAL_INDEX).is_file() or (p.parent / DIFFUSERS_INDEX).is_file()):
+        raise CheckpointError(f"'{p}' is shard {int(m.group(1))} of {int(m.group(2))} of a sharded checkpoint; "
+                              f"select the folder '{p.parent.name}' instead")
+    hdr = read_header(p)
+    loc = {k: (hdr.path, ti) for k, ti in hdr.tensors.items()}
+    cfg = None
+    if p.name == DIFFUSERS_SINGLE and (p.parent / "config.json").is_file():
+        cfg = _read_json(p.parent / "config.json")
+    return _finish(H3Source(str(p), "comfy", [hdr.path], loc, config=cfg, metadata=hdr.metadata))
+
+
+def _family_error(src: H3Source, keys) -> CheckpointError:
+    ks = set(keys)
+    for marker, what, todo in _FAMILIES:
+        if any(k == marker or k.endswith("." + marker) for k in ks):
+            return CheckpointError(f"'{src.path}' is {what} (has tensor {marker!r}), not a MiniMax H3 DiT; {todo}")
+    sample = ", ".join(repr(k) for k in sorted(ks)[:3])
+    return CheckpointError(f"'{src.path}' is not a MiniMax H3 DiT: it has none of 'video_patch_proj.weight' (original/"
+                           f"ComfyUI names) or 'proj_in.weight' + 'audio_proj_in.weight' (diffusers names); "
+                           f"first tensors: {sample}")
+
+
+def _finish(src: H3Source) -> H3Source:
+    keys = list(src.locations)
+    src.prefix = _strip_prefix(keys)
+    if src.prefix:
+        src.locations = {k[len(src.prefix):]: v for k, v in src.locations.items() if k.startswith(src.prefix)}
+    keys = set(src.locations)
+    orig = "video_patch_proj.weight" in keys and "audio_patch_proj.weight" in keys
+    diff = "proj_in.weight" in keys and "audio_proj_in.weight" in keys
+    if not orig and not diff:
+        raise _family_error(src, keys)
+    if orig and diff:
+        raise CheckpointError(f"'{src.path}': inconsistent layout, holds both original names ('video_patch_proj.weight') "
+                              "and diffusers names ('proj_in.weight')")
+    if src.layout == "comfy" and diff:
+        src.layout = "diffusers"
+    if src.layout in ("official", "comfy") and not orig:
+        raise CheckpointError(f"'{src.path}': inconsistent layout, an {OFFICIAL_INDEX} folder must use the original "
+                              "names but these tensors use diffusers names")
+    if src.layout == "diffusers" and not diff:
+        raise CheckpointError(f"'{src.path}': inconsistent layout, a diffusers folder must use diffusers names but "
+                              "these tensors use the original names ('video_patch_proj.weight')")
+    bad = [k for k in keys if (k.startswith("blocks.") if diff else k.startswith("transformer_blocks."))]
+    if bad:
+        raise CheckpointError(f"'{src.path}': inconsistent layout, tensor {bad[0]!r} uses the other naming scheme")
+    return src
+
+
+# ------------------------------------------------------------------ planning
+
+@dataclass
+class _Op:
+    out: str
+    kind: str                  # copy | deinterleave | merge_qkv | swap_halves | inv_freq
+    srcs: tuple[str, ...]
+    arg: tuple = ()
+
+
+def _block_indices(keys, prefix: str) -> list[int]:
+    rx = re.compile(re.escape(prefix) + r"(\d+)\.")
+    return sorted({int(m.group(1)) for k in keys if (m := rx.match(k))})
+
+
+def _need(src: H3Source, key: str, note: str = "") -> TensorInfo:
+    try:
+        return src.locations[key][1]
+    except KeyError:
+        raise CheckpointError(f"'{src.path}' ({src.layout} layout): required tensor {key!r} is missing{note}") from None
+
+
+def _rename_diffusers(k: str) -> str | None:
+    for a, b in _D_TOP:
+        if k.startswith(a):
+            return b + k[len(a):]
+    for a, b in (("transformer_blocks.", "blocks."), ("token_refiner.refiner_blocks.", "token_refiner.blocks.")):
+        if k.startswith(a):
+            idx, rest = k[len(a):].split(".", 1)
+            if rest in _D_BLOCK:
+                return f"{b}{idx}.{_D_BLOCK[rest]}"
+            return None
+    return None
+
+
+def _plan(src: H3Source) -> tuple[list[_Op], dict, list[str]]:
+    keys = set(src.locations)
+    ops: list[_Op] = []
+    passthrough: list[str] = []
+    if src.layout == "diffusers":
+        if not isinstance(src.config, dict):
+            raise CheckpointError(f"'{src.path}': diffusers H3 checkpoints need their config.json next to the weights "
+                                  "(rope_freq_dim is required to rebuild 'rope.inv_freq', which diffusers drops)")
+        if "rope.inv_freq" in keys:
+            raise CheckpointError(f"'{src.path}': diffusers layout but holds 'rope.inv_freq'; inconsistent layout")
+        handled = set()
+        for pre_d, pre_o in (("transformer_blocks.", "blocks."), ("token_refiner.refiner_blocks.", "token_refiner.blocks.")):
+            for i in _block_indices(keys, pre_d):
+                b = f"{pre_d}{i}.attn."
+                parts = [b + "to_q.weight", b + "to_k.weight", b + "to_v.weight"]
+                infos = [_need(src, x) for x in parts]
+                if len({ti.shape for ti in infos}) != 1 or len(infos[0].shape) != 2:
+                    raise CheckpointError(f"'{src.path}': cannot merge {parts[0]!r}/{parts[1]!r}/{parts[2]!r}: shapes "
+                                          f"{[list(ti.shape) for ti in infos]} differ (must be three equal [inner, hidden])")
+                if len({ti.dtype for ti in infos}) != 1:
+                    raise CheckpointError(f"'{src.path}': cannot merge {parts[0]!r}: to_q/to_k/to_v dtypes "
+                                          f"{[ti.dtype for ti in infos]} differ")
+                ops.append(_Op(f"{pre_o}{i}.attn.qkv_proj.weight", "merge_qkv", tuple(parts)))
+                handled.update(parts)
+                for sfx in ("to_q.bias", "to_k.bias", "to_v.bias"):
+                    if b + sfx in keys:
+                        raise CheckpointError(f"'{src.path}': tensor {b + sfx!r}: H3 qkv has no bias; not an H3 checkpoint?")
+                fc = f"{pre_d}{i}.ff.net.0.proj.weight"
+                ti = _need(src, fc)
+                if len(ti.shape) != 2 or ti.shape[0] % 2:
+                    raise CheckpointError(f"'{src.path}': tensor {fc!r} has shape {list(ti.shape)}; expected [2*ffn, hidden]")
+                ops.append(_Op(f"{pre_o}{i}.mlp.fc1.weight", "swap_halves", (fc,)))
+                handled.add(fc)
+        for k in sorted(keys - handled):
+            if k.endswith(QUANT_SIDECARS):
+                raise CheckpointError(f"'{src.path}': tensor {k!r}: quantized diffusers-layout H3 checkpoints are not "
+                                      "supported (their rows would need reordering); use a ComfyUI-layout repack")
+            new = _rename_diffusers(k)
+            if new is None:
+                raise CheckpointError(f"'{src.path}': unknown diffusers tensor {k!r} (not in the H3 diffusers key map)")
+            ops.append(_Op(new, "copy", (k,)))
+        n = src.config.get("rope_freq_dim")
+        theta = src.config.get("rope_theta", 10000.0)
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0 or not isinstance(theta, (int, float)) or theta <= 0:
+            raise CheckpointError(f"'{src.path}': config.json rope_freq_dim={n!r} / rope_theta={theta!r} are not a "
+                                  "positive integer / positive number")
+        ops.append(_Op("rope.inv_freq", "inv_freq", (), (n, float(theta))))
+    else:
+        heads = head_dim = None
+        for k in sorted(keys):
+            if src.layout == "official" and k.endswith("attn.qkv_proj.weight"):
+                qn = k[: -len("qkv_proj.weight")] + "q_norm.weight"
+                hd = _need(src, qn, f" (needed to de-interleave {k!r})").shape[0]
+                rows = src.locations[k][1].shape[0]
+                if rows % (3 * hd):
+                    raise CheckpointError(f"'{src.path}': tensor {k!r} has {rows} rows, not a multiple of 3 x head_dim {hd}")
+                if src.locations[k][1].dtype not in FLOAT_DTYPES or k[:-len("weight")] + "comfy_quant" in keys:
+                    raise CheckpointError(f"'{src.path}': tensor {k!r} is quantized ({src.locations[k][1].dtype}); "
+                                          "quantized official-layout shards are not supported (rows would need reordering)")
+                heads, head_dim = rows // (3 * hd), hd
+                ops.append(_Op(k, "deinterleave", (k,), (heads, hd)))
+            else:
+                ops.append(_Op(k, "copy", (k,)))
+        if src.layout == "official" and isinstance(src.config, dict) and heads is not None:
+            ch, cd = src.config.get("num_attention_heads"), src.config.get("attention_head_dim")
+            if (ch is not None and ch != heads) or (cd is not None and cd != head_dim):
+                raise CheckpointError(f"'{src.path}': config.json says {ch} heads x {cd} but the qkv/q_norm shapes give "
+                                      f"{heads} x {head_dim}; config and weights do not match")
+    return ops, _check_inventory(src, ops, passthrough), passthrough
+
+
+def _check_inventory(src: H3Source, ops: list[_Op], passthrough: list[str]) -> dict:
+    """Full structural check on the converted names/shapes; returns the detected config."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for op in ops:
+        if op.kind == "merge_qkv":
+            s = src.locations[op.srcs[0]][1].shape
+            shapes[op.out] = (3 * s[0], s[1])
+        elif op.kind == "inv_freq":
+            shapes[op.out] = (op.arg[0],)
+        else:
+            shapes[op.out] = src.locations[op.srcs[0]][1].shape
+    out = set(shapes)
+    curve = "adaln_t_table" in out
+    for k in TOP_KEYS + (() if curve else TIME_KEYS):
+        if k not in out:
+            raise CheckpointError(f"'{src.path}' ({src.layout} layout): required tensor {k!r} is missing "
+                                  "(truncated or partial checkpoint?)")
+    nb = _block_indices(out, "blocks.")
+    nr = _block_indices(out, "token_refiner.blocks.")
+    if not nb:
+        raise CheckpointError(f"'{src.path}': no DiT blocks ('blocks.N.*') found")
+    for name, idx, req in (("blocks.", nb, BLOCK_KEYS + DIT_EXTRA), ("token_refiner.blocks.", nr, BLOCK_KEYS)):
+        if idx and idx != list(range(len(idx))):
+            gap = next(i for i in range(len(idx) + 1) if i not in idx)
+            raise CheckpointError(f"'{src.path}': block numbering has a gap: '{name}{gap}.*' is missing "
+                                  f"(found {len(idx)} blocks up to {idx[-1]})")
+        for i in idx:
+            for r in req:
+                if f"{name}{i}.{r}" not in out:
+                    raise CheckpointError(f"'{src.path}' ({src.layout} layout): required tensor '{name}{i}.{r}' is missing")
+    hidden = shapes["video_patch_proj.weight"][0]
+    hd = shapes["blocks.0.attn.q_norm.weight"][0]
+    cfg = {"hidden_size": hidden, "attention_head_dim": hd,
+           "num_attention_heads": shapes["blocks.0.attn.qkv_proj.weight"][0] // (3 * hd),
+           "num_layers": len(nb), "token_refiner_num_layers": len(nr),
+           "ffn_hidden_size": shapes["blocks.0.mlp.fc1.weight"][0] // 2,
+           "text_dim": shapes["condition_proj.weight"][1],
+           "latents_dim": shapes["final_layer.video_out.weight"][0] // 4,
+           "audio_latents_dim": shapes["final_layer.audio_out.weight"][0],
+           "rope_inv_freq_len": shapes["rope.inv_freq"][0],
+           "adaln_curve": curve,
+           "gate_compress": "blocks.0.attn.to_gate_compress.weight" in out}
+    if curve:
+        cfg["adaln_curve_grid"], cfg["time_embed_dim"] = shapes["adaln_t_table"]
+    else:
+        cfg["time_embed_dim"] = shapes["time_embedder.proj_out.weight"][0]
+    inner = cfg["num_attention_heads"] * hd
+    for i in nb:
+        q = shapes[f"blocks.{i}.attn.qkv_proj.weight"]
+        if len(q) == 2 and q[0] != 3 * inner and f"blocks.{i}.attn.qkv_proj.comfy_quant" not in out:
+            raise CheckpointError(f"'{src.path}': tensor 'blocks.{i}.attn.qkv_proj.weight' has {q[0]} rows, "
+                                  f"block 0 has {3 * inner}; inconsistent blocks")
+        a = shapes[f"blocks.{i}.adaln_proj.linear.weight"]
+        if a[0] != 18 * hidden:
+            raise CheckpointError(f"'{src.path}': tensor 'blocks.{i}.adaln_proj.linear.weight' has {a[0]} rows; "
+                                  f"expected 18 x hidden = {18 * hidden}")
+    if 6 * cfg["rope_inv_freq_len"] > hd:
+        raise CheckpointError(f"'{src.path}': rope.inv_freq has {cfg['rope_inv_freq_len']} values; 6 x that exceeds "
+                              f"head_dim {hd}")
+    known = re.compile(r"^(blocks\.\d+\.(" + "|".join(re.escape(x) for x in BLOCK_KEYS + DIT_EXTRA)
+                       + r"|attn\.to_gate_compress\.weight)|token_refiner\.blocks\.\d+\.("
+                       + "|".join(re.escape(x) for x in BLOCK_KEYS) + r")|adaln_t_table)$")
+    for k in sorted(out):
+        if k in TOP_KEYS or k in TIME_KEYS or known.match(k) or k.endswith(QUANT_SIDECARS):
+            continue
+        passthrough.append(k)
+    return cfg
+
+
+def _check_dtypes(src: H3Source, cfg: dict) -> tuple[str | None, int]:
+    keys = src.locations
+    bulk: dict[str, list[str]] = {}
+    quantized = 0
+    for k, (fpath, ti) in keys.items():
+        base = k.rsplit(".", 1)[0]
+        if k.endswith(".comfy_quant"):
+            continue
+        if ti.dtype == "I8" and len(ti.shape) == 2 and f"{base}.comfy_quant" not in keys:
+            raise CheckpointError(f"'{fpath}': tensor {k!r} is an I8 weight without a '{base}.comfy_quant' marker; "
+                                  "ComfyUI cannot dequantize it (broken int8 repack)")
+        if f"{base}.comfy_quant" in keys and k.endswith(".weight"):
+            quantized += 1
+            continue
+        if k.endswith(QUANT_SIDECARS) or ti.dtype not in FLOAT_DTYPES:
+            continue
+        name = (_rename_diffusers(k) or k) if src.layout == "diffusers" else k
+        if name.startswith(FP32_ISLANDS) or (cfg.get("adaln_curve") and "adaln_proj.linear." in name):
+            continue
+        bulk.setdefault(ti.dtype, []).append(k)
+    if len(bulk) > 1:
+        major = max(bulk, key=lambda d: len(bulk[d]))
+        minor = sorted((d for d in bulk if d != major), key=lambda d: len(bulk[d]))[0]
+        k = sorted(bulk[minor])[0]
+        raise CheckpointError(f"'{src.locations[k][0]}': tensor {k!r} is {minor} while {len(bulk[major])} other "
+                              f"non-fp32-island tensors are {major}; mixed-dtype shards (the bulk of an H3 checkpoint "
+                              "must share one dtype; re-download or re-save the odd shard)")
+    return (next(iter(bulk)) if bulk else None), quantized
+
+
+# ------------------------------------------------------------------ execution
+
+def _deinterleave(w: torch.Tensor, heads: int, hd: int) -> torch.Tensor:
+    cols = w.shape[1:]
+    return w.reshape(heads, 3, hd, *cols).transpose(0, 1).reshape(3 * heads * hd, *cols).contiguous()
+
+
+def rope_inv_freq(n: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
+
+
+def _validate_marker(src: H3Source, k: str, t: torch.Tensor) -> None:
+    try:
+        obj = strict_json_loads(bytes(t.to(torch.uint8).flatten().tolist()).decode("utf-8"), f"'{src.path}', tensor {k!r}")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"'{src.path}': tensor {k!r} is not a UTF-8 JSON quantization marker") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("format"), str):
+        raise CheckpointError(f"'{src.path}': quantization marker {k!r} must be a JSON object with a string 'format'")
+
+
+ProgressFn = Callable[[int, int], None]
+
+
+def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = None,
+                       on_file: Callable[[str, int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], H3LoadReport]:
+    """Detect, validate (headers only), then read + convert one tensor at a time -> (ComfyUI state dict, report).
+
+    ``progress(done, total)`` is called after each output tensor; ``on_file(path, i, n)`` when a new file is opened.
+    """
+    src = detect(path)
+    ops, cfg, passthrough = _plan(src)
+    bulk, quantized = _check_dtypes(src, cfg)
+    outs = [o.out for o in ops]
+    if len(set(outs)) != len(outs):
+        dup = next(o for o in outs if outs.count(o) > 1)
+        raise CheckpointError(f"'{src.path}': two source tensors map to {dup!r}; inconsistent layout")
+    # group by file so each shard is opened once, in shard order
+    order = {f: i for i, f in enumerate(src.files)}
+    ops.sort(key=lambda o: (min((order[src.locations[s][0]] for s in o.srcs), default=len(order)), o.out))
+    sd: dict[str, torch.Tensor] = {}
+    conv = Counter()
+    n_read = nbytes = 0
+    handles: dict[str, SafeFile] = {}
+    try:
+        for done, op in enumerate(ops, start=1):
+            tensors = []
+            for s in op.srcs:
+                fpath, ti = src.locations[s]
+                fh = handles.get(fpath)
+                if fh is None:
+                    for old in list(handles):          # keep one shard open at a time
+                        handles.pop(old).close()
+                    fh = handles[fpath] = SafeFile(fpath).__enter__()
+                    if on_file:
+                        on_file(fpath, order[fpath] + 1, len(src.files))
+                tensors.append(fh.get(src.prefix + s))
+                n_read += 1
+                nbytes += ti.nbytes
+            if op.kind == "copy":
+                t = tensors[0]
+                if op.out.endswith(".comfy_quant"):
+                    _validate_marker(src, op.out, t)
+            elif op.kind == "deinterleave":
+                t = _deinterleave(tensors[0], *op.arg)
+                conv["qkv de-interleaved"] += 1
+            elif op.kind == "merge_qkv":
+                t = torch.cat(tensors, dim=0)
+                conv["qkv merged"] += 1
+            elif op.kind == "swap_halves":
+                n = tensors[0].shape[0] // 2
+                t = torch.cat([tensors[0][n:], tensors[0][:n]], dim=0)
+                conv["fc1 halves swapped"] += 1
+            elif op.kind == "inv_freq":
+                t = rope_inv_freq(*op.arg)
+                conv["rope.inv_freq rebuilt"] += 1
+            else:  # pragma: no cover - plan kinds are closed
+                raise AssertionError(op.kind)
+            if op.kind == "copy" and op.out != op.srcs[0]:
+                conv["renamed"] += 1
+            sd[op.out] = t
+            del tensors, t
+            if progress:
+                progress(done, len(ops))
+    except BaseException:
+        sd.clear()
+        raise
+    finally:
+        for fh in handles.values():
+            fh.close()
+    variant = ("curve" if cfg["adaln_curve"] else "full") + ("+fasth3-gates" if cfg["gate_compress"] else "") \
+        + ("+quantized" if quantized else "")
+    report = H3LoadReport(path=src.path, layout=src.layout, variant=variant, shards=len(src.files),
+                          tensors_read=n_read, tensors_out=len(sd), converted=dict(conv), bytes_read=nbytes,
+                          bulk_dtype=bulk, config=cfg, passthrough=passthrough, quantized=quantized)
+    return sd, report
+
+
+def comfy_metadata(path: str | os.PathLike) -> dict[str, str] | None:
+    """The safetensors ``__metadata__`` ComfyUI should see (single files only; its ``config`` JSON overrides)."""
+    src = detect(path)
+    return dict(src.metadata) if src.layout == "comfy" and src.metadata else None
+
+
+def estimate_params(sd: dict[str, torch.Tensor]) -> int:
+    return sum(math.prod(t.shape) for t in sd.values())
