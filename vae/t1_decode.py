@@ -1,0 +1,154 @@
+"""H3 video-VAE decode of a single latent frame (T = 1): repeat-decode, per-frame tile slicing, image-VAE direct.
+
+Works on ComfyUI's ``MiniMaxH3VideoVAE`` object (``VAE.first_stage_model``) by duck typing: it calls the object's
+own ``_decode_pixels`` (post_quant_conv + ViT decoder), ``split_tiles``, ``blend``, ``_finalize_pixels`` and reads
+``latents_mean/std``, ``vae_ratio``, ``tiling``, ``frame_pre_padding``, ``tokens_chunk_size``, ``token_overlap`` and
+``_decode_temporal_chunks``. Nothing is patched; ComfyUI is never imported here.
+
+* :func:`repeat_decode_t1` — stock video VAE: the single token is duplicated to T = 2, which the temporal decoder
+  pads (repeating the last token) to one chunk of ``tokens_chunk_size + token_overlap`` = 7 tokens; that chunk is
+  decoded tile by tile exactly like the native temporal decode, and only the first valid output frame is kept
+  (raw frame ``frame_pre_padding`` = 3 of token 0, i.e. output frame 0 of the 5 frames T = 2 decodes to).
+* :func:`direct_decode_t1` — image VAE (``h3_t1_direct``): the single token is decoded directly and the declared
+  ``h3_t1_output_slice`` frame is kept.
+* Both slice every decoded tile to the kept frame BEFORE blending, so the canvas and the blend tails hold one frame
+  (memory independent of the 28 frames the decoder produced internally per tile).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import DitKitError
+
+
+@dataclass
+class T1DecodeReport:
+    path: str                  # "repeat_decode" | "direct_image_vae"
+    batch: int
+    latent_hw: tuple[int, int]
+    tokens_decoded: int        # temporal tokens the decoder ran on per tile
+    kept_raw_frame: int        # index of the decoder frame kept per tile
+    tiles: int = 0
+    tiled: bool = True
+    canvas_bytes: int = 0
+    max_tile_bytes: int = 0    # largest raw decoder output of one tile (transient)
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        how = "duplicated to a 7-token clip, kept first valid frame" if self.path == "repeat_decode" else \
+            f"image VAE direct, h3_t1_output_slice {self.kept_raw_frame}"
+        return (f"T=1 decode ({how}): batch {self.batch}, {self.tiles} tile(s)"
+                f"{'' if self.tiled else ' (untiled)'}, canvas {self.canvas_bytes / 2**20:.2f} MiB")
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "batch": self.batch, "latent_hw": list(self.latent_hw),
+                "tokens_decoded": self.tokens_decoded, "kept_raw_frame": self.kept_raw_frame, "tiles": self.tiles,
+                "tiled": self.tiled, "canvas_bytes": self.canvas_bytes, "max_tile_bytes": self.max_tile_bytes,
+                **self.extra}
+
+
+def _check_latent(model, z: torch.Tensor) -> None:
+    if z.ndim != 5:
+        raise DitKitError(f"H3 video latent must be 5-D [B, C, T, H, W]; got shape {tuple(z.shape)}")
+    c = int(model.latents_mean.numel())
+    if z.shape[1] != c:
+        raise DitKitError(f"latent has {z.shape[1]} channels but this H3 VAE expects {c} "
+                          f"(shape {tuple(z.shape)}); is it a latent of another model?")
+    if z.shape[2] != 1:
+        raise DitKitError(f"T=1 decode got a latent with T={z.shape[2]} (shape {tuple(z.shape)})")
+
+
+def unwhiten(model, z: torch.Tensor) -> torch.Tensor:
+    """Normalised latents -> raw latents (same arithmetic as the native decode)."""
+    mean = model.latents_mean.view(1, -1, 1, 1, 1).to(z)
+    std = model.latents_std.view(1, -1, 1, 1, 1).to(z)
+    return z * std + mean
+
+
+def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeReport | None = None) -> torch.Tensor:
+    """Decode raw latents ``z`` [B, C, t, h, w] with the VAE's spatial tiling, keeping only decoder frame ``frame``
+    of every tile before blending. Returns raw decoder pixels [B, 3, 1, H, W] (not yet de-normalised)."""
+    if not getattr(model, "tiling", True):
+        out = model._decode_pixels(z)
+        if report is not None:
+            report.tiled = False
+            report.tiles = 1
+            report.max_tile_bytes = out.numel() * out.element_size()
+        out = out[:, :, frame:frame + 1].clone()
+        if report is not None:
+            report.canvas_bytes = out.numel() * out.element_size()
+        return out
+    r = int(model.vae_ratio)
+    height, width = z.shape[-2] * r, z.shape[-1] * r
+    y_idx, y_len, y_ov = model.split_tiles(height)
+    x_idx, x_len, x_ov = model.split_tiles(width)
+    canvas = None
+    above: list[torch.Tensor] = []  # bottom strips of the previous row's raw tiles
+    oy = 0
+    tile = None
+    for i, (y0, yl) in enumerate(zip(y_idx, y_len)):
+        below: list[torch.Tensor] = []
+        left = None
+        ox = 0
+        for j, (x0, xl) in enumerate(zip(x_idx, x_len)):
+            raw = model._decode_pixels(z[..., y0 // r:y0 // r + yl // r, x0 // r:x0 // r + xl // r])
+            if report is not None:
+                report.tiles += 1
+                report.max_tile_bytes = max(report.max_tile_bytes, raw.numel() * raw.element_size())
+            tile = raw[:, :, frame:frame + 1]
+            del raw
+            last_row, last_col = i == len(y_idx) - 1, j == len(x_idx) - 1
+            if not last_row:
+                below.append(tile[..., -y_ov[i]:, :].clone())
+            right = tile[..., :, -x_ov[j]:].clone() if not last_col else None
+            if i > 0:
+                tile = model.blend(above[j], tile, y_ov[i - 1], dim=-2)
+            if j > 0:
+                tile = model.blend(left, tile, x_ov[j - 1], dim=-1)
+            left = right
+            if not last_row:
+                tile = tile[..., :-y_ov[i], :]
+            if not last_col:
+                tile = tile[..., :, :-x_ov[j]]
+            if canvas is None:
+                canvas = torch.empty(*tile.shape[:-2], height, width, dtype=tile.dtype, device=tile.device)
+                if report is not None:
+                    report.canvas_bytes = canvas.numel() * canvas.element_size()
+            canvas[..., oy:oy + tile.shape[-2], ox:ox + tile.shape[-1]].copy_(tile)
+            ox += tile.shape[-1]
+        above = below
+        oy += tile.shape[-2]
+    return canvas
+
+
+def repeat_clip_tokens(model) -> tuple[int, int]:
+    """(tokens of the first temporal chunk the native decoder runs for a 2-token latent, kept raw frame)."""
+    pad, chunks = model._decode_temporal_chunks(2)
+    tokens = min(2 + int(pad), int(model.tokens_chunk_size) + int(model.token_overlap))
+    if chunks < 1 or tokens < 2:
+        raise DitKitError(f"unexpected H3 temporal chunk plan for T=2: pad {pad}, chunks {chunks}")
+    return tokens, int(model.frame_pre_padding)
+
+
+def repeat_decode_t1(model, z: torch.Tensor) -> tuple[torch.Tensor, T1DecodeReport]:
+    """Stock video VAE, T = 1: float32 pixels [B, 3, 1, H, W] in [0, 1] equal to frame 0 of the native decode of
+    the latent duplicated to T = 2."""
+    _check_latent(model, z)
+    tokens, kept = repeat_clip_tokens(model)
+    rep = T1DecodeReport("repeat_decode", z.shape[0], (z.shape[-2], z.shape[-1]), tokens, kept)
+    raw = unwhiten(model, z).repeat(1, 1, tokens, 1, 1)
+    pix = tiled_decode_frame(model, raw, kept, rep)
+    return model._finalize_pixels(pix), rep
+
+
+def direct_decode_t1(model, z: torch.Tensor, output_slice: int) -> tuple[torch.Tensor, T1DecodeReport]:
+    """Image VAE, T = 1: decode the single token directly and keep decoder frame ``output_slice``."""
+    _check_latent(model, z)
+    pt = int(getattr(getattr(model, "decoder", None), "patch_size_t", 4))
+    if not 0 <= int(output_slice) < pt:
+        raise DitKitError(f"h3_t1_output_slice {output_slice} is outside the {pt} frames one token decodes to")
+    rep = T1DecodeReport("direct_image_vae", z.shape[0], (z.shape[-2], z.shape[-1]), 1, int(output_slice))
+    pix = tiled_decode_frame(model, unwhiten(model, z), int(output_slice), rep)
+    return model._finalize_pixels(pix), rep
