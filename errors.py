@@ -37,3 +37,7 @@ class UnsupportedModelError(DitKitError):
 
 def describe_file(path) -> str:
     return f"'{path}'"
+
+
+class WorkflowError(DitKitError):
+    """A workflow file cannot be converted or checked (unknown node class, missing link, bad widget values)."""

@@ -1,0 +1,451 @@
+"""ComfyUI workflow formats: API <-> UI (litegraph) conversion and the example-workflow twins.
+
+ditkit keeps every example workflow in API format (``example_workflows/api/<name>.json``: what the
+integration tests queue on /prompt) and ships a UI-format twin (``example_workflows/<name>.json``: what
+ComfyUI's template browser opens). Mapping between the two needs each node's input order and which inputs are
+widgets, i.e. the server's ``/object_info``. A compact copy of the schemas of every node class the examples
+use is cached in ``testing/node_schemas.json`` so the twins can be regenerated and checked without a server
+(CI); an integration test checks the cache against a live server.
+
+CLI::
+
+    python -m ditkit.testing.workflows sync [--check] [--comfyui PATH | --server URL]
+    python -m ditkit.testing.workflows to-ui API.json [-o UI.json] [--comfyui PATH | --server URL]
+    python -m ditkit.testing.workflows to-api UI.json [-o API.json] [--comfyui PATH | --server URL]
+
+``sync`` rewrites every twin from its API source (``--check``: only report, exit 1 when a twin is stale,
+missing or orphaned). With ``--comfyui``/``--server`` it first refreshes the schema cache from that server
+(``--check`` then also fails when the cache is out of date).
+
+Plain Python (no ComfyUI, no torch imports).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..errors import WorkflowError
+
+PACK_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES_DIR = PACK_ROOT / "example_workflows"
+SCHEMA_CACHE = Path(__file__).resolve().parent / "node_schemas.json"
+
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
+VIRTUAL_NODES = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+MODE_ALWAYS, MODE_NEVER, MODE_BYPASS = 0, 2, 4
+COLUMN_WIDTH, NODE_WIDTH, ROW_GAP = 400, 340, 40
+
+
+# ------------------------------------------------------------------------------------------ schemas
+
+def compact_schema(info: dict) -> dict:
+    """The parts of one ``/object_info`` entry that the format conversion needs (stable, small)."""
+    if "inputs" in info and "outputs" in info:  # already compact
+        return info
+    inputs = []
+    order = info.get("input_order") or {}
+    spec = info.get("input") or {}
+    for group in ("required", "optional"):
+        names = order.get(group) or list((spec.get(group) or {}).keys())
+        for name in names:
+            s = (spec.get(group) or {}).get(name)
+            if s is None:
+                continue
+            typ, opts = (s[0], s[1] if len(s) > 1 and isinstance(s[1], dict) else {}) if isinstance(s, list) \
+                else (s, {})
+            if isinstance(typ, list):
+                typ = "COMBO"
+            widget = isinstance(typ, str) and typ in WIDGET_TYPES and not opts.get("forceInput")
+            ent: dict[str, Any] = {"name": name, "type": typ if isinstance(typ, str) else str(typ),
+                                   "widget": bool(widget), "required": group == "required"}
+            if widget:
+                if "default" in opts:
+                    ent["default"] = opts["default"]
+                elif typ == "COMBO":
+                    options = s[0] if isinstance(s[0], list) else opts.get("options") or []
+                    ent["default"] = options[0] if options else ""
+                if opts.get("control_after_generate"):
+                    ent["control_after_generate"] = True
+                if opts.get("image_upload"):
+                    ent["upload"] = "image"
+            inputs.append(ent)
+    outs = info.get("output") or []
+    names = info.get("output_name") or outs
+    return {"display_name": info.get("display_name") or info.get("name"),
+            "inputs": inputs,
+            "outputs": [{"name": n, "type": t if isinstance(t, str) else "COMBO"} for n, t in zip(names, outs)]}
+
+
+def schemas_from(object_info: dict) -> dict[str, dict]:
+    return {k: compact_schema(v) for k, v in object_info.items() if isinstance(v, dict)}
+
+
+def load_schema_cache(path: Path = SCHEMA_CACHE) -> dict[str, dict]:
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _schema(schemas: dict, class_type: str, where: str) -> dict:
+    s = schemas.get(class_type)
+    if s is None:
+        raise WorkflowError(f"{where}: node class {class_type!r} is unknown (not installed on the server, or "
+                            f"missing from the schema cache; refresh it with `python -m ditkit.testing.workflows "
+                            f"sync --comfyui PATH`)")
+    return compact_schema(s)
+
+
+# -------------------------------------------------------------------------------------- API -> UI
+
+def _is_link(v: Any) -> bool:
+    return isinstance(v, list) and len(v) == 2 and isinstance(v[0], (str, int)) and isinstance(v[1], int) \
+        and not isinstance(v[1], bool)
+
+
+def _node_ids(graph: dict) -> dict[str, int]:
+    keys = list(graph)
+    if all(isinstance(k, str) and k.isdigit() and int(k) > 0 for k in keys):
+        return {k: int(k) for k in keys}
+    return {k: i + 1 for i, k in enumerate(sorted(keys, key=str))}
+
+
+def _depths(graph: dict) -> dict[str, int]:
+    depth: dict[str, int] = {}
+
+    def visit(k, stack=()):
+        if k in depth:
+            return depth[k]
+        if k in stack:
+            raise WorkflowError(f"API workflow has a cycle through node {k!r}")
+        d = 0
+        for v in (graph[k].get("inputs") or {}).values():
+            if _is_link(v) and str(v[0]) in graph:
+                d = max(d, visit(str(v[0]), stack + (k,)) + 1)
+        depth[k] = d
+        return d
+
+    for k in graph:
+        visit(k)
+    return depth
+
+
+def api_to_ui(graph: dict, object_info: dict, *, name: str | None = None) -> dict:
+    """A UI-format (litegraph) workflow equivalent to the API-format ``graph``.
+
+    ``widgets_values`` follow the node's input order in ``object_info`` (raw /object_info or the compact
+    cache); nodes are laid out in a grid, one column per graph depth. Deterministic for a given input."""
+    if not isinstance(graph, dict) or not graph:
+        raise WorkflowError("API workflow must be a non-empty JSON object of nodes")
+    ids = _node_ids(graph)
+    depth = _depths(graph)
+    order = sorted(graph, key=lambda k: (depth[k], ids[k]))
+    nodes_by_key: dict[str, dict] = {}
+    links: list[list] = []
+    col_y: dict[int, float] = {}
+    for pos_index, key in enumerate(order):
+        node = graph[key]
+        ctype = node.get("class_type")
+        where = f"API node {key!r}"
+        if not isinstance(ctype, str):
+            raise WorkflowError(f"{where}: no class_type")
+        sch = _schema(object_info, ctype, where)
+        given = dict(node.get("inputs") or {})
+        known = {i["name"] for i in sch["inputs"]}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise WorkflowError(f"{where} ({ctype}): inputs {unknown} are not inputs of {ctype} "
+                                f"(known: {sorted(known)})")
+        ui_inputs, widgets = [], []
+        for inp in sch["inputs"]:
+            v = given.get(inp["name"], None)
+            if inp["widget"]:
+                if _is_link(v):
+                    ui_inputs.append({"name": inp["name"], "type": inp["type"], "widget": {"name": inp["name"]},
+                                      "link": None, "_src": v})
+                    widgets.append(inp.get("default"))
+                else:
+                    widgets.append(v if inp["name"] in given else inp.get("default"))
+                if inp.get("control_after_generate"):
+                    widgets.append("fixed")
+                if inp.get("upload"):
+                    widgets.append(inp["upload"])
+            else:
+                if inp["name"] in given and not _is_link(v):
+                    raise WorkflowError(f"{where} ({ctype}): input {inp['name']!r} takes a {inp['type']} link, "
+                                        f"got the value {v!r}")
+                ui_inputs.append({"name": inp["name"], "type": inp["type"], "link": None,
+                                  **({"_src": v} if inp["name"] in given else {})})
+        n_rows = len(ui_inputs) + len(widgets) + len(sch["outputs"])
+        height = 46 + 24 * max(1, n_rows)
+        col = depth[key]
+        y = col_y.get(col, 100)
+        col_y[col] = y + height + ROW_GAP
+        ui = {"id": ids[key], "type": ctype, "pos": [100 + col * COLUMN_WIDTH, int(y)], "size": [NODE_WIDTH, height],
+              "flags": {}, "order": pos_index, "mode": MODE_ALWAYS, "inputs": ui_inputs,
+              "outputs": [{"name": o["name"], "type": o["type"], "links": [], "slot_index": i}
+                          for i, o in enumerate(sch["outputs"])],
+              "properties": {"Node name for S&R": ctype}, "widgets_values": widgets}
+        title = (node.get("_meta") or {}).get("title")
+        if title and title != sch.get("display_name"):
+            ui["title"] = title
+        nodes_by_key[key] = ui
+    for key in order:  # wire links in a second pass (sources now exist)
+        ui = nodes_by_key[key]
+        for slot, inp in enumerate(ui["inputs"]):
+            src = inp.pop("_src", None)
+            if src is None:
+                continue
+            skey = str(src[0])
+            if skey not in nodes_by_key:
+                raise WorkflowError(f"API node {key!r}: input {inp['name']!r} links to missing node {skey!r}")
+            souts = nodes_by_key[skey]["outputs"]
+            if not 0 <= src[1] < len(souts):
+                raise WorkflowError(f"API node {key!r}: input {inp['name']!r} links to output {src[1]} of node "
+                                    f"{skey!r}, which has {len(souts)} outputs")
+            link_id = len(links) + 1
+            links.append([link_id, ids[skey], src[1], ui["id"], slot, souts[src[1]]["type"]])
+            inp["link"] = link_id
+            souts[src[1]]["links"].append(link_id)
+    for ui in nodes_by_key.values():
+        for o in ui["outputs"]:
+            if not o["links"]:
+                o["links"] = None
+    seed = name or json.dumps(graph, sort_keys=True)
+    return {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"ditkit/example_workflows/{seed}")), "revision": 0,
+            "last_node_id": max(ids.values()), "last_link_id": len(links),
+            "nodes": sorted(nodes_by_key.values(), key=lambda n: n["id"]), "links": links, "groups": [],
+            "config": {}, "extra": {"ds": {"scale": 1.0, "offset": [0, 0]}}, "version": 0.4}
+
+
+# -------------------------------------------------------------------------------------- UI -> API
+
+def ui_to_api(wf: dict, object_info: dict) -> dict:
+    """The API-format graph of a UI-format workflow (muted nodes dropped, bypassed nodes routed through,
+    Reroute followed, PrimitiveNode values inlined, Notes ignored)."""
+    if not isinstance(wf, dict) or not isinstance(wf.get("nodes"), list):
+        raise WorkflowError("UI workflow must be a JSON object with a 'nodes' list")
+    if (wf.get("definitions") or {}).get("subgraphs"):
+        raise WorkflowError("UI workflow uses subgraphs, which this converter does not support; export it "
+                            "with 'Export (API)' from the ComfyUI menu instead")
+    nodes = {int(n["id"]): n for n in wf["nodes"] if isinstance(n, dict) and "id" in n}
+    links = {}
+    for ln in wf.get("links") or []:
+        if isinstance(ln, dict):
+            links[int(ln["id"])] = (ln["origin_id"], ln["origin_slot"], ln["target_id"], ln["target_slot"],
+                                    ln.get("type"))
+        elif isinstance(ln, list) and len(ln) >= 5:
+            links[int(ln[0])] = tuple(ln[1:6]) if len(ln) >= 6 else tuple(ln[1:5]) + (None,)
+
+    def resolve(link_id, seen=()):
+        """``[node_key, slot]`` or ``("value", v)`` or None for a link, following virtual/bypassed nodes."""
+        if link_id is None or link_id not in links:
+            return None
+        if link_id in seen:
+            raise WorkflowError(f"UI workflow: link cycle through link {link_id}")
+        oid, oslot, _tid, _tslot, ltype = links[link_id]
+        src = nodes.get(int(oid))
+        if src is None:
+            raise WorkflowError(f"UI workflow: link {link_id} starts at missing node {oid}")
+        stype, mode = src.get("type"), src.get("mode", MODE_ALWAYS)
+        if stype == "Reroute":
+            ins = src.get("inputs") or []
+            return resolve(ins[0].get("link") if ins else None, seen + (link_id,))
+        if stype == "PrimitiveNode":
+            vals = src.get("widgets_values") or []
+            return ("value", vals[0]) if vals else None
+        if mode == MODE_NEVER:
+            return None
+        if mode == MODE_BYPASS:
+            outs = src.get("outputs") or []
+            otype = (outs[oslot].get("type") if oslot < len(outs) else None) or ltype
+            for inp in src.get("inputs") or []:
+                if inp.get("link") is not None and inp.get("type") == otype:
+                    return resolve(inp["link"], seen + (link_id,))
+            return None
+        return [str(oid), int(oslot)]
+
+    graph: dict[str, dict] = {}
+    for nid, n in sorted(nodes.items()):
+        ctype = n.get("type")
+        if ctype in VIRTUAL_NODES or n.get("mode", MODE_ALWAYS) in (MODE_NEVER, MODE_BYPASS):
+            continue
+        where = f"UI node {nid}"
+        sch = _schema(object_info, ctype, where)
+        linked = {i.get("name"): i.get("link") for i in n.get("inputs") or [] if isinstance(i, dict)}
+        wv = n.get("widgets_values")
+        inputs: dict[str, Any] = {}
+        if isinstance(wv, dict):
+            values = None
+        else:
+            values = list(wv or [])
+        pos = 0
+        for inp in sch["inputs"]:
+            name = inp["name"]
+            if inp["widget"]:
+                if values is None:
+                    val, have = (wv.get(name), name in wv)
+                else:
+                    have = pos < len(values)
+                    val = values[pos] if have else None
+                    pos += 1
+                    if pos < len(values) and (inp.get("control_after_generate") or inp["type"] == "INT") \
+                            and isinstance(values[pos], str) and values[pos] in CONTROL_VALUES:
+                        pos += 1
+                    if inp.get("upload") and pos < len(values) and values[pos] == inp["upload"]:
+                        pos += 1
+                src = resolve(linked.get(name))
+                if src is not None:
+                    inputs[name] = src[1] if isinstance(src, tuple) else src
+                elif have:
+                    inputs[name] = val
+                elif inp["required"]:
+                    raise WorkflowError(f"{where} ({ctype}): no value for widget {name!r} "
+                                        f"(widgets_values has {len(values or wv)} entries)")
+            else:
+                src = resolve(linked.get(name))
+                if src is not None:
+                    inputs[name] = src[1] if isinstance(src, tuple) else src
+        api_node: dict[str, Any] = {"class_type": ctype, "inputs": inputs}
+        if n.get("title"):
+            api_node["_meta"] = {"title": n["title"]}
+        graph[str(nid)] = api_node
+    return graph
+
+
+def strip_meta(graph: dict) -> dict:
+    return {k: {"class_type": v["class_type"], "inputs": v.get("inputs") or {}} for k, v in graph.items()}
+
+
+# ----------------------------------------------------------------------------------------- twins
+
+def api_workflows(examples_dir: Path = EXAMPLES_DIR) -> list[Path]:
+    return sorted(p for p in (examples_dir / "api").glob("*.json") if not p.name.startswith("_"))
+
+
+def twin_path(api_path: Path) -> Path:
+    return api_path.parent.parent / api_path.name
+
+
+def used_classes(paths) -> set[str]:
+    out = set()
+    for p in paths:
+        for n in json.loads(Path(p).read_text(encoding="utf-8")).values():
+            if isinstance(n, dict) and isinstance(n.get("class_type"), str):
+                out.add(n["class_type"])
+    return out
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+
+
+def sync(examples_dir: Path = EXAMPLES_DIR, schemas: dict | None = None, check: bool = False,
+         out=sys.stdout) -> list[str]:
+    """Regenerate (or with ``check`` only compare) every UI twin. Returns the list of problems/changes."""
+    schemas = load_schema_cache() if schemas is None else schemas
+    problems = []
+    sources = api_workflows(examples_dir)
+    for api in sources:
+        graph = json.loads(api.read_text(encoding="utf-8"))
+        text = dumps(api_to_ui(graph, schemas, name=api.stem))
+        twin = twin_path(api)
+        old = twin.read_text(encoding="utf-8") if twin.is_file() else None
+        if old == text:
+            continue
+        what = "missing" if old is None else "stale"
+        if check:
+            problems.append(f"{twin}: {what} (regenerate with `python -m ditkit.testing.workflows sync`)")
+        else:
+            twin.write_text(text, encoding="utf-8")
+            problems.append(f"{twin}: written ({what})")
+    names = {p.stem for p in sources}
+    for twin in sorted(examples_dir.glob("*.json")):
+        if twin.stem not in names:
+            problems.append(f"{twin}: orphan UI workflow with no example_workflows/api/{twin.name}")
+    for line in problems:
+        print(line, file=out)
+    return problems
+
+
+def _server_object_info(a) -> dict | None:
+    if a.server:
+        from ..run import ComfyClient
+
+        return ComfyClient(a.server).object_info()
+    if a.comfyui:
+        from ..run import ComfyServer
+
+        with ComfyServer(a.comfyui, python=a.python, generate_models=False, quiet=True) as srv:
+            return srv.client.object_info()
+    return None
+
+
+def refresh_cache(object_info: dict, classes: set[str], path: Path = SCHEMA_CACHE, check: bool = False) -> list[str]:
+    missing = sorted(c for c in classes if c not in object_info)
+    if missing:
+        raise WorkflowError(f"the server does not know node classes {missing} used by example workflows")
+    fresh = {c: compact_schema(object_info[c]) for c in sorted(classes)}
+    old = load_schema_cache(path)
+    if old == fresh:
+        return []
+    if check:
+        changed = sorted(c for c in set(fresh) | set(old) if fresh.get(c) != old.get(c))
+        return [f"{path}: out of date for {changed} (refresh with `python -m ditkit.testing.workflows sync "
+                f"--comfyui PATH`)"]
+    path.write_text(dumps(fresh), encoding="utf-8")
+    return [f"{path}: updated ({len(fresh)} node classes)"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ditkit.testing.workflows", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, hlp in (("sync", "regenerate/check every example_workflows/<name>.json twin"),
+                      ("to-ui", "convert an API-format workflow to UI format"),
+                      ("to-api", "convert a UI-format workflow to API format")):
+        p = sub.add_parser(name, help=hlp)
+        if name == "sync":
+            p.add_argument("--check", action="store_true", help="only check; exit 1 when anything is out of date")
+            p.add_argument("--dir", default=str(EXAMPLES_DIR), help="example_workflows dir (default: the pack's)")
+        else:
+            p.add_argument("input")
+            p.add_argument("-o", "--output", help="output file (default: stdout)")
+        g = p.add_mutually_exclusive_group()
+        g.add_argument("--comfyui", help="start this ComfyUI to read /object_info (refreshes the schema cache)")
+        g.add_argument("--server", help="read /object_info from this running server")
+        p.add_argument("--python", help="python for --comfyui (default: its venv)")
+    a = ap.parse_args(argv)
+    try:
+        info = _server_object_info(a)
+        if a.cmd == "sync":
+            ex = Path(a.dir)
+            msgs = []
+            if info is not None:
+                msgs += refresh_cache(info, used_classes(api_workflows(ex)), check=a.check)
+                for m in msgs:
+                    print(m)
+            msgs += sync(ex, check=a.check)
+            if a.check:
+                if msgs:
+                    return 1
+                print(f"ok: {len(api_workflows(ex))} example workflows and their UI twins are in sync")
+            return 0
+        src = json.loads(Path(a.input).read_text(encoding="utf-8"))
+        schemas = info if info is not None else load_schema_cache()
+        out = api_to_ui(src, schemas, name=Path(a.input).stem) if a.cmd == "to-ui" else ui_to_api(src, schemas)
+        if a.output:
+            Path(a.output).write_text(dumps(out), encoding="utf-8")
+        else:
+            sys.stdout.write(dumps(out))
+        return 0
+    except WorkflowError as e:
+        print(f"ERROR: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""Architecture rules, checked on the source (AST) so they hold without ComfyUI installed.
+
+* only ``nodes/`` and the root ``__init__.py`` import ComfyUI (``comfy*``, ``comfy_api``, ``folder_paths``,
+  ``server``, ``nodes``, ``execution``, ``latent_preview``, ``node_helpers``);
+* no ``torch.load`` / pickle / ``eval`` / ``exec`` anywhere in the pack;
+* every node id is a literal starting with ``DitKit``, unique, and inside the pack every import is relative.
+"""
+from __future__ import annotations
+
+import ast
+import pytest
+
+from ditkit.testing.pack_scan import PACK_ROOT, calls, imported_modules, node_declarations, pack_python_files
+
+# ComfyUI's own top-level modules. (comfy_kitchen / comfy_aimdo are separate pip packages usable without the
+# host, so an optional kernel backend may probe them.)
+HOST_MODULES = {"comfy", "comfy_api", "comfy_api_nodes", "comfy_extras", "comfy_execution", "comfy_config",
+                "folder_paths", "server", "nodes", "execution", "latent_preview", "node_helpers", "cuda_malloc",
+                "hook_breaker_ac10a0", "comfyui_version", "protocol"}
+FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "joblib", "marshal", "shelve"}
+FORBIDDEN_CALLS = {"torch.load", "eval", "exec", "pickle.load", "pickle.loads", "torch.jit.load", "numpy.load",
+                   "np.load", "torch.serialization.load"}
+
+FILES = pack_python_files()
+IDS = [str(p.relative_to(PACK_ROOT)) for p in FILES]
+
+
+def _tree(p):
+    return ast.parse(p.read_text(encoding="utf-8"), filename=str(p))
+
+
+def _may_import_host(rel: str) -> bool:
+    return rel == "__init__.py" or rel.startswith("nodes/")
+
+
+def test_scan_covers_the_pack():
+    rel = set(IDS)
+    # the scan must see the core packages and skip tests/benchmarks (else the checks below prove nothing)
+    for must in ("run.py", "errors.py", "loaders/safetensors_io.py", "testing/checkpoints.py", "nodes/__init__.py"):
+        assert must in rel, f"{must} missing from the scanned files"
+    assert not any(r.startswith(("tests/", "benchmarks/")) for r in rel)
+
+
+@pytest.mark.parametrize("path", FILES, ids=IDS)
+def test_only_nodes_import_comfyui(path):
+    rel = str(path.relative_to(PACK_ROOT))
+    if _may_import_host(rel):
+        pytest.skip("nodes/ and the root __init__ may import ComfyUI")
+    bad = [(line, mod) for line, mod in imported_modules(_tree(path)) if mod in HOST_MODULES]
+    assert not bad, f"{rel} imports ComfyUI modules {bad}; only nodes/ and the root __init__.py may"
+
+
+@pytest.mark.parametrize("path", FILES, ids=IDS)
+def test_no_pickle_torch_load_or_eval(path):
+    rel = str(path.relative_to(PACK_ROOT))
+    tree = _tree(path)
+    bad_mods = [(line, mod) for line, mod in imported_modules(tree) if mod in FORBIDDEN_MODULES]
+    bad_calls = [(line, name) for line, name in calls(tree) if name in FORBIDDEN_CALLS]
+    assert not bad_mods, f"{rel} imports {bad_mods}: weights go through loaders/safetensors_io.py only"
+    assert not bad_calls, f"{rel} calls {bad_calls}: never torch.load/pickle/eval/exec"
+
+
+@pytest.mark.parametrize("path", FILES, ids=IDS)
+def test_no_absolute_self_import(path):
+    rel = str(path.relative_to(PACK_ROOT))
+    bad = [(line, mod) for line, mod in imported_modules(_tree(path)) if mod == "ditkit"]
+    assert not bad, f"{rel} imports 'ditkit' absolutely {bad}; ComfyUI loads the pack under another name, " \
+                    "use relative imports"
+
+
+def _aliased_loads(tree) -> list[tuple[int, str]]:
+    """``from torch import load`` / ``from torch.serialization import load`` (an alias the call scan can't see)."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module in ("torch", "torch.serialization", "numpy") and n.level == 0:
+            out += [(n.lineno, f"{n.module}.{a.name}") for a in n.names if a.name in ("load", "loads")]
+    return out
+
+
+@pytest.mark.parametrize("path", FILES, ids=IDS)
+def test_no_aliased_torch_load(path):
+    bad = _aliased_loads(_tree(path))
+    assert not bad, f"{path.relative_to(PACK_ROOT)} imports {bad}"
+
+
+def test_scanner_detects_violations(tmp_path):
+    """The AST helpers must flag what the rules forbid (so a passing scan means something)."""
+    src = ("import comfy.sd\nfrom folder_paths import get_filename_list\nimport pickle\nimport torch\n"
+           "x = torch.load('a')\ny = eval('1')\nimport importlib\nm = importlib.import_module('server')\n"
+           "from torch import load\n")
+    tree = ast.parse(src)
+    mods = {m for _, m in imported_modules(tree)}
+    assert {"comfy", "folder_paths", "pickle", "server"} <= mods
+    names = {n for _, n in calls(tree)}
+    assert {"torch.load", "eval"} <= names
+    assert _aliased_loads(tree) == [(9, "torch.load")]
+
+
+def test_node_ids_start_with_ditkit_and_are_unique():
+    decls = node_declarations()
+    ids = [d.node_id for d in decls]
+    unresolved = [f"nodes/{d.module}.py:{d.class_name}" for d in decls if d.node_id is None]
+    assert not unresolved, f"node_id is not a string literal/module constant in {unresolved}"
+    bad = [i for i in ids if not i.startswith("DitKit")]
+    assert not bad, f"node ids must start with 'DitKit': {bad}"
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    assert not dupes, f"duplicate node ids {dupes}"
+
+
+def test_node_modules_export_nodes_list():
+    for p in sorted((PACK_ROOT / "nodes").glob("*.py")):
+        if p.name.startswith("_"):
+            continue
+        tree = _tree(p)
+        has = any(isinstance(n, (ast.Assign, ast.AnnAssign)) and any(
+            isinstance(t, ast.Name) and t.id == "NODES"
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])) for n in tree.body)
+        assert has, f"nodes/{p.name} has no module-level NODES list"
