@@ -515,6 +515,7 @@ def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = No
     # group by file so each shard is opened once, in shard order
     order = {f: i for i, f in enumerate(src.files)}
     ops.sort(key=lambda o: (min((order[src.locations[s][0]] for s in o.srcs), default=len(order)), o.out))
+    last_use = {src.locations[s][0]: i for i, o in enumerate(ops) for s in o.srcs}
     sd: dict[str, torch.Tensor] = {}
     conv = Counter()
     n_read = nbytes = 0
@@ -526,8 +527,6 @@ def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = No
                 fpath, ti = src.locations[s]
                 fh = handles.get(fpath)
                 if fh is None:
-                    for old in list(handles):          # keep one shard open at a time
-                        handles.pop(old).close()
                     fh = handles[fpath] = SafeFile(fpath).__enter__()
                     if on_file:
                         on_file(fpath, order[fpath] + 1, len(src.files))
@@ -557,6 +556,8 @@ def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = No
                 conv["renamed"] += 1
             sd[op.out] = t
             del tensors, t
+            for f in [f for f in handles if last_use[f] == done - 1]:   # close a shard after its last tensor
+                handles.pop(f).close()
             if progress:
                 progress(done, len(ops))
     except BaseException:
