@@ -1,0 +1,194 @@
+"""DitKitLoKrLoader: exact LoKr adapters on ComfyUI's fused Z-Image / FLUX.2 weights.
+
+The core (``loaders/lokr.py``) parses, maps and validates; this node clones the model and registers one
+lazy patch per adapter module with ``ModelPatcher.add_patches`` (row offsets for slices of fused weights).
+The patch is a ``WeightAdapterBase`` that ComfyUI's ``lora.calculate_weight`` calls when it patches the
+weight: ΔW is materialised one layer at a time (fp32), so unloading, strength changes and dynamic VRAM
+work as for ComfyUI's own adapters, and nothing the size of the model is held in memory.
+"""
+from __future__ import annotations
+
+import os
+
+import folder_paths
+import torch
+from comfy.weight_adapter.base import WeightAdapterBase
+from comfy_api.latest import io
+
+from ..errors import AdapterError, CheckpointError
+from ..loaders import lokr as core
+from ..loaders.lokr_math import delta_weight
+from ..loaders.safetensors_io import SafeFile, strict_json_loads
+from ._common import send_report, ui_report
+
+NODE_ID = "DitKitLoKrLoader"
+_FACTOR_ORDER = core.FACTOR_KEYS  # order of tensors in DitKitLoKrPatch.weights
+_SUPPORTED_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class DitKitLoKrPatch(WeightAdapterBase):
+    """Lazy LoKr patch: ``weights`` = (*factors in FACTOR_KEYS order (None where absent), scale, shape,
+    swap_halves). Constructor signature ``(loaded_keys, weights)`` as ComfyUI's prefetch path expects."""
+
+    name = "ditkit_lokr"
+
+    def __init__(self, loaded_keys, weights):
+        self.loaded_keys = loaded_keys
+        self.weights = weights
+
+    @classmethod
+    def from_item(cls, item: core.PlanItem) -> "DitKitLoKrPatch":
+        f = item.module.factors
+        w = tuple(f.get(k) for k in _FACTOR_ORDER) + (float(item.module.scale), tuple(item.target.shape),
+                                                      bool(item.target.swap_halves))
+        return cls(set(item.module.keys), w)
+
+    def calculate_weight(self, weight, key, strength, strength_model, offset, function,
+                         intermediate_dtype=torch.float32, original_weights=None):
+        n = len(_FACTOR_ORDER)
+        factors = {k: t.to(weight.device) for k, t in zip(_FACTOR_ORDER, self.weights[:n]) if t is not None}
+        scale, shape, swap = self.weights[n:n + 3]
+        if tuple(weight.shape) != tuple(shape):
+            raise AdapterError(f"{NODE_ID}: patch for '{key}' expects shape {tuple(shape)}, weight is {tuple(weight.shape)}")
+        d = delta_weight(factors, shape, scale, torch.float32)
+        if swap:
+            d = core.swap_halves(d)
+        d = d * float(strength)
+        weight += function(d.to(weight.dtype))
+        return weight
+
+
+def read_adapter(path: str) -> tuple[dict, dict]:
+    try:
+        with SafeFile(path) as f:
+            return {k: f.get(k) for k in f.keys()}, dict(f.metadata)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"LoKr file '{path}' cannot be read ({type(e).__name__}: {e}); truncated or not safetensors?") from None
+
+
+def peft_config_for(path: str, metadata: dict) -> dict | None:
+    cfg = core.peft_config_from_metadata(metadata)
+    if cfg is not None:
+        return cfg
+    side = os.path.join(os.path.dirname(path), "adapter_config.json")
+    if os.path.isfile(side):
+        with open(side, encoding="utf-8") as fh:
+            cfg = strict_json_loads(fh.read(), side)
+        return cfg if isinstance(cfg, dict) else None
+    return None
+
+
+def model_shapes(model) -> dict[str, tuple[int, ...]]:
+    sd = model.model_state_dict(filter_prefix="diffusion_model.")
+    return {k: tuple(v.shape) for k, v in sd.items()}
+
+
+def check_weight_formats(model, plan: core.LoKrPlan) -> None:
+    """Refuse quantized / packed base weights (named layer + format) before anything is patched."""
+    import comfy.utils
+
+    for it in plan.items:
+        wk = it.target.weight_key
+        w = comfy.utils.get_attr(model.model, wk)
+        cls = type(w).__name__
+        layout = getattr(w, "_layout_cls", None) or getattr(w, "layout_type", None)
+        if cls != "Parameter" and cls != "Tensor" or w.dtype not in _SUPPORTED_WEIGHT_DTYPES:
+            fmt = f"{cls}" + (f" layout {layout}" if layout else "") + f", dtype {w.dtype}"
+            raise AdapterError(
+                f"{NODE_ID}: layer '{wk}' is stored quantized/packed ({fmt}); ditkit does not merge LoKr into "
+                "quantized weights (it would have to re-quantize, possibly with another scheme). Load the model "
+                "unquantized (bf16/fp16/fp32) and quantize after merging.")
+
+
+def apply_lokr(model, path: str, strength: float, source: str | None = None):
+    """Returns (patched clone, plan). Raises a DitKitError before touching anything on bad input."""
+    source = source or os.path.basename(path)
+    sd, meta = read_adapter(path)
+    parsed = core.parse_lokr(sd, peft_config=peft_config_for(path, meta), source=source)
+    plan = core.plan(parsed, model_shapes(model), source=source)
+    check_weight_formats(model, plan)
+    patches = {}
+    for it in plan.items:
+        t = it.target
+        key = t.weight_key if t.rows is None else (t.weight_key, (0, t.rows[0], t.rows[1] - t.rows[0]))
+        if key in patches:  # two modules onto the same slice (e.g. duplicated names): chain them
+            patches[key] = _Chain.of(patches[key], DitKitLoKrPatch.from_item(it))
+        else:
+            patches[key] = DitKitLoKrPatch.from_item(it)
+    m = model.clone()
+    added = set(m.add_patches(patches, strength_patch=float(strength)))
+    missing = [k for k in patches if k not in added]
+    if missing:
+        raise AdapterError(f"{NODE_ID}: ComfyUI did not accept patches for {missing[:3]} (model keys changed?)")
+    return m, plan
+
+
+class _Chain(WeightAdapterBase):
+    name = "ditkit_lokr_chain"
+
+    def __init__(self, loaded_keys, weights):
+        self.loaded_keys = loaded_keys
+        self.weights = weights
+
+    @classmethod
+    def of(cls, a, b):
+        parts = (a.weights if isinstance(a, _Chain) else (a,)) + (b,)
+        return cls(set().union(*(p.loaded_keys for p in parts)), parts)
+
+    def calculate_weight(self, weight, key, strength, strength_model, offset, function,
+                         intermediate_dtype=torch.float32, original_weights=None):
+        for p in self.weights:
+            weight = p.calculate_weight(weight, key, strength, strength_model, offset, function, intermediate_dtype)
+        return weight
+
+
+def report_text(plan: core.LoKrPlan, file: str, strength: float) -> str:
+    lines = [f"{plan.summary()} | file {file}, strength {strength:g}"]
+    for it in plan.items:
+        lines.append(f"applied {it.module.prefix} -> {it.target.describe()} ({it.target.via}; scale "
+                     f"{it.module.scale:g}: {it.module.scale_rule})")
+    for k, why in plan.unused.items():
+        lines.append(f"unused {k}: {why}")
+    for k, why in plan.refused.items():
+        lines.append(f"refused {k}: {why}")
+    for n in plan.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+class DitKitLoKrLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID,
+            display_name="LoKr Loader (Z-Image / FLUX.2, exact, ditkit)",
+            category="ditkit/loaders",
+            description="Applies a LoKr adapter (LyCORIS, PEFT, ai-toolkit, musubi-tuner, OneTrainer, SimpleTuner) "
+                        "exactly onto ComfyUI's fused Z-Image / FLUX.2 weights and reports every key.",
+            search_aliases=["lokr", "lycoris", "kronecker lora", "lokr loader", "flux2 lokr", "z-image lokr"],
+            inputs=[
+                io.Model.Input("model", tooltip="A ComfyUI Z-Image or FLUX.2 model (unquantized weights)."),
+                io.Combo.Input("lokr_name", options=folder_paths.get_filename_list("loras"),
+                               tooltip="LoKr adapter file (.safetensors) in models/loras."),
+                io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01,
+                               tooltip="Multiplier on ΔW (after the adapter's own alpha/rank scale)."),
+            ],
+            outputs=[io.Model.Output(tooltip="A clone of the model with the LoKr patches registered."),
+                     io.String.Output(display_name="report",
+                                      tooltip="Modules applied (target, scale), keys unused and layers refused, with why.")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, lokr_name: str, strength: float) -> io.NodeOutput:
+        path = folder_paths.get_full_path_or_raise("loras", lokr_name)
+        patched, plan = apply_lokr(model, path, strength, source=lokr_name)
+        text = report_text(plan, lokr_name, strength)
+        payload = send_report(cls.hidden.unique_id, NODE_ID, "lokr", plan.summary(),
+                              {**plan.as_dict(), "file": lokr_name, "strength": strength})
+        return io.NodeOutput(patched, text, ui=ui_report(payload))
+
+
+NODES = [DitKitLoKrLoader]
