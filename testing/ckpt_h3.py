@@ -21,6 +21,10 @@ layouts are comparable tensor by tensor:
 Dtypes follow the official bf16 release: fp32 islands ``video_patch_proj``, ``audio_patch_proj``,
 ``time_embedder``, ``final_layer.video_out``/``audio_out`` and ``rope.inv_freq``; bf16 everywhere else.
 ComfyUI casts them to its compute dtype (fp32 on CPU) at load, so CPU sampling is unaffected.
+
+``text_dim`` is 1024 (not the diffusers fixture's 48) so the stock ``LotusConditioning`` node ([1, 2, 1024],
+no text encoder needed) is a valid H3 conditioning in API workflows; in-process tests can build
+``[[torch.randn(1, L, CONFIG["text_dim"]), {}]]``.
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ CONFIG: dict = {
     "latents_dim": 24,
     "audio_latents_dim": 32,
     "patch_size": [1, 2, 2],
-    "text_dim": 48,
+    "text_dim": 1024,  # = the stock LotusConditioning width, so a text-encoder-free workflow can condition it
     "timestep_input_dim": 16,
     "time_embed_hidden_size": 64,
     "time_embed_dim": 32,
