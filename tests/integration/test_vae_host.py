@@ -1,0 +1,212 @@
+"""H3 VAE nodes against real ComfyUI: T=1 decode vs the native duplicated-latent oracle, image-VAE slice, strict
+loader rejects, streaming video save vs native VAEDecode -> SaveVideo frames."""
+from __future__ import annotations
+
+import importlib
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from ditkit.errors import CheckpointError, DitKitError, MetadataError, UnsupportedModelError
+from ditkit.loaders.safetensors_io import load_file, save_file
+from ditkit.testing import ckpt_h3_vae as ck
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def h3(comfy):
+    return importlib.import_module("ditkit.nodes.h3_vae")
+
+
+@pytest.fixture(scope="module")
+def vaes(h3, tiny_ckpts):
+    d = Path(tiny_ckpts) / "vae"
+    video, _ = h3.load_h3_vae(str(d / ck.VIDEO_VAE_NAME))
+    image, _ = h3.load_h3_vae(str(d / ck.IMAGE_VAE_NAME))
+    return video, image
+
+
+def _z(shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_t1_equals_frame0_of_native_duplicated_decode(h3, vaes):
+    video, _ = vaes
+    z = _z((2, 24, 1, 20, 18))  # 320x288 px: 2x2 tiles of 256 px, batch 2
+    img, data = h3.h3_decode(video, z)
+    ref = video.decode(z.repeat(1, 1, 2, 1, 1))  # native: [B, 5, H, W, 3]
+    assert ref.shape[1] == 5
+    assert img.shape == (2, 320, 288, 3)
+    assert torch.equal(img, ref[:, 0]), (img - ref[:, 0]).abs().max()
+    assert data["path"] == "repeat_decode" and data["tiles"] == 4
+    # the canvas holds ONE frame per batch item (not the 28 frames a 7-token tile decodes to)
+    assert data["canvas_bytes"] == 2 * 3 * 1 * 320 * 288 * 4
+    # and it differs from the native single-token decode (the artifact path)
+    assert not torch.equal(img, video.decode(z)[:, 0])
+
+
+def test_t_gt_1_is_native(h3, vaes):
+    video, _ = vaes
+    z = _z((1, 24, 7, 8, 8), 1)
+    img, data = h3.h3_decode(video, z)
+    ref = video.decode(z)
+    assert data["path"] == "native"
+    assert torch.equal(img, ref.reshape(-1, *ref.shape[-3:]))
+
+
+def test_nested_latent_and_node(h3, vaes, comfy):
+    import comfy.nested_tensor
+
+    video, _ = vaes
+    z = _z((1, 24, 1, 8, 8), 2)
+    nested = {"samples": comfy.nested_tensor.NestedTensor((z, torch.zeros(1, 32, 2, 2)))}
+    lat = h3._video_part(nested["samples"])
+    assert torch.equal(lat, z)
+
+
+def test_image_vae_direct_slice_3_equals_native_single_token(h3, vaes):
+    _, image = vaes
+    z = _z((1, 24, 1, 20, 8), 3)
+    img, data = h3.h3_decode(image, z)
+    assert data["path"] == "direct_image_vae" and data["kept_raw_frame"] == 3
+    assert torch.equal(img, image.decode(z)[:, 0])  # stock T=1 keeps [-1:] = slice 3
+
+
+def test_image_vae_honours_output_slice(h3, tiny_ckpts, tmp_path):
+    src = Path(tiny_ckpts) / "vae" / ck.IMAGE_VAE_NAME
+    sd = load_file(src)
+    p = tmp_path / "slice0.safetensors"
+    save_file(sd, p, metadata=ck.image_vae_metadata(sd, output_slice="0"))
+    vae, info = h3.load_h3_vae(str(p))
+    assert info["t1_output_slice"] == 0
+    z = _z((1, 24, 1, 20, 8), 4)
+    img, _ = h3.h3_decode(vae, z)
+    m = vae.first_stage_model
+    with torch.inference_mode():
+        zz = z * m.latents_std.view(1, -1, 1, 1, 1) + m.latents_mean.view(1, -1, 1, 1, 1)
+        ref = m._finalize_pixels(m.tiled_decode(zz)[:, :, 0:1])  # native tiled decode, frame 0
+    assert torch.equal(img, ref.movedim(1, -1)[:, 0])
+    assert not torch.equal(img, vae.decode(z)[:, 0])
+
+
+def test_image_vae_refuses_video(h3, vaes):
+    _, image = vaes
+    with pytest.raises(DitKitError, match="IMAGE VAE"):
+        h3.h3_decode(image, _z((1, 24, 2, 8, 8)))
+
+
+def test_wrong_channel_latent(h3, vaes):
+    video, _ = vaes
+    with pytest.raises(DitKitError, match="16 channels"):
+        h3.h3_decode(video, _z((1, 16, 1, 8, 8)))
+
+
+@pytest.mark.parametrize("key,value", [
+    ("h3_t1_direct", "false"), ("h3_t1_direct", "True"), ("h3_t1_format", "full_decoder_v2"),
+    ("h3_t1_output_slice", "03"), ("h3_t1_output_slice", "4"), ("minimax_h3_video_vae", "{}"),
+    ("minimax_h3_video_vae", '{"a":1,"a":2}'),
+])
+def test_loader_rejects_bad_metadata_naming_key(h3, tiny_ckpts, tmp_path, key, value):
+    sd = load_file(Path(tiny_ckpts) / "vae" / ck.IMAGE_VAE_NAME)
+    meta = ck.image_vae_metadata(sd)
+    meta[key] = value
+    p = tmp_path / "bad.safetensors"
+    save_file(sd, p, metadata=meta)
+    with pytest.raises(MetadataError) as ei:
+        h3.load_h3_vae(str(p))
+    assert key in str(ei.value) and repr(value)[:20] in str(ei.value)
+
+
+def test_loader_rejects_corrupt_and_other_families(h3, tiny_ckpts, tmp_path):
+    d = Path(tiny_ckpts) / "vae"
+    with pytest.raises(UnsupportedModelError, match="AUDIO"):
+        h3.load_h3_vae(str(d / ck.AUDIO_VAE_NAME))
+    raw = (d / ck.VIDEO_VAE_NAME).read_bytes()
+    (tmp_path / "trunc.safetensors").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        h3.load_h3_vae(str(tmp_path / "trunc.safetensors"))
+    (tmp_path / "hdr.safetensors").write_bytes(struct.pack("<Q", 40) + b'{"a": {"dtype": "F16", "shape": [1]')
+    with pytest.raises(CheckpointError):
+        h3.load_h3_vae(str(tmp_path / "hdr.safetensors"))
+    sd = load_file(d / ck.VIDEO_VAE_NAME)
+    del sd["decoder.transformer_blocks.1.ff.w2.bias"]
+    save_file(sd, tmp_path / "pruned.safetensors")
+    with pytest.raises(CheckpointError, match="missing"):
+        h3.load_h3_vae(str(tmp_path / "pruned.safetensors"))
+
+
+def _decode_mp4(path):
+    import av
+    import numpy as np
+
+    with av.open(str(path)) as c:
+        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+
+
+def test_streaming_save_matches_native_savevideo(h3, vaes, tmp_path, comfy):
+    import numpy as np
+    from comfy_api.latest import InputImpl, Types
+
+    sv = importlib.import_module("ditkit.nodes.save_video")
+    video, _ = vaes
+    z = _z((1, 24, 7, 6, 8), 5)  # 22 frames, 96x128
+    out = tmp_path / "ditkit.mp4"
+    data = sv.stream_save(video, z, str(out), 24.0)
+    assert data["frames"] == 22 and data["chunks"] >= 2
+    assert data["peak_chunk_float_bytes"] < data["full_float_video_bytes"]
+    images = video.decode(z).reshape(-1, 96, 128, 3)
+    ref_path = tmp_path / "native.mp4"
+    vid = InputImpl.VideoFromComponents(Types.VideoComponents(images=images, audio=None, frame_rate=24))
+    vid.save_to(str(ref_path), format=Types.VideoContainer.MP4, codec=Types.VideoCodec.H264)
+    a, b = _decode_mp4(out), _decode_mp4(ref_path)
+    assert a.shape == b.shape == (22, 96, 128, 3)
+    assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+    # and the uint8 stream itself equals the native quantisation of the native float frames
+    sink_frames = []
+    from ditkit.vae.video_stream import Uint8FrameSink
+
+    m = video.first_stage_model
+    shape = m.decode_output_shape(z.shape)
+    sink = Uint8FrameSink(shape, sink_frames.append, out_dtype=video.vae_output_dtype(), process=video.process_output)
+    with torch.inference_mode():
+        m.decode(z.to(video.vae_dtype), output_buffer=sink)
+    got = torch.cat(sink_frames)
+    assert torch.equal(got, (images * 255).clamp(0, 255).byte())
+
+
+def test_streaming_save_rejects(h3, vaes, tmp_path):
+    sv = importlib.import_module("ditkit.nodes.save_video")
+    video, image = vaes
+    with pytest.raises(DitKitError, match="IMAGE VAE"):
+        sv.stream_save(image, _z((1, 24, 2, 4, 4)), str(tmp_path / "x.mp4"), 24.0)
+    with pytest.raises(DitKitError, match="channels"):
+        sv.stream_save(video, _z((1, 16, 2, 4, 4)), str(tmp_path / "x.mp4"), 24.0)
+    assert not (tmp_path / "x.mp4").exists()
+
+
+# ------------------------------------------------------------------------------------------------ real server
+
+def _wf(name):
+    return json.loads((Path(__file__).resolve().parents[2] / "example_workflows" / "api" / name).read_text())
+
+
+def test_server_roundtrip_and_rejects(comfy_server):
+    entry = comfy_server.run(_wf("h3_image_roundtrip_tiny.json"))
+    assert entry["status"]["status_str"] == "success"
+    files = comfy_server.output_files(entry)
+    assert files and all(f.stat().st_size > 0 for f in files)
+    bad = {"1": {"class_type": "DitKitH3VAELoader", "inputs": {"vae_name": ck.AUDIO_VAE_NAME}},
+           "2": {"class_type": "DitKitH3EmptyImageLatent",
+                 "inputs": {"width": 64, "height": 64, "batch_size": 1, "layout": "video"}},
+           "3": {"class_type": "DitKitH3VAEDecode", "inputs": {"samples": ["2", 0], "vae": ["1", 0]}},
+           "4": {"class_type": "PreviewImage", "inputs": {"images": ["3", 0]}}}
+    err = comfy_server.run_expect_failure(bad)
+    assert "AUDIO" in str(err)
+    assert comfy_server.alive()
+    entry = comfy_server.run(_wf("h3_save_video_tiny.json"))
+    files = comfy_server.output_files(entry)
+    assert any(str(f).endswith(".mp4") and f.stat().st_size > 0 for f in files)
