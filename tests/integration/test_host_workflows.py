@@ -1,0 +1,105 @@
+"""Every example workflow runs to completion on the real host, and its UI twin matches the live schemas."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ditkit.run import REPO
+from ditkit.testing import workflows as wfm
+
+API = wfm.api_workflows()
+IDS = [p.stem for p in API]
+
+
+@pytest.mark.parametrize("path", API, ids=IDS)
+def test_example_workflow_runs(comfy_server, path):
+    graph = json.loads(path.read_text(encoding="utf-8"))
+    entry = comfy_server.run(graph)
+    assert entry["status"]["status_str"] == "success"
+    assert entry.get("outputs"), f"{path.name}: no output node produced anything"
+    for f in comfy_server.output_files(entry):
+        assert f.is_file() and f.stat().st_size > 0, f"{path.name}: output {f} missing or empty"
+    errors = [m for m in entry["status"].get("messages", []) if m[0] == "execution_error"]
+    assert not errors
+
+
+@pytest.mark.parametrize("path", API, ids=IDS)
+def test_ui_twin_converts_back_with_live_schemas(comfy_server, path):
+    twin = wfm.twin_path(path)
+    assert twin.is_file(), f"{twin} missing: run `python -m ditkit.testing.workflows sync`"
+    api = json.loads(path.read_text(encoding="utf-8"))
+    ui = json.loads(twin.read_text(encoding="utf-8"))
+    info = comfy_server.object_info()
+    assert wfm.ui_to_api(ui, info) == wfm.strip_meta(api)
+    assert wfm.api_to_ui(api, info, name=path.stem) == ui, "twin differs from a conversion with live schemas"
+
+
+def test_schema_cache_matches_live_server(comfy_server):
+    classes = wfm.used_classes(API)
+    if not classes:
+        pytest.skip("no example workflows")
+    problems = wfm.refresh_cache(comfy_server.object_info(), classes, check=True)
+    assert not problems, problems
+
+
+def _runner(*args, timeout=300):
+    """``python -m ditkit.run ...`` with this interpreter (ditkit installed with ``pip install -e .``)."""
+    return subprocess.run([sys.executable, "-m", "ditkit.run", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=str(REPO))
+
+
+SMOKE = {"1": {"class_type": "EmptyImage", "inputs": {"width": 32, "height": 24, "batch_size": 1, "color": 255}},
+         "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "runner/smoke"}}}
+
+
+def test_runner_cli_against_running_server(comfy_server, tmp_path):
+    wf = tmp_path / "smoke.json"
+    wf.write_text(json.dumps(SMOKE))
+    r = _runner(wf, "--server", comfy_server.url, "--out", tmp_path / "dl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: workflow finished" in r.stdout
+    pngs = list((tmp_path / "dl" / "runner").glob("smoke_*.png"))
+    assert len(pngs) == 1 and pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stdout
+
+
+def test_runner_cli_runs_ui_format(comfy_server, tmp_path):
+    info = comfy_server.object_info()
+    wf = tmp_path / "smoke_ui.json"
+    wf.write_text(json.dumps(wfm.api_to_ui(SMOKE, info, name="smoke")))
+    r = _runner(wf, "--server", comfy_server.url)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "runner/smoke_" in r.stdout
+
+
+def test_runner_cli_reports_validation_errors(comfy_server, tmp_path):
+    bad = json.loads(json.dumps(SMOKE))
+    bad["1"]["inputs"]["width"] = -3
+    wf = tmp_path / "bad.json"
+    wf.write_text(json.dumps(bad))
+    r = _runner(wf, "--server", comfy_server.url)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "node 1 (EmptyImage) input 'width'" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_runner_cli_starts_and_stops_its_own_server(comfyui_path, tmp_path):
+    """The README command: start ComfyUI from PATH, run, stop it by pid (no tiny checkpoints needed here)."""
+    wf = tmp_path / "smoke.json"
+    wf.write_text(json.dumps(SMOKE))
+    models = tmp_path / "models"
+    models.mkdir()
+    r = _runner(wf, "--comfyui", comfyui_path, "--out", tmp_path / "out", "--models", models, "--only-ditkit",
+                timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = [ln for ln in r.stderr.splitlines() if "stopped (exit status" in ln]
+    assert m, r.stderr
+    pid = int(m[0].split("server pid ")[1].split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert list((tmp_path / "out" / "runner").glob("smoke_*.png"))
+    log = (tmp_path / "out" / "comfyui_server.log").read_text(errors="replace")
+    assert "[ditkit] registered" in log
