@@ -1,0 +1,113 @@
+"""Per-model VSA-H3 runtime state: dense/sparse decisions, counters and the report (plain torch).
+
+The node (``nodes/sparse_attention.py``) owns the ComfyUI hooks; this object decides, per DiT forward and per
+attention call, whether to run sparse, calls :func:`~.vsa.vsa_h3_attention`, and counts what ran.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .vsa import vsa_h3_attention
+from .vsa_layout import H3TileLayout, build_h3_layout
+
+
+@dataclass
+class VSAH3Config:
+    keep: float                      # fraction of video tiles kept (0.1 = FastH3 Preview v1, 0.2 = V2)
+    sigma_start: float = float("inf")  # sparse while sigma_end <= sigma <= sigma_start
+    sigma_end: float = 0.0
+    backend: Optional[str] = None    # None/"auto" -> registry choice
+    min_tokens: int = 0              # packed sequences shorter than this stay dense
+    exempt: bool = True
+
+
+@dataclass
+class ForwardCtx:
+    layout: H3TileLayout
+    sparse: bool
+    reason: str
+    sigma: Optional[float]
+
+
+@dataclass
+class VSAH3Runtime:
+    cfg: VSAH3Config
+    gate_source: str = "none"
+    calls: Counter = field(default_factory=Counter)          # "sparse" / dense reasons
+    steps_sparse: set = field(default_factory=set)
+    steps_dense: set = field(default_factory=set)
+    backends: Counter = field(default_factory=Counter)
+    block_pairs: int = 0
+    block_pairs_dense: int = 0
+    k_video: Optional[int] = None
+    n_tiles: Optional[int] = None
+    layouts: set = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.steps_sparse.clear()
+            self.steps_dense.clear()
+            self.backends.clear()
+            self.block_pairs = self.block_pairs_dense = 0
+            self.layouts.clear()
+
+    # -- per forward -----------------------------------------------------------------------------------------
+    def begin_forward(self, prefix_segments: tuple[int, ...], video_shape: tuple[int, int, int],
+                      sigma: Optional[float]) -> ForwardCtx:
+        layout = build_h3_layout(tuple(prefix_segments), tuple(video_shape))
+        self.layouts.add(layout.describe())
+        reason = ""
+        if layout.seq_len < self.cfg.min_tokens:
+            reason = f"below min_tokens ({layout.seq_len} < {self.cfg.min_tokens})"
+        elif sigma is not None and not (self.cfg.sigma_end * (1 - 1e-5) <= sigma <= self.cfg.sigma_start * (1 + 1e-5)):
+            # relative slack: the sampler's fp32 sigma vs the fp64 percent_to_sigma boundary
+            reason = "outside start/end percent"
+        sparse = not reason
+        key = round(float(sigma), 6) if sigma is not None else None
+        (self.steps_sparse if sparse else self.steps_dense).add(key)
+        return ForwardCtx(layout, sparse, reason, sigma)
+
+    # -- per attention call ----------------------------------------------------------------------------------
+    def dense_call(self, reason: str) -> None:
+        with self._lock:
+            self.calls[reason] += 1
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardCtx,
+                  gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out, st = vsa_h3_attention(q, k, v, ctx.layout, self.cfg.keep, gate=gate, exempt=self.cfg.exempt,
+                                   backend=self.cfg.backend)
+        with self._lock:
+            self.calls["sparse"] += 1
+            self.backends[st.backend] += 1
+            self.block_pairs += st.block_pairs
+            self.block_pairs_dense += st.block_pairs_dense
+            self.k_video, self.n_tiles = st.k_video, st.n_tiles
+        return out
+
+    # -- report ----------------------------------------------------------------------------------------------
+    @property
+    def density(self) -> Optional[float]:
+        return self.block_pairs / self.block_pairs_dense if self.block_pairs_dense else None
+
+    def as_dict(self) -> dict:
+        return {"keep": self.cfg.keep, "backend_requested": self.cfg.backend or "auto",
+                "backends_used": dict(self.backends), "calls": dict(self.calls),
+                "steps_sparse": len(self.steps_sparse), "steps_dense": len(self.steps_dense),
+                "measured_density": self.density, "k_video": self.k_video, "n_tiles": self.n_tiles,
+                "gate": self.gate_source, "layouts": sorted(self.layouts)}
+
+    def summary(self) -> str:
+        used = ", ".join(f"{b}" for b in self.backends) or "none (no sparse call)"
+        dense = {k: v for k, v in self.calls.items() if k != "sparse"}
+        dens = f"{self.density:.3f}" if self.density is not None else "n/a"
+        return (f"VSA-H3 backend {used}; steps sparse {len(self.steps_sparse)} / dense {len(self.steps_dense)}; "
+                f"attention calls sparse {self.calls.get('sparse', 0)}, dense {sum(dense.values())}"
+                + (f" ({', '.join(f'{k}: {v}' for k, v in dense.items())})" if dense else "")
+                + f"; measured block density {dens} (keep {self.cfg.keep:g}, k={self.k_video}); gate {self.gate_source}")

@@ -1,0 +1,251 @@
+"""DitKitSparseAttention: VSA-H3 block-sparse attention for MiniMax H3 / FastH3 (MODEL -> MODEL).
+
+Thin node: validates, clones the model and installs on the clone
+* an ``optimized_attention_override`` (chained: calls it declines go to the override that was already there,
+  or to ComfyUI's backend) that runs :func:`ditkit.kernels.vsa_h3_attention` on packed DiT calls;
+* a ``DIFFUSION_MODEL`` wrapper deriving the packed segment spans (ComfyUI 0.33 does not publish them) from
+  the inputs exactly as ``MiniMaxH3Model._forward`` does, plus the sigma gating;
+* when FastH3 ``to_gate_compress`` weights are available, ``("double_block", i)`` replaces that compute the
+  gate from the block's attention input (chaining any replace already installed);
+* an ``OUTER_SAMPLE`` wrapper that resets the counters per run and sends the run report.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from comfy_api.latest import io
+
+from ..errors import BackendError, UnsupportedModelError
+from ..kernels import REGISTRY
+from ..kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
+from ._common import send_report, ui_report
+
+NODE_ID = "DitKitSparseAttention"
+KEY = "ditkit_vsa_h3"
+CTX_KEY = "ditkit_vsa"
+GATE_KEY = "ditkit_vsa_gate"
+GATE_ATTACHMENT = "ditkit_h3_gate_compress"
+BACKENDS = ["auto", "triton", "flex", "reference", "flashinfer", "comfy_kitchen"]
+GATE_CHOICES = ["auto", "none"]
+RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 20%)": 20.0, "custom": None}
+log = logging.getLogger("ditkit")
+
+
+def _h3_model(model):
+    dm = getattr(getattr(model, "model", None), "diffusion_model", None)
+    try:
+        from comfy.ldm.minimax.model import MiniMaxH3Model
+    except ImportError as e:  # pragma: no cover - needs ComfyUI 0.33+
+        raise UnsupportedModelError(f"{NODE_ID}: this ComfyUI has no MiniMax H3 support (needs 0.33+)") from e
+    if not isinstance(dm, MiniMaxH3Model):
+        raise UnsupportedModelError(
+            f"{NODE_ID}: VSA-H3 needs a MiniMax H3 / FastH3 model; got {type(dm).__name__ if dm is not None else type(model).__name__}. "
+            "Other models are not trained for this sparse pattern; use ComfyUI's Model Sparse Attention node for them.")
+    return dm
+
+
+def _find_gates(model, dm, choice: str):
+    """-> ({block index: weight [inner, hidden]}, source text)."""
+    if choice == "none":
+        return {}, "none (pure sparse)"
+    gates = {}
+    for i, blk in enumerate(dm.blocks):
+        mod = getattr(getattr(blk, "attn", None), "to_gate_compress", None)
+        if mod is not None and getattr(mod, "weight", None) is not None:
+            gates[i] = mod.weight
+    if gates:
+        return gates, "to_gate_compress (model)"
+    att = model.get_attachment(GATE_ATTACHMENT) if hasattr(model, "get_attachment") else None
+    if att:
+        return {int(i): w for i, w in dict(att).items()}, "to_gate_compress (loader attachment)"
+    return {}, "none (model has no to_gate_compress; ComfyUI 0.33 drops it at load) -> pure sparse"
+
+
+def _segments_from_inputs(dm, args, kwargs):
+    """(prefix segment lengths, video grid) for this forward, as MiniMaxH3Model._forward builds PackedLayout."""
+    import comfy.ldm.common_dit
+    from comfy.ldm.minimax.model import PackedLayout
+
+    x, context = args[0], args[2]
+    payload = kwargs.get("minimax_payload") or {}
+    video = comfy.ldm.common_dit.pad_to_patch_size(x[0], dm.patch_size)
+    lt, lh, lw = video.shape[2], video.shape[3], video.shape[4]
+    sig = (context.shape[1], lt, lh, lw, x[1].shape[-1])
+    layout = payload.get("layout")
+    if layout is None or layout.signature != sig:
+        layout = PackedLayout(*sig, keyframes=payload.get("keyframes"), refs=payload.get("refs"))
+    segs = list(layout.segments)
+    if not segs or segs[-1][2] != "video":
+        raise UnsupportedModelError(f"{NODE_ID}: the packed H3 sequence does not end with the target video "
+                                    f"(segments {[(a, b, k) for a, b, k in segs]})")
+    pt, ph, pw = dm.patch_size
+    prefix = tuple(b - a for a, b, _ in segs[:-1])
+    grid = (lt // pt, lh // ph, lw // pw)
+    return prefix, grid
+
+
+class DitKitSparseAttention(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID,
+            display_name="VSA-H3 Sparse Attention (FastH3, ditkit)",
+            category="ditkit/attention",
+            description=("FastVideo-exact VSA-H3 block-sparse attention for MiniMax H3 / FastH3: 64-token tiles, "
+                         "prefix (text/cond/audio) dense, top-k video tiles per query tile, trained gate-compress "
+                         "branch when present. Exact backends only; the report names the backend that ran."),
+            search_aliases=["vsa", "video sparse attention", "fasth3", "h3 sparse attention", "block sparse attention"],
+            inputs=[
+                io.Model.Input("model", tooltip="A MiniMax H3 / FastH3 model (other models are refused)."),
+                io.Combo.Input("recipe", options=list(RECIPES), default="FastH3 Preview v1 (keep 10%)",
+                               tooltip=("The density the checkpoint was trained at: FastH3 Preview v1 keeps 10% of "
+                                        "video tiles, FastH3 8-step V2 keeps 20%. 'custom' uses keep_percent.")),
+                io.Float.Input("keep_percent", default=10.0, min=0.5, max=100.0, step=0.5,
+                               tooltip="Percent of video key tiles kept per video query tile (recipe 'custom' only)."),
+                io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01,
+                               tooltip="Steps before this fraction of the schedule run dense."),
+                io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
+                               tooltip="Steps after this fraction of the schedule run dense."),
+                io.Combo.Input("backend", options=BACKENDS, default="auto",
+                               tooltip=("Fine-stage kernel. auto = fastest exact backend that can run here "
+                                        "(triton on sm80+, reference gather+SDPA on CPU). An explicit choice "
+                                        "that cannot run raises instead of falling back.")),
+                io.Int.Input("min_tokens", default=0, min=0, max=1 << 20, step=64,
+                             tooltip="Packed sequences shorter than this run dense (sparse overhead dominates)."),
+                io.Combo.Input("gate", options=GATE_CHOICES, default="auto", advanced=True,
+                               tooltip=("auto: use the checkpoint's to_gate_compress when the model carries it, "
+                                        "else pure sparse (FastVideo H3 semantics); none: pure sparse.")),
+            ],
+            outputs=[io.Model.Output(tooltip="A clone of the model with VSA-H3 attention installed.")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, recipe: str = "FastH3 Preview v1 (keep 10%)", keep_percent: float = 10.0,
+                start_percent: float = 0.0, end_percent: float = 1.0, backend: str = "auto", min_tokens: int = 0,
+                gate: str = "auto") -> io.NodeOutput:
+        import comfy.patcher_extension as pe
+
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        dm = _h3_model(model)
+        if recipe not in RECIPES:
+            raise BackendError(f"{NODE_ID}: unknown recipe {recipe!r}; choose one of {list(RECIPES)}")
+        if backend not in BACKENDS:
+            raise BackendError(f"{NODE_ID}: unknown backend {backend!r}; choose one of {BACKENDS}")
+        if gate not in GATE_CHOICES:
+            raise BackendError(f"{NODE_ID}: unknown gate option {gate!r}; choose one of {GATE_CHOICES}")
+        if start_percent > end_percent:
+            raise BackendError(f"{NODE_ID}: start_percent {start_percent} is after end_percent {end_percent}")
+        keep = (RECIPES[recipe] if RECIPES[recipe] is not None else float(keep_percent)) / 100.0
+        ms = model.get_model_object("model_sampling")
+        cfg = VSAH3Config(keep=keep, sigma_start=float(ms.percent_to_sigma(start_percent)),
+                          sigma_end=float(ms.percent_to_sigma(end_percent)),
+                          backend=None if backend == "auto" else backend, min_tokens=int(min_tokens))
+        if cfg.backend is not None:
+            # refuse an explicit backend that cannot run on the model's device now, not mid-sampling
+            dev = model.load_device
+            REGISTRY.resolve("block_sparse_attn", dev, model.model.get_dtype_inference() if hasattr(
+                model.model, "get_dtype_inference") else torch.float32, dm.blocks[0].attn.head_dim, cfg.backend)
+
+        m = model.clone()
+        gates, gate_src = _find_gates(m, dm, gate)
+        rt = VSAH3Runtime(cfg, gate_source=gate_src)
+        topts = m.model_options.setdefault("transformer_options", {})
+        prev = topts.get("optimized_attention_override")
+        prev_name = getattr(prev, "__qualname__", type(prev).__name__) if prev is not None else None
+
+        def dense(func, q, k, v, heads, *a, **kw):
+            if prev is not None:
+                return prev(func, q, k, v, heads, *a, **kw)
+            return func(q, k, v, heads, *a, **kw)
+
+        def override(func, q, k, v, heads, *a, mask=None, skip_reshape=False, transformer_options=None, **kw):
+            to = transformer_options or {}
+            ctx = to.get(CTX_KEY)
+            reason = None
+            if ctx is None:
+                reason = "not an H3 DiT forward"
+            elif not skip_reshape or q.dim() != 4:
+                reason = "unexpected layout"
+            elif mask is not None:
+                reason = "masked call"
+            elif q.shape[2] != ctx.layout.seq_len:
+                reason = "token refiner / non-packed"
+            elif not ctx.sparse:
+                reason = ctx.reason
+            if reason is not None:
+                rt.dense_call(reason)
+                return dense(func, q, k, v, heads, *a, mask=mask, skip_reshape=skip_reshape,
+                             transformer_options=transformer_options, **kw)
+            out = rt.attention(q, k, v, ctx, gate=to.get(GATE_KEY))
+            B, H, S, D = out.shape
+            return out.transpose(1, 2).reshape(B, S, H * D)
+
+        def forward_wrapper(executor, *args, **kwargs):
+            to = args[3] if len(args) > 3 else kwargs.get("transformer_options", {})
+            prefix, grid = _segments_from_inputs(executor.class_obj, args, kwargs)
+            sig = to.get("sigmas")
+            sigma = float(sig.flatten()[0]) if isinstance(sig, torch.Tensor) and sig.numel() else None
+            to = dict(to)
+            to[CTX_KEY] = rt.begin_forward(prefix, grid, sigma)
+            if len(args) > 3:
+                args = args[:3] + (to,) + tuple(args[4:])
+            else:
+                kwargs["transformer_options"] = to
+            return executor(*args, **kwargs)
+
+        def outer_wrapper(executor, *args, **kwargs):
+            rt.reset()
+            try:
+                return executor(*args, **kwargs)
+            finally:
+                send_report(node_id, NODE_ID, "run", rt.summary(), rt.as_dict())
+
+        topts["optimized_attention_override"] = override
+        m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, forward_wrapper)
+        m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, outer_wrapper)
+        if gates:
+            _install_gate_replaces(m, dm, gates)
+
+        summary = (f"VSA-H3 installed: keep {keep * 100:g}% of video tiles (recipe {recipe}), backend {backend}, "
+                   f"sigma window [{cfg.sigma_end:.4g}, {cfg.sigma_start:.4g}], min_tokens {min_tokens}, "
+                   f"gate {gate_src}" + (f"; chains previous attention override {prev_name} for dense calls"
+                                         if prev is not None else ""))
+        data = {"keep": keep, "recipe": recipe, "backend": backend, "gate": gate_src, "chained_override": prev_name,
+                "backends_here": REGISTRY.explain("block_sparse_attn", model.load_device, torch.float32,
+                                                  dm.blocks[0].attn.head_dim)}
+        payload = send_report(node_id, NODE_ID, "install", summary, data)
+        return io.NodeOutput(m, ui=ui_report(payload))
+
+
+def _install_gate_replaces(m, dm, gates: dict) -> None:
+    from comfy.ldm.minimax.model import _mod_scale_shift
+
+    dit = m.model_options.setdefault("transformer_options", {}).setdefault("patches_replace", {}).get("dit", {})
+    for i, w in gates.items():
+        blk = dm.blocks[i]
+        prev = dit.get(("double_block", i))
+        heads, hd = blk.attn.heads, blk.attn.head_dim
+
+        def replace(args, extra, blk=blk, w=w, prev=prev, heads=heads, hd=hd):
+            to = args["transformer_options"]
+            ctx = to.get(CTX_KEY)
+            if ctx is not None and ctx.sparse:
+                x = args["img"]
+                shift, scale = blk.adaln_proj(args["t_emb"])[:2]
+                h = _mod_scale_shift(blk.norm1(x), shift, scale, args["mod_segments"])
+                g = F.linear(h, w.to(device=h.device, dtype=h.dtype))
+                g = g.view(h.shape[0], heads, hd).transpose(0, 1).unsqueeze(0)
+                to = dict(to)
+                to[GATE_KEY] = g
+                args = dict(args, transformer_options=to)
+            if prev is not None:
+                return prev(args, extra)
+            return extra["original_block"](args)
+
+        m.set_model_patch_replace(replace, "dit", "double_block", i)
+
+
+NODES = [DitKitSparseAttention]

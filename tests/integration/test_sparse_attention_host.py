@@ -1,0 +1,165 @@
+"""DitKitSparseAttention in the real ComfyUI 0.33 host (in process, CPU) on the tiny FastH3 checkpoint.
+
+Sampling with the node must equal an oracle-backed run (dense float64 SDPA with the equivalent token mask and
+an independently computed tile selection) and differ from dense sampling only by that approximation.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import types
+
+import pytest
+import torch
+
+W, H, LENGTH, TEXT = 256, 256, 22, 10           # -> video grid (7, 8, 8) = 8 cubes; audio 37 -> 74 rows
+KEEP = 0.25
+
+
+@pytest.fixture(scope="module")
+def env(comfy, tmp_path_factory):
+    import comfy.sd
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+    from ditkit.testing.checkpoints import generate_all
+    from ditkit.testing.ckpt_h3 import CONFIG
+
+    torch.set_num_threads(1)
+    out = generate_all(tmp_path_factory.mktemp("vsa_ckpt"), only=["h3_dit_fasth3"])
+    path = out["h3_dit_fasth3"][0]
+    model = comfy.sd.load_diffusion_model(str(path))
+    latent = EmptyMiniMaxH3LatentAV.execute(W, H, LENGTH).result[0]
+    cond = [[torch.randn(1, TEXT, CONFIG["text_dim"], generator=torch.Generator().manual_seed(0)), {}]]
+    return types.SimpleNamespace(model=model, latent=latent, cond=cond, path=path)
+
+
+def _sample(env, model, steps=2):
+    import nodes
+
+    r = nodes.common_ksampler(model, 7, steps, 1.0, "euler", "simple", env.cond, env.cond, env.latent)[0]
+    return [t.clone() for t in r["samples"].unbind()]
+
+
+def _tile_ids(prefix, grid):
+    """Tile of each packed row, from the VSA-H3 definition (independent of ditkit.kernels)."""
+    ids, n = [], 0
+    for seg in prefix:
+        ids += [n + j // 64 for j in range(seg)]
+        n += math.ceil(seg / 64)
+    t, h, w = grid
+    nh, nw = math.ceil(h / 4), math.ceil(w / 4)
+    ids += [n + (a // 4) * nh * nw + (b // 4) * nw + c // 4 for a in range(t) for b in range(h) for c in range(w)]
+    return torch.tensor(ids), n, math.ceil(t / 4) * nh * nw
+
+
+def _oracle_override(keep, prefix, grid, seen):
+    tid, npre, nvid = _tile_ids(prefix, grid)
+    S = tid.numel()
+    T = npre + nvid
+    onehot = torch.zeros(T, S, dtype=torch.float64)
+    onehot[tid, torch.arange(S)] = 1.0
+    onehot /= onehot.sum(1, keepdim=True)
+    k_vid = max(1, min(nvid, math.ceil(round(keep * nvid, 9))))
+
+    def override(func, q, k, v, heads, *a, mask=None, skip_reshape=False, transformer_options=None, **kw):
+        if q.shape[2] != S:
+            return func(q, k, v, heads, *a, mask=mask, skip_reshape=skip_reshape,
+                        transformer_options=transformer_options, **kw)
+        seen["calls"] += 1
+        qd, kd, vd = (x.double() for x in (q, k, v))
+        sc = (onehot @ qd) @ (onehot @ kd).transpose(-1, -2) / math.sqrt(q.shape[-1])
+        m = torch.zeros(sc.shape, dtype=torch.bool)
+        m.scatter_(-1, sc[..., npre:].topk(k_vid, -1).indices + npre, True)
+        m[..., :npre] = True
+        m[:, :, :npre, :] = True
+        out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=m[:, :, tid][:, :, :, tid])
+        gate = (transformer_options or {}).get("ditkit_vsa_gate")
+        if gate is not None:
+            out = out + (torch.softmax(sc, -1) @ (onehot @ vd))[:, :, tid] * gate.double()
+        B, Hh, _, D = out.shape
+        return out.to(q.dtype).transpose(1, 2).reshape(B, S, Hh * D)
+
+    return override
+
+
+def _maxdiff(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_sparse_sampling_equals_oracle(env, caplog, with_gate):
+    from ditkit.loaders.safetensors_io import load_file
+    from ditkit.nodes.sparse_attention import GATE_ATTACHMENT, DitKitSparseAttention
+
+    base = env.model
+    if with_gate:
+        base = env.model.clone()
+        sd = load_file(env.path, keys=[f"blocks.{i}.attn.to_gate_compress.weight" for i in range(2)])
+        base.set_attachments(GATE_ATTACHMENT, {i: sd[f"blocks.{i}.attn.to_gate_compress.weight"].float()
+                                               for i in range(2)})
+    before = repr(base.model_options)
+    with caplog.at_level(logging.INFO, logger="ditkit"):
+        sparse_model = DitKitSparseAttention.execute(base, recipe="custom", keep_percent=KEEP * 100,
+                                                     backend="reference").result[0]
+        assert repr(base.model_options) == before, "the input model must not change"
+        dense = _sample(env, base)
+        sparse = _sample(env, sparse_model)
+    oracle_model = sparse_model.clone()
+    seen = {"calls": 0}
+    prefix, grid = (TEXT, 74), (7, 8, 8)
+    oracle_model.model_options["transformer_options"]["optimized_attention_override"] = _oracle_override(
+        KEEP, prefix, grid, seen)
+    oracle = _sample(env, oracle_model)
+    assert seen["calls"] == 2 * 2, "oracle must have handled every packed DiT attention call (2 blocks x 2 steps)"
+    d_or = _maxdiff(sparse, oracle)
+    d_dense = _maxdiff(oracle, dense)
+    assert d_or < 1e-4, f"sparse vs oracle {d_or}"
+    assert d_dense > 100 * max(d_or, 1e-7), f"sparse approximation too small to test (dense vs oracle {d_dense})"
+    run = [r for r in caplog.records if "DitKitSparseAttention" in r.getMessage() and " run:" in r.getMessage()]
+    assert run, "the run report must be logged"
+    msg = run[-1].getMessage()
+    assert "backend reference" in msg and "steps sparse 2 / dense 0" in msg
+    assert ("gate to_gate_compress (loader attachment)" in msg) == with_gate
+
+
+def test_sigma_window_chaining_and_refiner(env, caplog):
+    """start_percent makes early steps dense; those calls go to the override that was already installed."""
+    from ditkit.nodes.sparse_attention import DitKitSparseAttention
+
+    base = env.model.clone()
+    calls = {"n": 0}
+
+    def prior(func, *a, **kw):
+        calls["n"] += 1
+        return func(*a, **kw)
+
+    base.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = prior
+    with caplog.at_level(logging.INFO, logger="ditkit"):
+        m = DitKitSparseAttention.execute(base, recipe="FastH3 8-step V2 (keep 20%)", start_percent=0.5,
+                                          backend="auto").result[0]
+        _sample(env, m, steps=4)
+    msgs = [r.getMessage() for r in caplog.records if "DitKitSparseAttention" in r.getMessage()]
+    assert any("chains previous attention override" in s for s in msgs)
+    run = [s for s in msgs if " run:" in s][-1]
+    import comfy.samplers
+
+    ms = base.get_model_object("model_sampling")
+    sig = comfy.samplers.calculate_sigmas(ms, "simple", 4)[:-1]
+    n_dense = int((sig > ms.percent_to_sigma(0.5) + 1e-6).sum())
+    assert 0 < n_dense < 4
+    assert f"steps sparse {4 - n_dense} / dense {n_dense}" in run
+    assert f"outside start/end percent: {2 * n_dense}" in run
+    assert calls["n"] == 2 * n_dense, "dense calls must reach the previously installed override"
+
+
+def test_refuses_non_h3_and_bad_backend(env):
+    from ditkit.errors import BackendError, UnsupportedModelError
+    from ditkit.nodes.sparse_attention import DitKitSparseAttention
+
+    fake = types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=torch.nn.Linear(2, 2)))
+    with pytest.raises(UnsupportedModelError, match="MiniMax H3"):
+        DitKitSparseAttention.execute(fake)
+    before = repr(env.model.model_options)
+    with pytest.raises(BackendError, match="flashinfer"):
+        DitKitSparseAttention.execute(env.model, backend="flashinfer")
+    assert repr(env.model.model_options) == before
