@@ -1,0 +1,332 @@
+"""LoKr core: parsing every writer's naming, mapping onto ComfyUI's fused Z-Image / FLUX.2 weights, exactness
+against an independent float64 oracle, and bad input.
+
+The oracle rebuilds ΔW from the raw file tensors in float64 with an explicit outer-product Kronecker
+(no torch.kron, no ditkit code) and the scale the test itself chose when it wrote the module.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ditkit.errors import AdapterError, UnsupportedModelError
+from ditkit.loaders import lokr as core
+from ditkit.loaders.lokr_math import factorization
+from ditkit.testing import ckpt_image as ci
+
+G = torch.Generator().manual_seed(1234)
+
+
+def shapes_of(fam: str) -> dict[str, tuple[int, ...]]:
+    s = ci.zimage_shapes() if fam == "zimage" else ci.flux2_shapes()
+    return {f"diffusion_model.{k.replace('.scale', '.weight')}": v for k, v in s.items()}
+
+
+def base_weights(shapes, keys) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {k: torch.randn(shapes[k], generator=g) for k in sorted(set(keys))}
+
+
+def kron64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = a.double(), b.double()
+    return (a[:, None, :, None] * b[None, :, None, :]).reshape(a.shape[0] * b.shape[0], a.shape[1] * b.shape[1])
+
+
+def oracle_delta(f: dict) -> torch.Tensor:
+    w1 = f["lokr_w1"].double() if "lokr_w1" in f else f["lokr_w1_a"].double() @ f["lokr_w1_b"].double()
+    if "lokr_w2" in f:
+        w2 = f["lokr_w2"].double()
+    elif "lokr_t2" in f:  # 2-D Tucker core: w2[p, r] = sum_ij t2[i, j] a[i, p] b[j, r]
+        t2, a, b = f["lokr_t2"].double(), f["lokr_w2_a"].double(), f["lokr_w2_b"].double()
+        w2 = a.T @ t2 @ b
+    else:
+        w2 = f["lokr_w2_a"].double() @ f["lokr_w2_b"].double()
+    return kron64(w1, w2)
+
+
+def make_module(out_f, in_f, kind: str, factor: int, rank=4, alpha=2.0, dtype=torch.float32):
+    """Returns (suffix -> tensor, expected LyCORIS scale)."""
+    out_l, out_k = factorization(out_f, factor)
+    in_m, in_n = factorization(in_f, factor)
+    r = lambda *s: (torch.randn(*s, generator=G) * 0.1).to(dtype)  # noqa: E731
+    f: dict[str, torch.Tensor] = {}
+    if kind == "full":
+        f = {"lokr_w1": r(out_l, in_m), "lokr_w2": r(out_k, in_n), "alpha": torch.tensor(1e10)}
+        return f, 1.0
+    if kind == "w2lr":
+        f = {"lokr_w1": r(out_l, in_m), "lokr_w2_a": r(out_k, rank), "lokr_w2_b": r(rank, in_n), "alpha": torch.tensor(alpha)}
+    elif kind == "both":
+        f = {"lokr_w1_a": r(out_l, rank), "lokr_w1_b": r(rank, in_m), "lokr_w2_a": r(out_k, rank),
+             "lokr_w2_b": r(rank, in_n), "alpha": torch.tensor(alpha)}
+    elif kind == "tucker":
+        f = {"lokr_w1": r(out_l, in_m), "lokr_w2_a": r(rank, out_k), "lokr_w2_b": r(rank, in_n),
+             "lokr_t2": r(rank, rank), "alpha": torch.tensor(alpha)}
+    return f, alpha / rank
+
+
+def name_for(fmt: str, fam: str, dotted: str) -> str:
+    u = dotted.replace(".", "_")
+    return {"lycoris": f"lycoris_{u}", "kohya": f"lora_unet_{u}", "musubi": f"lora_unet_{u}",
+            "onetrainer": f"lora_transformer_{u}", "peft": f"base_model.model.{dotted}",
+            "aitoolkit": f"diffusion_model.{dotted}", "simpletuner": f"transformer.{dotted}", "bare": dotted}[fmt]
+
+
+# module names per model: (adapter name, comfy weight, row range or None, naming family)
+def zimage_modules():
+    d = ci.ZIMAGE["dim"]
+    return [
+        ("layers.0.attention.to_q", "layers.0.attention.qkv", (0, d)),
+        ("layers.0.attention.to_k", "layers.0.attention.qkv", (d, 2 * d)),
+        ("layers.0.attention.to_v", "layers.0.attention.qkv", (2 * d, 3 * d)),
+        ("layers.1.attention.qkv", "layers.1.attention.qkv", None),  # fused (ComfyUI TrainLora / kohya)
+        ("noise_refiner.0.attention.to_out.0", "noise_refiner.0.attention.out", None),
+        ("context_refiner.1.feed_forward.w2", "context_refiner.1.feed_forward.w2", None),
+        ("layers.1.adaLN_modulation.0", "layers.1.adaLN_modulation.0", None),
+        ("all_final_layer.2-1.linear", "final_layer.linear", None),
+    ]
+
+
+def flux2_modules():
+    h = ci.FLUX2["hidden"]
+    return [
+        ("transformer_blocks.0.attn.to_q", "double_blocks.0.img_attn.qkv", (0, h)),
+        ("transformer_blocks.0.attn.add_v_proj", "double_blocks.0.txt_attn.qkv", (2 * h, 3 * h)),
+        ("double_blocks.1.img_attn.qkv", "double_blocks.1.img_attn.qkv", None),  # BFL fused
+        ("single_blocks.0.linear1", "single_blocks.0.linear1", None),            # BFL fused q,k,v,mlp
+        ("single_transformer_blocks.1.attn.to_k", "single_blocks.1.linear1", (h, 2 * h)),
+        ("single_transformer_blocks.1.proj_mlp", "single_blocks.1.linear1", (3 * h, 9 * h)),  # FLUX.2: 6h
+        ("single_transformer_blocks.0.attn.to_out", "single_blocks.0.linear2", None),
+        ("double_stream_modulation_img.linear", "double_stream_modulation_img.lin", None),
+        ("single_stream_modulation.linear", "single_stream_modulation.lin", None),
+        ("time_guidance_embed.timestep_embedder.linear_1", "time_in.in_layer", None),
+        ("time_guidance_embed.guidance_embedder.linear_2", "guidance_in.out_layer", None),
+        ("transformer_blocks.1.ff_context.linear_in", "double_blocks.1.txt_mlp.0", None),
+    ]
+
+
+DIFFUSERS_ONLY = ("lycoris", "onetrainer", "simpletuner", "bare", "peft")
+FORMATS = ["lycoris", "kohya", "musubi", "onetrainer", "peft", "aitoolkit", "simpletuner", "bare"]
+KINDS = ["full", "w2lr", "both", "tucker"]
+
+
+def build_file(fam, fmt, kinds, factors):
+    """An adapter state dict + the test's own expectation list [(weight_key, rows, delta64 * scale)]."""
+    shapes = shapes_of(fam)
+    mods = zimage_modules() if fam == "zimage" else flux2_modules()
+    sd: dict[str, torch.Tensor] = {}
+    expect = []
+    for i, (name, comfy, rows) in enumerate(mods):
+        native = name == comfy or name.endswith("linear1_qkv")
+        bfl_only = name.startswith(("double_blocks", "single_blocks")) or name == "layers.1.attention.qkv"
+        if fmt == "kohya" and not native:
+            continue  # kohya/ComfyUI naming = ComfyUI (BFL) module paths
+        if fmt in DIFFUSERS_ONLY and bfl_only:
+            continue  # diffusers-naming writers only write diffusers module names
+        wk = f"diffusion_model.{comfy}.weight"
+        o, n = shapes[wk]
+        if rows is not None:
+            o = rows[1] - rows[0]
+        kind = kinds[i % len(kinds)]
+        f, scale = make_module(o, n, kind, factors[i % len(factors)])
+        key = name_for(fmt, fam, name)
+        for suf, t in f.items():
+            if fmt == "peft" and suf == "alpha":
+                continue
+            sd[f"{key}.{suf}"] = t
+        if fmt == "peft":
+            scale = 8.0 / 4.0  # config alpha 8, r 4: PEFT scales alpha/r always (also full-rank)
+        if fmt == "musubi":
+            sd[f"{key}.lokr_factor"] = torch.tensor(factors[i % len(factors)])
+        expect.append((wk, rows, oracle_delta(f) * scale))
+    return sd, expect
+
+
+def apply_core(plan, base, strength):
+    out = {k: v.clone() for k, v in base.items()}
+    for it in plan.items:
+        d = core.module_delta(it) * strength
+        t = it.target
+        if t.rows is None:
+            out[t.weight_key] += d
+        else:
+            out[t.weight_key][t.rows[0]:t.rows[1]] += d
+    return out
+
+
+def expected(base, expect, strength):
+    out = {k: v.double().clone() for k, v in base.items()}
+    for wk, rows, d in expect:
+        if rows is None:
+            out[wk] += strength * d
+        else:
+            out[wk][rows[0]:rows[1]] += strength * d
+    return out
+
+
+def max_rel(got: dict, ref: dict) -> float:
+    worst = 0.0
+    for k in ref:
+        err = (got[k].double() - ref[k]).abs().max().item()
+        worst = max(worst, err / max(ref[k].abs().max().item(), 1e-30))
+    return worst
+
+
+@pytest.mark.parametrize("fam", ["zimage", "flux2"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("factors", [(8, 16), (-1,), (3, 6)], ids=["pow2-misaligned", "factor-1", "aligned"])
+def test_exact_every_format(fam, fmt, factors):
+    sd, expect = build_file(fam, fmt, KINDS, factors)
+    assert expect, "test built no modules"
+    peft_cfg = {"r": 4, "alpha": 8} if fmt == "peft" else None
+    parsed = core.parse_lokr(sd, peft_config=peft_cfg)
+    shapes = shapes_of(fam)
+    plan = core.plan(parsed, shapes)
+    musubi_meta = {k for k in sd if k.endswith(".lokr_factor")}
+    assert set(plan.unused) == set(), plan.unused
+    assert not plan.refused
+    assert len(plan.items) == len(expect)
+    base = base_weights(shapes, [wk for wk, _, _ in expect])
+    got = apply_core(plan, base, 0.75)
+    ref = expected(base, expect, 0.75)
+    assert max_rel(got, ref) <= 1e-6
+    assert all(k in {kk for it in plan.items for kk in it.module.keys} for k in musubi_meta)
+
+
+def test_writer_detection():
+    assert core.detect_writer(["lycoris_layers_0_attention_to_q.lokr_w1"]) == "lycoris"
+    assert core.detect_writer(["lora_unet_x.lokr_w1", "lora_unet_x.lokr_factor"]) == "musubi-tuner"
+    assert core.detect_writer(["base_model.model.x.lokr_w1"]) == "peft"
+    assert core.detect_writer(["lora_transformer_x.lokr_w1"]) == "onetrainer"
+
+
+def test_alignment_of_the_factor_shapes_used():
+    """The exactness suite covers both cases: a power-of-two factor on fused qkv splits q/k/v inside a
+    Kronecker row block (misaligned: no single-LoKr slice exists), factor -1 / 3 give aligned blocks."""
+    d = ci.ZIMAGE["dim"]
+    out_l, out_k = factorization(3 * d, 8)
+    assert d % out_k != 0  # misaligned
+    assert d % factorization(3 * d, -1)[1] == 0 and d % factorization(3 * d, 3)[1] == 0  # aligned
+    h = ci.FLUX2["hidden"]
+    assert h % factorization(9 * h, 16)[1] != 0
+
+
+def test_conv_tucker_delta_exact():
+    """Tucker (lokr_t2) on a conv-shaped weight (LyCORIS layout) — core math vs float64 einsum oracle."""
+    from ditkit.loaders.lokr_math import delta_weight
+
+    r, out_k, in_n, k = 3, 4, 6, 3
+    f = {"lokr_w1": torch.randn(2, 2, generator=G), "lokr_w2_a": torch.randn(r, out_k, generator=G),
+         "lokr_w2_b": torch.randn(r, in_n, generator=G), "lokr_t2": torch.randn(r, r, k, k, generator=G)}
+    # make t2 non-contiguous like a transposed checkpoint tensor (torch.kron fails on those in torch 2.14)
+    f["lokr_t2"] = f["lokr_t2"].transpose(2, 3).contiguous().transpose(2, 3)
+    got = delta_weight(f, (8, 12, k, k), 0.5)
+    t2, a, b = (f[x].double() for x in ("lokr_t2", "lokr_w2_a", "lokr_w2_b"))
+    w2 = torch.zeros(out_k, in_n, k, k, dtype=torch.float64)
+    for i in range(r):
+        for j in range(r):
+            w2 += t2[i, j][None, None] * (a[i][:, None] * b[j][None, :])[:, :, None, None]
+    w1 = f["lokr_w1"].double()
+    ref = (w1[:, None, :, None, None, None] * w2[None, :, None, :, :, :]).reshape(8, 12, k, k) * 0.5
+    assert (got.double() - ref).abs().max().item() / ref.abs().max().item() <= 1e-6
+
+
+def test_norm_out_swap_and_global_modulation():
+    shapes = shapes_of("flux2")
+    h = ci.FLUX2["hidden"]
+    f, _ = make_module(2 * h, h, "full", 8)
+    sd = {f"transformer.norm_out.linear.{k}": v for k, v in f.items()}
+    plan = core.plan(core.parse_lokr(sd), shapes)
+    (it,) = plan.items
+    assert it.target.weight_key == "diffusion_model.final_layer.adaLN_modulation.1.weight"
+    d = core.module_delta(it).double()
+    ref = oracle_delta(f)
+    assert torch.allclose(d[:h], ref[h:], rtol=1e-6, atol=1e-9) and torch.allclose(d[h:], ref[:h], rtol=1e-6, atol=1e-9)
+
+
+def test_proj_mlp_uses_flux2_width():
+    tm = core.build_targets(shapes_of("flux2"))
+    h = ci.FLUX2["hidden"]
+    t = tm.names["single_transformer_blocks.0.proj_mlp"]
+    assert t.rows == (3 * h, 9 * h) and t.shape == (6 * h, h)
+
+
+def test_scale_rules():
+    out, inn = 64, 32
+    full, _ = make_module(out, inn, "full", 8)
+    lr, _ = make_module(out, inn, "w2lr", 8, rank=4, alpha=2.0)
+    sd = {f"lycoris_a.{k}": v for k, v in full.items()} | {f"lycoris_b.{k}": v for k, v in lr.items()}
+    p = core.parse_lokr(sd)
+    assert p.modules["lycoris_a"].scale == 1.0  # ai-toolkit 1e10 placeholder ignored
+    assert p.modules["lycoris_b"].scale == 0.5
+    del lr["alpha"]
+    p = core.parse_lokr({f"lycoris_b.{k}": v for k, v in lr.items()})
+    assert p.modules["lycoris_b"].scale == 1.0  # LyCORIS: missing alpha = rank
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _one(fam="zimage", **kw):
+    d = ci.ZIMAGE["dim"]
+    f, _ = make_module(d, d, "w2lr", 8, **kw)
+    return {f"diffusion_model.layers.0.attention.to_q.{k}": v for k, v in f.items()}
+
+
+def test_shape_mismatch_names_key():
+    f, _ = make_module(2 * ci.ZIMAGE["dim"], ci.ZIMAGE["dim"], "full", 8)
+    sd = {f"diffusion_model.layers.0.attention.to_q.{k}": v for k, v in f.items()}
+    with pytest.raises(AdapterError, match=r"diffusion_model\.layers\.0\.attention\.to_q.*shape"):
+        core.plan(core.parse_lokr(sd), shapes_of("zimage"))
+
+
+def test_other_family_is_error():
+    f, _ = make_module(320, 320, "full", 8)
+    sd = {f"lora_unet_down_blocks_0_attentions_0_proj_in.{k}": v for k, v in f.items()}
+    with pytest.raises(AdapterError, match="no LoKr module applies.*UNet"):
+        core.plan(core.parse_lokr(sd), shapes_of("flux2"))
+    # a FLUX.2 adapter on Z-Image
+    sd, _ = build_file("flux2", "aitoolkit", ["full"], (8,))
+    with pytest.raises(AdapterError, match="FLUX"):
+        core.plan(core.parse_lokr(sd), shapes_of("zimage"))
+
+
+def test_nan_inf_names_key():
+    sd = _one()
+    sd["diffusion_model.layers.0.attention.to_q.lokr_w2_b"][0, 0] = float("nan")
+    with pytest.raises(AdapterError, match=r"to_q\.lokr_w2_b.*NaN"):
+        core.plan(core.parse_lokr(sd), shapes_of("zimage"))
+    sd = _one()
+    sd["diffusion_model.layers.0.attention.to_q.lokr_w1"][0, 0] = float("inf")
+    with pytest.raises(AdapterError, match=r"to_q\.lokr_w1.*Inf"):
+        core.plan(core.parse_lokr(sd), shapes_of("zimage"))
+
+
+def test_alpha_zero_names_key():
+    sd = _one()
+    sd["diffusion_model.layers.0.attention.to_q.alpha"] = torch.tensor(0.0)
+    with pytest.raises(AdapterError, match=r"to_q\.alpha"):
+        core.parse_lokr(sd)
+
+
+def test_dora_refused_by_name_and_all_refused_is_error():
+    sd = _one()
+    sd["diffusion_model.layers.0.attention.to_q.dora_scale"] = torch.ones(ci.ZIMAGE["dim"], 1)
+    with pytest.raises(AdapterError, match="DoRA"):
+        core.plan(core.parse_lokr(sd), shapes_of("zimage"))
+    ok, _ = build_file("zimage", "aitoolkit", ["full"], (8,))
+    plan = core.plan(core.parse_lokr(ok | sd), shapes_of("zimage"))
+    assert "diffusion_model.layers.0.attention.to_q" in plan.refused
+    assert "DoRA" in plan.refused["diffusion_model.layers.0.attention.to_q"]
+
+
+def test_unknown_keys_reported_with_reason():
+    ok, _ = build_file("zimage", "aitoolkit", ["full"], (8,))
+    ok["diffusion_model.layers.0.attention.to_q.lora_down.weight"] = torch.zeros(4, 4)
+    f, _ = make_module(64, 64, "full", 8)
+    ok |= {f"diffusion_model.not_a_layer.{k}": v for k, v in f.items()}
+    plan = core.plan(core.parse_lokr(ok), shapes_of("zimage"))
+    assert "not a LoKr tensor" in plan.unused["diffusion_model.layers.0.attention.to_q.lora_down.weight"]
+    assert "matches no zimage weight" in plan.unused["diffusion_model.not_a_layer.lokr_w1"]
+
+
+def test_unsupported_model():
+    with pytest.raises(UnsupportedModelError):
+        core.build_targets({"diffusion_model.input_blocks.0.0.weight": (320, 4, 3, 3)})
