@@ -41,3 +41,7 @@ def describe_file(path) -> str:
 
 class WorkflowError(DitKitError):
     """A workflow file cannot be converted or checked (unknown node class, missing link, bad widget values)."""
+
+
+class CacheStackError(DitKitError):
+    """A step cache was asked to stack on another one (EasyCache, LazyCache or another ditkit cache)."""

@@ -1,0 +1,311 @@
+"""TeaCache coefficient files: schema, strict loading, fingerprints and the mismatch guard.
+
+A coefficient file is a small versioned JSON document (``format`` ``ditkit.teacache.coefficients``,
+``version`` 1)::
+
+    {"format": "ditkit.teacache.coefficients", "version": 1,
+     "family": "h3",                                 # h3 | ltx2 | zimage | flux2
+     "streams": {"video": {"coefficients": [a4, a3, a2, a1, a0],   # numpy poly1d order, highest first
+                           "x_range": [lo, hi] | null,             # rel-L1 range seen while fitting
+                           "fit": {"r2": .., "rmse": .., "max_abs_residual": .., "n_pairs": ..} | null},
+                 "audio": {...}},
+     "calibration": {"n_prompts": .., "n_runs": .., "n_pairs": .., "steps": [..]} | null,
+     "fingerprint": {"family": "h3", "model": {"weights_sha256": .., "class": ..} | null,
+                     "sampler": .., "steps": .., "sigmas": [..] | null, "shifts": {..}, "cfg": .., "guidance": ..},
+     "provenance": {"source": "..", "kind": "calibrated" | "borrowed", "created": "..", "note": ".."}}
+
+Everything here is plain Python/torch. Paths are resolved by the nodes; this module takes paths.
+Bad files raise :class:`~ditkit.errors.CoefficientError` naming the file, the key and the value.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..errors import CheckpointError, CoefficientError
+from ..loaders.safetensors_io import strict_json_loads
+
+FORMAT = "ditkit.teacache.coefficients"
+VERSION = 1
+MAX_FILE_BYTES = 4 * 1024 * 1024
+MAX_DEGREE = 10
+
+# streams each family's runtime measures (the order is the report order)
+FAMILY_STREAMS: dict[str, tuple[str, ...]] = {
+    "h3": ("video", "audio"),
+    "ltx2": ("video", "audio"),
+    "zimage": ("image",),
+    "flux2": ("image",),
+}
+FAMILY_NAMES = {"h3": "MiniMax H3", "ltx2": "LTX-2 (audio-video)", "zimage": "Z-Image", "flux2": "FLUX.2"}
+
+DEFAULTS_DIR = Path(__file__).resolve().parent / "defaults"
+SIGMA_TOL = 1e-4
+
+
+@dataclass(frozen=True)
+class StreamCoefficients:
+    name: str
+    coefficients: tuple[float, ...]  # highest order first (numpy poly1d)
+    x_range: tuple[float, float] | None = None
+    fit: dict | None = None
+
+    def rescale(self, x: float) -> tuple[float, bool]:
+        """Polynomial rescale of one rel-L1 value; x is clamped into ``x_range`` (no extrapolation).
+        Returns (value, clamped)."""
+        clamped = False
+        if self.x_range is not None:
+            lo, hi = self.x_range
+            if x < lo or x > hi:
+                clamped = True
+                x = min(max(x, lo), hi)
+        y = 0.0
+        for c in self.coefficients:
+            y = y * x + c
+        return y, clamped
+
+    def as_dict(self) -> dict:
+        return {"coefficients": list(self.coefficients),
+                "x_range": list(self.x_range) if self.x_range is not None else None,
+                "fit": self.fit}
+
+
+@dataclass
+class CoefficientFile:
+    family: str
+    streams: dict[str, StreamCoefficients]
+    fingerprint: dict
+    provenance: dict
+    calibration: dict | None = None
+    path: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return str(self.provenance.get("kind", "calibrated"))
+
+    def as_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "family": self.family,
+                "streams": {k: v.as_dict() for k, v in self.streams.items()},
+                "calibration": self.calibration, "fingerprint": self.fingerprint, "provenance": self.provenance}
+
+    def describe(self) -> str:
+        src = self.provenance.get("source", "?")
+        return f"{os.path.basename(self.path) if self.path else '<memory>'} ({self.kind}, {FAMILY_NAMES.get(self.family, self.family)}, source: {src})"
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+
+
+def _err(where: str, key: str, msg: str) -> CoefficientError:
+    return CoefficientError(f"TeaCache coefficient file {where}: {key}: {msg}")
+
+
+def parse(obj: Any, where: str) -> CoefficientFile:
+    """Validate a parsed JSON document and build a :class:`CoefficientFile`."""
+    if not isinstance(obj, dict):
+        raise _err(where, "<root>", f"expected a JSON object, got {type(obj).__name__}")
+    fmt = obj.get("format")
+    if fmt != FORMAT:
+        raise _err(where, "format", f"is {fmt!r}, expected {FORMAT!r} (not a ditkit TeaCache coefficient file)")
+    ver = obj.get("version")
+    if ver != VERSION:
+        raise _err(where, "version", f"is {ver!r}; this ditkit reads version {VERSION} only "
+                   "(re-run DitKitTeaCacheCalibrate or `python -m ditkit.cache.calibrate` to rewrite it)")
+    family = obj.get("family")
+    if family not in FAMILY_STREAMS:
+        raise _err(where, "family", f"is {family!r}, expected one of {sorted(FAMILY_STREAMS)}")
+    streams_obj = obj.get("streams")
+    if not isinstance(streams_obj, dict) or not streams_obj:
+        raise _err(where, "streams", "must be a non-empty object mapping stream name -> coefficients")
+    streams: dict[str, StreamCoefficients] = {}
+    for name, s in streams_obj.items():
+        if name not in FAMILY_STREAMS[family]:
+            raise _err(where, f"streams.{name}", f"is not a stream of family {family!r} (expected {list(FAMILY_STREAMS[family])})")
+        if not isinstance(s, dict):
+            raise _err(where, f"streams.{name}", "must be an object")
+        coeffs = s.get("coefficients")
+        if not isinstance(coeffs, list) or not (1 <= len(coeffs) <= MAX_DEGREE + 1):
+            raise _err(where, f"streams.{name}.coefficients", f"must be a list of 1..{MAX_DEGREE + 1} numbers, got {coeffs!r}")
+        for i, c in enumerate(coeffs):
+            if not _finite(c):
+                raise _err(where, f"streams.{name}.coefficients[{i}]", f"is {c!r}; coefficients must be finite numbers")
+        xr = s.get("x_range")
+        x_range = None
+        if xr is not None:
+            if not (isinstance(xr, list) and len(xr) == 2 and all(_finite(v) for v in xr) and xr[0] <= xr[1] and xr[0] >= 0):
+                raise _err(where, f"streams.{name}.x_range", f"must be null or [lo, hi] with 0 <= lo <= hi finite, got {xr!r}")
+            x_range = (float(xr[0]), float(xr[1]))
+        fit = s.get("fit")
+        if fit is not None and not isinstance(fit, dict):
+            raise _err(where, f"streams.{name}.fit", "must be null or an object")
+        streams[name] = StreamCoefficients(name, tuple(float(c) for c in coeffs), x_range, fit)
+    if FAMILY_STREAMS[family][0] not in streams:
+        raise _err(where, "streams", f"family {family!r} needs at least the {FAMILY_STREAMS[family][0]!r} stream")
+    fp = obj.get("fingerprint")
+    if not isinstance(fp, dict):
+        raise _err(where, "fingerprint", "must be an object")
+    if fp.get("family") != family:
+        raise _err(where, "fingerprint.family", f"is {fp.get('family')!r} but the file's family is {family!r}")
+    sig = fp.get("sigmas")
+    if sig is not None and not (isinstance(sig, list) and all(_finite(v) for v in sig)):
+        raise _err(where, "fingerprint.sigmas", "must be null or a list of finite numbers")
+    prov = obj.get("provenance")
+    if not isinstance(prov, dict) or not isinstance(prov.get("source"), str) or not prov.get("source"):
+        raise _err(where, "provenance.source", "every coefficient file must state where its coefficients come from")
+    if prov.get("kind", "calibrated") not in ("calibrated", "borrowed"):
+        raise _err(where, "provenance.kind", f"is {prov.get('kind')!r}, expected 'calibrated' or 'borrowed'")
+    cal = obj.get("calibration")
+    if cal is not None and not isinstance(cal, dict):
+        raise _err(where, "calibration", "must be null or an object")
+    return CoefficientFile(family, streams, fp, prov, cal)
+
+
+def load(path: str | os.PathLike) -> CoefficientFile:
+    path = os.fspath(path)
+    where = f"'{path}'"
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise CoefficientError(f"TeaCache coefficient file {where} cannot be read ({e.strerror or e})") from None
+    if size > MAX_FILE_BYTES:
+        raise CoefficientError(f"TeaCache coefficient file {where} is {size} bytes (> {MAX_FILE_BYTES}); not a coefficient file")
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CoefficientError(f"TeaCache coefficient file {where} is not UTF-8 text ({e})") from None
+    try:
+        obj = strict_json_loads(text, f"TeaCache coefficient file {where}")
+    except CheckpointError as e:
+        raise CoefficientError(str(e)) from None
+    cf = parse(obj, where)
+    cf.path = path
+    return cf
+
+
+def save(cf: CoefficientFile, path: str | os.PathLike) -> str:
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(cf.as_dict(), f, indent=1, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
+    cf.path = path
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- shipped defaults
+
+def shipped_defaults() -> dict[str, Path]:
+    """Name -> path of the coefficient files shipped in ``cache/defaults`` (each states its provenance)."""
+    if not DEFAULTS_DIR.is_dir():
+        return {}
+    return {p.stem: p for p in sorted(DEFAULTS_DIR.glob("*.json"))}
+
+
+# ---------------------------------------------------------------------------------------------- fingerprints
+
+def weights_fingerprint(named_tensors: Iterable[tuple[str, Any]], sample_elems: int = 64) -> dict:
+    """Identity of a model from its weights: sha256 over sorted (name, shape, dtype) plus the first
+    ``sample_elems`` values of every tensor (as float32). Tensors whose values cannot be read (meta, exotic
+    quantized types) contribute name/shape/dtype only and are counted in ``unread``."""
+    import torch
+
+    h = hashlib.sha256()
+    n = 0
+    numel = 0
+    unread = 0
+    for name, t in sorted(named_tensors, key=lambda kv: kv[0]):
+        shape = tuple(getattr(t, "shape", ()))
+        h.update(f"{name}|{shape}|{getattr(t, 'dtype', '?')}\n".encode())
+        n += 1
+        try:
+            numel += int(t.numel())
+            v = t.detach().reshape(-1)[:sample_elems].to(device="cpu", dtype=torch.float32).contiguous()
+            h.update(v.numpy().tobytes())
+        except Exception:  # noqa: BLE001 - counted; identity still covers names/shapes
+            unread += 1
+    return {"weights_sha256": h.hexdigest(), "n_tensors": n, "n_params": numel, "unread_tensors": unread}
+
+
+def sigmas_list(sigmas) -> list[float]:
+    return [round(float(s), 6) for s in sigmas]
+
+
+@dataclass
+class Mismatch:
+    field: str
+    expected: Any
+    got: Any
+    severity: str  # "error" | "warn"
+
+    def text(self) -> str:
+        return f"{self.field}: file has {self.expected!r}, this run has {self.got!r}"
+
+
+@dataclass
+class GuardResult:
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def warnings(self) -> list[str]:
+        return [m.text() for m in self.mismatches]
+
+
+def check_model(cf: CoefficientFile, family: str, model_fp: dict | None) -> GuardResult:
+    """Static part of the guard (at node execution): family must match (error), weights identity (warn)."""
+    g = GuardResult()
+    if cf.family != family:
+        g.mismatches.append(Mismatch("family", cf.family, family, "error"))
+        return g
+    want = (cf.fingerprint.get("model") or {}).get("weights_sha256")
+    got = (model_fp or {}).get("weights_sha256")
+    if cf.kind == "borrowed":
+        g.mismatches.append(Mismatch("model", f"borrowed coefficients ({cf.provenance.get('source')})",
+                                     "a model they were not fitted on", "warn"))
+    elif want and got and want != got:
+        g.mismatches.append(Mismatch("model.weights_sha256", want[:16], got[:16], "warn"))
+    elif not want:
+        g.mismatches.append(Mismatch("model.weights_sha256", None, (got or "?")[:16], "warn"))
+    return g
+
+
+def check_run(cf: CoefficientFile, run_fp: dict) -> GuardResult:
+    """Dynamic part of the guard (at sampling start): steps, schedule, sampler, guidance, shifts."""
+    g = GuardResult()
+    fp = cf.fingerprint
+    if fp.get("steps") is not None and run_fp.get("steps") != fp.get("steps"):
+        g.mismatches.append(Mismatch("steps", fp.get("steps"), run_fp.get("steps"), "warn"))
+    s_want, s_got = fp.get("sigmas"), run_fp.get("sigmas")
+    if s_want is not None and s_got is not None:
+        if len(s_want) != len(s_got):
+            if fp.get("steps") is None or run_fp.get("steps") == fp.get("steps"):
+                g.mismatches.append(Mismatch("sigmas", f"{len(s_want)} values", f"{len(s_got)} values", "warn"))
+        else:
+            d = max(abs(a - b) for a, b in zip(s_want, s_got)) if s_want else 0.0
+            if d > SIGMA_TOL:
+                g.mismatches.append(Mismatch("sigmas (schedule)", f"{s_want[:3]}...", f"{s_got[:3]}... (max |dsigma| {d:.4g})", "warn"))
+    for key in ("sampler", "cfg", "guidance"):
+        a, b = fp.get(key), run_fp.get(key)
+        if a is None or b is None:
+            continue
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            if abs(float(a) - float(b)) > 1e-6:
+                g.mismatches.append(Mismatch(key, a, b, "warn"))
+        elif a != b:
+            g.mismatches.append(Mismatch(key, a, b, "warn"))
+    shifts_a, shifts_b = fp.get("shifts") or {}, run_fp.get("shifts") or {}
+    for k in sorted(set(shifts_a) & set(shifts_b)):
+        if shifts_a[k] is not None and shifts_b[k] is not None and abs(float(shifts_a[k]) - float(shifts_b[k])) > 1e-6:
+            g.mismatches.append(Mismatch(f"shifts.{k}", shifts_a[k], shifts_b[k], "warn"))
+    return g

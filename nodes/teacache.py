@@ -1,0 +1,440 @@
+"""DitKitTeaCache / DitKitTeaCacheCalibrate: calibrated TeaCache for MiniMax H3, LTX-2, Z-Image and FLUX.2.
+
+Both nodes clone the MODEL and install, through ComfyUI hooks only:
+
+* ``WrappersMP.OUTER_SAMPLE`` (key ``ditkit_teacache``): a fresh per-sampling state, the run-fingerprint
+  guard, and the report (``send_report``) / pair-file writing + fit at the end of each sampling;
+* ``WrappersMP.DIFFUSION_MODEL``: per-call context (condition UUIDs, sigma) for the block hooks;
+* ``patches_replace["dit"]`` block replaces on every block of the stack (H3, LTX-2, FLUX.2), or, for Z-Image
+  (whose NextDiT layer loop has no block-replace hook in ComfyUI 0.33), an object patch of
+  ``diffusion_model.layers`` by a ModuleList of the same modules that routes each call through the replace.
+
+Coefficient files live in ``<output>/ditkit/teacache/`` (calibration writes ``<name>.json`` there and its
+pair files under ``<name>/``); shipped defaults (borrowed, with provenance) are addressed as ``shipped:<name>``.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+
+import comfy.model_patcher
+import comfy.patcher_extension
+import folder_paths
+from comfy_api.latest import io
+
+from ..cache import coefficients as coef
+from ..cache.calibrate import CalibrationRecorder, fit_files, load_pair_file, write_pair_file
+from ..cache.hooks import CALL_KEY, HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
+from ..cache.teacache import TeaCacheConfig, TeaCacheState
+from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
+from ._common import send_report, ui_report
+
+log = logging.getLogger("ditkit")
+
+NODE_TEACACHE = "DitKitTeaCache"
+NODE_CALIBRATE = "DitKitTeaCacheCalibrate"
+WRAPPER_KEY = "ditkit_teacache"
+FOREIGN_CACHE_KEYS = ("easycache", "lazycache")
+
+
+# ================================================================================================ helpers
+
+def teacache_dir() -> str:
+    return os.path.join(folder_paths.get_output_directory(), "ditkit", "teacache")
+
+
+def detect_family(model) -> str:
+    dm = model.model.diffusion_model
+    name = type(dm).__name__
+    if name == "MiniMaxH3Model":
+        return "h3"
+    if name == "LTXAVModel":
+        return "ltx2"
+    if name == "NextDiT" and getattr(dm, "layers", None) is not None and len(dm.layers) \
+            and getattr(dm.layers[0], "modulation", False) and getattr(dm.layers[0].adaLN_modulation[0], "in_features", 0) <= 256:
+        return "zimage"
+    if name == "Flux" and getattr(getattr(dm, "params", None), "global_modulation", False):
+        return "flux2"
+    raise UnsupportedModelError(
+        f"TeaCache: the model's diffusion model is {name!r}; ditkit TeaCache supports MiniMax H3 (MiniMaxH3Model), "
+        "LTX-2 audio-video (LTXAVModel), Z-Image (NextDiT with Z-Image modulation) and FLUX.2 (Flux with global modulation)")
+
+
+def check_not_stacked(model, node_id: str) -> None:
+    to = model.model_options.get("transformer_options", {})
+    found = []
+    for k in FOREIGN_CACHE_KEYS:
+        if k in to:
+            found.append(f"transformer_options['{k}'] (native EasyCache/LazyCache)")
+    for wtype, by_key in getattr(model, "wrappers", {}).items():
+        for k in by_key:
+            if k in FOREIGN_CACHE_KEYS:
+                found.append(f"{wtype} wrapper '{k}' (native EasyCache/LazyCache)")
+            elif isinstance(k, str) and k.startswith("ditkit_") and "cache" in k:
+                found.append(f"{wtype} wrapper '{k}' (a ditkit cache: DitKitTeaCache or DitKitTeaCacheCalibrate)")
+    if HOLDER_KEY in to:
+        found.append(f"transformer_options['{HOLDER_KEY}'] (a ditkit cache)")
+    if found:
+        raise CacheStackError(
+            f"{node_id}: this model already has a step cache installed ({'; '.join(sorted(set(found)))}). Step caches "
+            "skip the same computation and cannot be stacked; feed this node the model before EasyCache/LazyCache/"
+            "DitKitTeaCache(Calibrate), and use one cache only.")
+
+
+_FP_CACHE: dict[int, dict] = {}
+
+
+def model_fingerprint(model) -> dict:
+    dm = model.model.diffusion_model
+    key = id(dm)
+    fp = _FP_CACHE.get(key)
+    if fp is None:
+        fp = coef.weights_fingerprint(dm.state_dict().items())
+        fp["class"] = type(dm).__name__
+        _FP_CACHE[key] = fp
+    out = dict(fp)
+    patches = getattr(model, "patches", {}) or {}
+    if patches:
+        h = hashlib.sha256()
+        for k in sorted(patches):
+            h.update(k.encode())
+            for p in patches[k]:
+                h.update(repr(p[0]).encode())
+        out["patches_sha256"] = h.hexdigest()
+        out["n_patched_weights"] = len(patches)
+    return out
+
+
+def run_fingerprint(guider, sampler, sigmas, family: str) -> dict:
+    fn = getattr(sampler, "sampler_function", None)
+    sampler_name = getattr(fn, "__name__", type(sampler).__name__)
+    if sampler_name.startswith("sample_"):
+        sampler_name = sampler_name[len("sample_"):]
+    shifts = {}
+    try:
+        ms = guider.model_patcher.get_model_object("model_sampling")
+        if hasattr(ms, "shift"):
+            shifts["model_sampling"] = float(ms.shift)
+    except Exception:  # noqa: BLE001
+        pass
+    to = guider.model_options.get("transformer_options", {})
+    if family == "h3":
+        for k in ("minimax_h3_sigma_shift_video", "minimax_h3_sigma_shift_audio"):
+            if k in to:
+                shifts[k] = float(to[k])
+    guidance = None
+    try:
+        for c in (getattr(guider, "original_conds", {}) or {}).get("positive", []) or []:
+            if isinstance(c, dict) and c.get("guidance") is not None:
+                guidance = float(c["guidance"])
+                break
+    except Exception:  # noqa: BLE001
+        guidance = None
+    cfg = getattr(guider, "cfg", None)
+    sig = coef.sigmas_list(sigmas.flatten().tolist())
+    return {"family": family, "sampler": sampler_name, "steps": len(sig) - 1, "sigmas": sig, "shifts": shifts or None,
+            "cfg": float(cfg) if isinstance(cfg, (int, float)) else None, "guidance": guidance}
+
+
+def resolve_coefficients(spec: str) -> str:
+    spec = (spec or "").strip()
+    base = teacache_dir()
+    if not spec:
+        raise CoefficientError(f"{NODE_TEACACHE}: no coefficient file given. {available_coefficients()}")
+    if spec.startswith("shipped:"):
+        name = spec[len("shipped:"):]
+        shipped = coef.shipped_defaults()
+        if name not in shipped:
+            raise CoefficientError(f"{NODE_TEACACHE}: no shipped coefficient file {name!r}. {available_coefficients()}")
+        return str(shipped[name])
+    path = spec if os.path.isabs(spec) else os.path.normpath(os.path.join(base, spec))
+    if not os.path.isabs(spec) and os.path.commonpath([os.path.abspath(base), os.path.abspath(path)]) != os.path.abspath(base):
+        raise CoefficientError(f"{NODE_TEACACHE}: coefficient path {spec!r} leaves {base}")
+    if not path.endswith(".json") and os.path.isfile(path + ".json"):
+        path += ".json"
+    if not os.path.isfile(path):
+        raise CoefficientError(f"{NODE_TEACACHE}: coefficient file '{path}' does not exist. {available_coefficients()}")
+    return path
+
+
+def available_coefficients() -> str:
+    base = teacache_dir()
+    files = sorted(f for f in os.listdir(base) if f.endswith(".json")) if os.path.isdir(base) else []
+    shipped = [f"shipped:{n}" for n in coef.shipped_defaults()]
+    return (f"Calibrated files in {base}: {files or 'none (run DitKitTeaCacheCalibrate first)'}; "
+            f"shipped (borrowed, uncalibrated): {shipped}")
+
+
+def _install(model, holder: TeaCacheHolder, sample_wrapper) -> None:
+    """Install the hooks on ``model`` (already a clone)."""
+    model.model_options["transformer_options"][HOLDER_KEY] = holder
+    model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, sample_wrapper)
+    model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, diffusion_model_wrapper)
+    dm = model.model.diffusion_model
+    adapter = holder.adapter
+    stack = adapter.stack(dm)
+    n = len(stack)
+    if n == 0:
+        raise UnsupportedModelError("TeaCache: the model has no transformer blocks")
+    existing = model.model_options["transformer_options"].get("patches_replace", {}).get("dit", {})
+    if holder.family == "zimage":
+        reps = [make_block_replace(i, n, kind, adapter) for i, (kind, _) in enumerate(stack)]
+        model.add_object_patch("diffusion_model.layers", HookedLayers(dm.layers, reps))
+        return
+    for pos, (kind, idx) in enumerate(stack):
+        prev = existing.get((kind, idx))
+        model.set_model_patch_replace(make_block_replace(pos, n, kind, adapter, prev=prev), "dit", kind, idx)
+
+
+def _sampling_begin(executor, args):
+    guider = executor.class_obj
+    orig = guider.model_options
+    guider.model_options = comfy.model_patcher.create_model_options_clone(orig)
+    to = guider.model_options["transformer_options"]
+    for k in FOREIGN_CACHE_KEYS:
+        if k in to:
+            guider.model_options = orig
+            raise CacheStackError(f"TeaCache: EasyCache/LazyCache ('{k}') was applied on top of a ditkit TeaCache model; "
+                                  "step caches cannot be stacked, use one of them")
+    holder: TeaCacheHolder = to[HOLDER_KEY].clone()
+    to[HOLDER_KEY] = holder
+    return guider, orig, holder
+
+
+# ================================================================================================ TeaCache
+
+def teacache_sample_wrapper(executor, *args, **kwargs):
+    guider, orig, holder = _sampling_begin(executor, args)
+    info = holder.info
+    sampler, sigmas = args[2], args[3]
+    try:
+        run_fp = run_fingerprint(guider, sampler, sigmas, holder.family)
+        cf: coef.CoefficientFile = info["coefficient_file"]
+        g = coef.check_run(cf, run_fp)
+        warnings = list(info.get("model_warnings", [])) + g.warnings()
+        if g.mismatches and info.get("strict"):
+            raise CoefficientError(f"{NODE_TEACACHE}: this sampling does not match the coefficient file {cf.describe()}: "
+                                   + "; ".join(g.warnings()) + " (strict mode; calibrate for this setup or turn strict off)")
+        for w in g.warnings():
+            log.warning("[ditkit] %s: coefficient fingerprint mismatch: %s (file %s)", NODE_TEACACHE, w, cf.describe())
+        holder.begin(sigmas.flatten().tolist(), warnings)
+        return executor(*args, **kwargs)
+    finally:
+        try:
+            if holder.state is not None and holder.state.calls:
+                rep = holder.state.report()
+                send_report(info.get("node_id"), NODE_TEACACHE, "teacache", rep.summary(), rep.as_dict())
+            if holder.state is not None:
+                holder.state.release()
+        finally:
+            guider.model_options = orig
+
+
+class DitKitTeaCache(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_TEACACHE,
+            display_name="TeaCache (calibrated, ditkit)",
+            category="ditkit/cache",
+            description=("Skips the transformer block stack on steps where the calibrated, rescaled change of the "
+                         "timestep-modulated input stays below a threshold, reusing the cached residual. Per-stream "
+                         "metrics for H3 / LTX-2 video and audio (audio can veto a skip). Needs a coefficient file "
+                         "from DitKitTeaCacheCalibrate (or a shipped borrowed one) and warns when the run does not "
+                         "match the file's fingerprint."),
+            search_aliases=["teacache", "tea cache", "step cache", "cache", "speedup", "skip steps"],
+            is_experimental=True,
+            inputs=[
+                io.Model.Input("model", tooltip="MiniMax H3, LTX-2 (audio-video), Z-Image or FLUX.2 model."),
+                io.String.Input("coefficients", default="", tooltip=(
+                    "Coefficient file: a name in <output>/ditkit/teacache/ (as written by DitKitTeaCacheCalibrate, "
+                    "e.g. 'h3_mine.json'), an absolute path, or 'shipped:<name>' for a shipped borrowed file "
+                    "(shipped:flux2_borrowed_flux1_dev, shipped:zimage_borrowed_qwen_image).")),
+                io.Float.Input("threshold", default=0.2, min=0.0, max=5.0, step=0.01, tooltip=(
+                    "Accumulated rescaled change below which the block stack is skipped (video / image stream). "
+                    "Higher = more skips, lower quality. 0 disables skipping (every call computes).")),
+                io.Float.Input("audio_threshold", default=0.2, min=0.0, max=5.0, step=0.01, tooltip=(
+                    "Threshold of the audio stream (H3, LTX-2). A skip needs every stream below its threshold, so "
+                    "the audio stream vetoes skips that would damage audio. Ignored for image models.")),
+                io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01, advanced=True,
+                               tooltip="Fraction of the sampling steps before which every step is computed."),
+                io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01, advanced=True,
+                               tooltip="Fraction of the sampling steps after which every step is computed (the first and last step always are)."),
+                io.Combo.Input("cache_device", options=["model", "cpu"], default="model", advanced=True, tooltip=(
+                    "Where cached residuals live: on the model's device (fast) or in CPU RAM (saves VRAM, one copy per skipped step).")),
+                io.Boolean.Input("strict", default=False, advanced=True, tooltip=(
+                    "Fail instead of warning when the model weights, steps, schedule, sampler, guidance or shifts "
+                    "differ from what the coefficient file was calibrated on.")),
+            ],
+            outputs=[io.Model.Output(tooltip="The model with TeaCache installed (the input model is not modified).")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, coefficients, threshold, audio_threshold, start_percent, end_percent, cache_device,
+                strict) -> io.NodeOutput:
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        if end_percent < start_percent:
+            raise CoefficientError(f"{NODE_TEACACHE}: end_percent {end_percent} < start_percent {start_percent}")
+        family = detect_family(model)
+        check_not_stacked(model, NODE_TEACACHE)
+        path = resolve_coefficients(coefficients)
+        cf = coef.load(path)
+        mfp = model_fingerprint(model)
+        g = coef.check_model(cf, family, mfp)
+        errors = [m for m in g.mismatches if m.severity == "error"]
+        if errors:
+            raise CoefficientError(
+                f"{NODE_TEACACHE}: coefficient file {cf.describe()} is for {coef.FAMILY_NAMES.get(cf.family, cf.family)} "
+                f"but the model is {coef.FAMILY_NAMES[family]}; calibrate this model with {NODE_CALIBRATE}")
+        warnings = g.warnings()
+        if warnings and strict:
+            raise CoefficientError(f"{NODE_TEACACHE}: {cf.describe()} does not match this model: {'; '.join(warnings)} (strict mode)")
+        for w in warnings:
+            log.warning("[ditkit] %s: coefficient fingerprint mismatch: %s (file %s)", NODE_TEACACHE, w, cf.describe())
+        thresholds = {s: (audio_threshold if s == "audio" else threshold) for s in coef.FAMILY_STREAMS[family]}
+        streams = {s: cf.streams[s] for s in coef.FAMILY_STREAMS[family] if s in cf.streams}
+        missing = [s for s in coef.FAMILY_STREAMS[family] if s not in cf.streams]
+        if missing:
+            warnings.append(f"streams {missing} have no coefficients in the file and do not take part in skip decisions")
+        config = TeaCacheConfig(family, streams, {s: thresholds[s] for s in streams}, start_percent, end_percent, cache_device)
+        state = TeaCacheState(config, cf.describe())
+        holder = TeaCacheHolder(family, "teacache", state=state,
+                                info={"node_id": node_id, "coefficient_file": cf, "strict": strict, "model_warnings": warnings})
+        m = model.clone()
+        _install(m, holder, teacache_sample_wrapper)
+        summary = (f"TeaCache on {coef.FAMILY_NAMES[family]}: {cf.describe()}, thresholds {config.thresholds}, "
+                   f"steps {start_percent:.2f}-{end_percent:.2f}, cache on {cache_device}"
+                   + (f" | WARNING: {'; '.join(warnings)}" if warnings else ""))
+        payload = send_report(node_id, NODE_TEACACHE, "teacache_install", summary,
+                              {"family": family, "coefficients": path, "kind": cf.kind, "thresholds": config.thresholds,
+                               "warnings": warnings, "fit": {s: st.fit for s, st in streams.items()}})
+        return io.NodeOutput(m, ui=ui_report(payload))
+
+
+# ================================================================================================ calibration
+
+def calibrate_sample_wrapper(executor, *args, **kwargs):
+    guider, orig, holder = _sampling_begin(executor, args)
+    info = holder.info
+    sampler, sigmas = args[2], args[3]
+    ok = False
+    try:
+        run_fp = run_fingerprint(guider, sampler, sigmas, holder.family)
+        run_fp["model"] = info["model_fp"]
+        holder.begin(sigmas.flatten().tolist())
+        out = executor(*args, **kwargs)
+        ok = True
+        return out
+    finally:
+        try:
+            if ok and holder.recorder is not None:
+                _finish_calibration(holder, run_fp)
+            if holder.recorder is not None:
+                holder.recorder.release()
+        finally:
+            guider.model_options = orig
+
+
+def _fp_without_prompt(fp: dict) -> str:
+    import json
+
+    return json.dumps({k: v for k, v in fp.items()}, sort_keys=True)
+
+
+def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
+    info = holder.info
+    rec: CalibrationRecorder = holder.recorder
+    name = info["name"]
+    base = teacache_dir()
+    pair_dir = os.path.join(base, name)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    pair_path = os.path.join(pair_dir, f"pairs_{stamp}_{int(time.time() * 1e6) % 1000000:06d}.json")
+    write_pair_file(rec.to_pair_file(run_fp), pair_path)
+    key = _fp_without_prompt(run_fp)
+    objs, ignored = [], []
+    for f in sorted(os.listdir(pair_dir)):
+        if not (f.startswith("pairs_") and f.endswith(".json")):
+            continue
+        try:
+            o = load_pair_file(os.path.join(pair_dir, f))
+        except CoefficientError as e:
+            ignored.append(f"{f} ({e})")
+            continue
+        if o["family"] == holder.family and _fp_without_prompt(o["fingerprint"]) == key:
+            objs.append(o)
+        else:
+            ignored.append(f"{f} (other model/schedule/sampler)")
+    prompts = {p for o in objs for p in (o.get("prompt_ids") or [])}
+    data = {"pair_file": pair_path, "pairs_this_run": rec.n_pairs(), "runs": len(objs), "prompts": len(prompts),
+            "min_prompts": info["min_prompts"], "ignored_pair_files": ignored}
+    if len(prompts) < info["min_prompts"]:
+        summary = (f"TeaCache calibration '{name}': recorded {rec.n_pairs()} pairs ({len(prompts)}/{info['min_prompts']} "
+                   f"distinct prompts so far; run more prompts with the same model/sampler/steps to fit)")
+        send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration", summary, data)
+        return
+    cf = fit_files(objs, degree=info["degree"], min_prompts=info["min_prompts"],
+                   source=f"{NODE_CALIBRATE} '{name}' ({len(objs)} full-compute runs)")
+    out_path = os.path.join(base, f"{name}.json")
+    coef.save(cf, out_path)
+    fits = {s: st.fit for s, st in cf.streams.items()}
+    data.update({"coefficients": out_path, "fit": fits, "x_range": {s: st.x_range for s, st in cf.streams.items()}})
+    summary = (f"TeaCache calibration '{name}': wrote {out_path} from {len(prompts)} prompts / {len(objs)} runs; "
+               + ", ".join(f"{s} R2 {f['r2']:.3f} (n={f['n_pairs']})" for s, f in fits.items()))
+    send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration", summary, data)
+
+
+class DitKitTeaCacheCalibrate(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_CALIBRATE,
+            display_name="TeaCache Calibrate (ditkit)",
+            category="ditkit/cache",
+            description=("Records, during normal full-compute sampling, per step and per stream the relative change of "
+                         "the modulated input and of the block-stack output, and fits the TeaCache polynomial once "
+                         "enough distinct prompts were run. Writes <output>/ditkit/teacache/<name>.json."),
+            search_aliases=["teacache calibrate", "calibration", "tea cache coefficients"],
+            is_experimental=True,
+            inputs=[
+                io.Model.Input("model", tooltip="The model to calibrate (H3, LTX-2, Z-Image or FLUX.2). Sampling is not changed."),
+                io.String.Input("name", default="my_model", tooltip=(
+                    "Name of the coefficient file (<output>/ditkit/teacache/<name>.json); pair files go to <name>/. "
+                    "Letters, digits, '-', '_' and '.' only.")),
+                io.Int.Input("degree", default=4, min=1, max=coef.MAX_DEGREE, tooltip="Polynomial degree of the fit (TeaCache uses 4)."),
+                io.Int.Input("min_prompts", default=3, min=1, max=10000, tooltip=(
+                    "Distinct prompts (recorded runs with the same model, sampler, steps and schedule) needed before "
+                    "the coefficient file is written. More prompts = a more stable fit (>= 50 recommended for production).")),
+            ],
+            outputs=[io.Model.Output(tooltip="The model with the calibration recorder installed (sampling output unchanged).")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, name, degree, min_prompts) -> io.NodeOutput:
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        name = (name or "").strip()
+        if not name or not all(ch.isalnum() or ch in "-_." for ch in name) or name.startswith("."):
+            raise CoefficientError(f"{NODE_CALIBRATE}: name {name!r} must be non-empty and use only letters, digits, '-', '_', '.'")
+        if name.endswith(".json"):
+            name = name[:-5]
+        family = detect_family(model)
+        check_not_stacked(model, NODE_CALIBRATE)
+        mfp = model_fingerprint(model)
+        holder = TeaCacheHolder(family, "calibrate", recorder=CalibrationRecorder(family),
+                                info={"node_id": node_id, "name": name, "degree": int(degree),
+                                      "min_prompts": int(min_prompts), "model_fp": mfp})
+        m = model.clone()
+        _install(m, holder, calibrate_sample_wrapper)
+        summary = (f"TeaCache calibration recorder on {coef.FAMILY_NAMES[family]}: '{name}', degree {degree}, "
+                   f"fits after {min_prompts} distinct prompts; output {os.path.join(teacache_dir(), name + '.json')}")
+        payload = send_report(node_id, NODE_CALIBRATE, "teacache_calibration_install", summary,
+                              {"family": family, "name": name, "model": mfp})
+        return io.NodeOutput(m, ui=ui_report(payload))
+
+
+NODES = [DitKitTeaCache, DitKitTeaCacheCalibrate]
+
+__all__ = ["NODES", "DitKitTeaCache", "DitKitTeaCacheCalibrate", "CALL_KEY"]
