@@ -281,7 +281,7 @@ def audio_encode(wave: torch.Tensor) -> torch.Tensor:
     frames = x.unfold(1, n, AUDIO_HOP)[:, :T]  # [2, T, n]
     re = torch.einsum("ctn,bkn->ctbk", frames, cos)
     im = torch.einsum("ctn,bkn->ctbk", frames, sin)
-    mag = torch.sqrt(re ** 2 + im ** 2).amax(-1) * (4.0 / win.sum())  # [2, T, 32] ~ sinusoid amplitude
+    mag = torch.sqrt(re ** 2 + im ** 2).amax(-1) * (2.0 / win.sum())  # [2, T, 32] ~ sinusoid amplitude
     lat = (torch.log(mag + _LOG_FLOOR) + _LAT_SHIFT) / _LAT_SCALE
     return lat.permute(2, 0, 1).unsqueeze(0).float()
 
@@ -312,3 +312,45 @@ def audio_decode(latent: torch.Tensor, sample_rate: int = SAMPLE_RATE) -> torch.
     t = torch.arange(S, dtype=torch.float64) / sample_rate
     out = (a * torch.sin(2 * math.pi * fc[:, None, None] * t)).sum(0)
     return out.float().clamp(-1, 1)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Prompt adherence: read colour and direction back from a video (for sampled clips)
+# ------------------------------------------------------------------------------------------------------------
+
+def describe_video(video01: torch.Tensor) -> tuple[str | None, str | None]:
+    """(colour, direction) of the saturated moving shape in ``[3, F, H, W]`` pixels in ``[0, 1]``.
+
+    Shape pixels are the strongly saturated ones (the backgrounds are greyish); colour = palette colour nearest
+    the mean shape colour over the first third of the clip (before the recolouring drift); direction = dominant
+    axis and sign of the shape centroid's displacement from the first to the last quarter. ``None`` when no
+    shape is found."""
+    v = video01.double().clamp(0, 1)
+    _, F, H, W = v.shape
+    sat = v.amax(0) - v.amin(0)  # [F, H, W]
+    mask = sat > 0.42
+    if mask.sum() < F * 6:
+        return None, None
+    first = max(1, F // 3)
+    m0 = mask[:first]
+    if m0.sum() == 0:
+        return None, None
+    mean_col = (v[:, :first] * m0).sum(dim=(1, 2, 3)) / m0.sum()
+    names = tuple(COLOURS)
+    pal = torch.tensor([COLOURS[n] for n in names], dtype=torch.float64)
+    colour = names[int(((pal - mean_col) ** 2).sum(-1).argmin())]
+    ys = torch.arange(H, dtype=torch.float64).view(1, H, 1)
+    xs = torch.arange(W, dtype=torch.float64).view(1, 1, W)
+    q = max(1, F // 4)
+
+    def centroid(m):
+        n = m.sum().clamp(min=1)
+        return float((m * xs).sum() / n) / W, float((m * ys).sum() / n) / H
+
+    (xa, ya), (xb, yb) = centroid(mask[:q]), centroid(mask[-q:])
+    dx, dy = xb - xa, yb - ya
+    if abs(dx) >= abs(dy):
+        direction = "right" if dx > 0 else "left"
+    else:
+        direction = "down" if dy > 0 else "up"
+    return colour, direction

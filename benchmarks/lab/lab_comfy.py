@@ -27,7 +27,7 @@ TEXT_FILE = WEIGHTS / "h3lab_text_embed.safetensors"
 
 # H3 video VAE at tiny width: same 6-level causal 3D CNN encoder (x16 space, x4 time), ViT3D decoder.
 VAE_CONFIG = dict(ch=32, ch_mult=(1, 1, 2, 2, 2, 2), num_res_blocks=1)
-VAE_DECODER = dict(num_layers=3, heads=4, dim_head=32)  # dim 128; rope on int(32 * 0.75) = 24 dims
+VAE_DECODER = dict(num_layers=3, heads=2, dim_head=64)  # dim 128; dim_head 64 as in H3 (rope on 48 of 64 dims)
 
 # H3 DiT at tiny width; heads*head_dim (128) != hidden (96) like the real 7168 != 5376.
 DIT_CONFIG = dict(hidden_size=96, num_layers=4, token_refiner_num_layers=2, num_attention_heads=4,

@@ -1,0 +1,362 @@
+"""Quality lab harness: speed and quality of ditkit / native features on the TRAINED tiny H3 lab models.
+
+    COMFYUI_PATH=/path/to/ComfyUI nice -n 10 python benchmarks/lab/harness.py [--smoke] [--features a,b]
+
+Everything runs in-process on ComfyUI (CPU): the lab DiT is loaded by the stock diffusion-model loader
+(``comfy.sd.load_diffusion_model_state_dict``, detected from shapes), sampled with ComfyUI's own KSampler
+(``euler`` / ``simple``, cfg 1, H3's video/audio shifts 12/3), on a fixed prompt set. Each feature node is
+applied to a clone of the model exactly as a workflow would (inputs = the node's schema defaults plus the
+overrides listed below) and compared with the exact path on the same seeds:
+
+* speed ratio = exact wall time / feature wall time (sampling only, same process, same run);
+* skip ratio = 1 - (transformer passes with the feature / passes on the exact path), counted by a forward
+  hook on ``blocks[0]`` (measurement only);
+* video: PSNR and SSIM of the decoded frames vs the exact path's decoded frames;
+* audio: log-spectral distance (dB) and SNR (dB) of the decoded waveform vs the exact path's.
+
+The T=1 rows encode single held-out frames (H3's T=1 encode) and compare decodes with the original frame:
+native single-token decode, repeat-decode (duplicate to T=2, decode, keep frame 0; lab reference code), and
+ditkit's ``DitKitH3VAEDecode`` path through ``DitKitH3VAELoader`` when that code exists.
+
+A feature whose code is missing prints a ``not available`` row; one that raises prints ``error: ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lab_comfy as L  # noqa: E402
+
+from ditkit.testing import lab_data as D  # noqa: E402
+from ditkit.testing.lab_metrics import log_spectral_distance, psnr, snr, ssim  # noqa: E402
+
+PROMPTS = ("red circle right", "blue square left", "green triangle up", "yellow circle down",
+           "blue triangle right", "red square up")
+CALIB_PROMPTS = ("green circle left", "yellow square right", "red triangle down", "blue circle up",
+                 "green square down", "yellow triangle left")
+HELDOUT_SEED = 7_000_000  # never used by the training scripts (VAE: 10k.., 500k..; DiT: 900k..)
+FRAMES, H, W = 22, 64, 96
+
+
+@dataclasses.dataclass
+class Feature:
+    name: str  # row label
+    module: str  # python module holding the node
+    node_id: str
+    overrides: dict = dataclasses.field(default_factory=dict)
+    group: str = "cache"  # cache | sparse
+
+
+FEATURES = [
+    Feature("TeaCache (ditkit, defaults)", "ditkit.nodes.teacache", "DitKitTeaCache"),
+    Feature("TeaCache (ditkit, threshold 0.4)", "ditkit.nodes.teacache", "DitKitTeaCache",
+            {"threshold": 0.4, "audio_threshold": 0.4}),
+    Feature("EasyCache (native, defaults)", "comfy_extras.nodes_easycache", "EasyCache"),
+    Feature("EasyCache (native, reuse 0.4)", "comfy_extras.nodes_easycache", "EasyCache", {"reuse_threshold": 0.4}),
+    Feature("Sparse attention (ditkit, defaults)", "ditkit.nodes.sparse_attention", "DitKitSparseAttention",
+            group="sparse"),
+    Feature("Sparse attention (ditkit, keep 50%)", "ditkit.nodes.sparse_attention", "DitKitSparseAttention",
+            {"keep_percent": 50.0}, group="sparse"),
+]
+
+
+# ------------------------------------------------------------------------------------------------ node plumbing
+
+def find_node(module: str, node_id: str):
+    """The V3 node class ``node_id`` in ``module`` or ``(None, why)``."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        return None, f"not available ({module} missing: {e.name})"
+    candidates = list(getattr(mod, "NODES", [])) or [getattr(mod, n) for n in dir(mod)]
+    for cls in candidates:
+        try:
+            if isinstance(cls, type) and hasattr(cls, "define_schema") and cls.define_schema().node_id == node_id:
+                return cls, ""
+        except Exception:  # noqa: BLE001 - a schema that fails to build just is not our node
+            continue
+    return None, f"not available (no node {node_id} in {module})"
+
+
+def node_defaults(cls) -> dict:
+    out = {}
+    for inp in cls.define_schema().inputs:
+        d = getattr(inp, "default", None)
+        if d is not None:
+            out[inp.id] = d
+    return out
+
+
+def apply_node(cls, model, overrides: dict):
+    kwargs = node_defaults(cls)
+    kwargs.update(overrides)
+    kwargs["model"] = model
+    res = cls.execute(**kwargs)
+    out = res.args[0] if hasattr(res, "args") else res[0]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the lab
+
+class Lab:
+    def __init__(self, steps: int, dit=L.DIT_FILE, vae=L.VAE_FILE, text=L.TEXT_FILE):
+        self.comfy = L.import_comfy()
+        import comfy.sd
+        import nodes as comfy_nodes  # ComfyUI's nodes.py (KSampler)
+        from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+        from ditkit.loaders.safetensors_io import load_file
+
+        self.nodes = comfy_nodes
+        self.empty_latent = EmptyMiniMaxH3LatentAV
+        self.steps = steps
+        self.vae_path = str(vae)
+        self.dit = comfy.sd.load_diffusion_model_state_dict(load_file(str(dit)))
+        self.embed = load_file(str(text))["embed.weight"]
+        self.vae = L.load_vae(vae)
+
+    def conditioning(self, prompt: str):
+        ctx = self.embed[D.tokenize(prompt)][None].clone()
+        return [[ctx, {}]]
+
+    def sample(self, model, prompt: str, seed: int):
+        """(video latent, audio latent, seconds, transformer passes)."""
+        latent = self.empty_latent.execute(W, H, FRAMES).args[0]
+        dm = model.model.diffusion_model
+        count = [0]
+        hook = dm.blocks[0].register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+        pos = self.conditioning(prompt)
+        try:
+            t0 = time.perf_counter()
+            out = self.nodes.common_ksampler(model, seed, self.steps, 1.0, "euler", "simple", pos, pos, latent,
+                                             denoise=1.0)[0]
+            dt = time.perf_counter() - t0
+        finally:
+            hook.remove()
+        video, audio = out["samples"].unbind()
+        return video, audio, dt, count[0]
+
+    def decode(self, video, audio):
+        with torch.inference_mode():
+            frames = self.vae.decode(video.float())[0]  # [3, F, H, W] in [0, 1]
+        return frames, D.audio_decode(audio.float())
+
+
+def fmt(x, unit="", nd=2):
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x:.{nd}f}{unit}"
+
+
+def run_t1(lab: Lab, n_clips: int, rows: list):
+    """Native single-token decode vs repeat-decode on held-out frames."""
+    V = lab.vae
+    frame_ids = (0, 8, 16)
+    res = {"native": [], "repeat": [], "clip": [], "ditkit": [], "native_ssim": [], "repeat_ssim": [],
+           "ditkit_ssim": [], "clip_ssim": []}
+    ditkit_vae, why = None, ""
+    try:
+        from ditkit.nodes.h3_vae import h3_decode, load_h3_vae
+
+        ditkit_vae, _ = load_h3_vae(lab.vae_path)
+    except ModuleNotFoundError as e:
+        why = f"not available ({e.name} missing)"
+    except Exception as e:  # noqa: BLE001
+        why = f"error: {type(e).__name__}: {e}"
+    with torch.inference_mode():
+        for i in range(n_clips):
+            clip = D.make_clip(HELDOUT_SEED + i, FRAMES, H, W)
+            full = V.decode(V.encode(clip.video[None]))[0]  # in-context reconstruction (7-token window)
+            for f in frame_ids:
+                ref = (clip.video[:, f] + 1) / 2  # [3, H, W]
+                z = V.encode(clip.video[None, :, f:f + 1])  # H3's T=1 encode -> [1, 24, 1, h, w]
+                native = V.decode(z)[0, :, 0]
+                rep = V.decode(torch.cat([z, z], dim=2))[0, :, 0]
+                res["native"].append(psnr(ref, native))
+                res["repeat"].append(psnr(ref, rep))
+                res["clip"].append(psnr(ref, full[:, f]))
+                res["native_ssim"].append(ssim(ref, native))
+                res["repeat_ssim"].append(ssim(ref, rep))
+                res["clip_ssim"].append(ssim(ref, full[:, f]))
+                if ditkit_vae is not None:
+                    try:
+                        img, _ = h3_decode(ditkit_vae, z)
+                        dk = img[0].movedim(-1, 0).float()
+                        res["ditkit"].append(psnr(ref, dk))
+                        res["ditkit_ssim"].append(ssim(ref, dk))
+                    except Exception as e:  # noqa: BLE001
+                        why = f"error: {type(e).__name__}: {e}"
+                        ditkit_vae = None
+    n = len(res["native"])
+
+    def mean(k):
+        return sum(res[k]) / len(res[k]) if res[k] else None
+
+    note = f"{n} held-out frames"
+    rows.append(("T=1 decode: native single token", "-", "-", fmt(mean("native"), " dB"), fmt(mean("native_ssim"),
+                 nd=3), "-", "-", note))
+    rows.append(("T=1 decode: repeat-decode (lab ref)", "-", "-", fmt(mean("repeat"), " dB"),
+                 fmt(mean("repeat_ssim"), nd=3), "-", "-",
+                 f"gain {mean('repeat') - mean('native'):+.2f} dB vs native"))
+    if res["ditkit"]:
+        rows.append(("T=1 decode: DitKitH3VAEDecode", "-", "-", fmt(mean("ditkit"), " dB"),
+                     fmt(mean("ditkit_ssim"), nd=3), "-", "-",
+                     f"gain {mean('ditkit') - mean('native'):+.2f} dB vs native"))
+    else:
+        rows.append(("T=1 decode: DitKitH3VAEDecode", "-", "-", "-", "-", "-", "-", why or "not available"))
+    rows.append(("(same frames decoded inside their clip)", "-", "-", fmt(mean("clip"), " dB"),
+                 fmt(mean("clip_ssim"), nd=3), "-", "-", "7-token window upper bound"))
+    return res
+
+
+def calibrate_teacache(lab: Lab, prompts, name: str = "h3lab") -> str:
+    """Run ditkit's TeaCache calibration on the lab model (full-compute sampling of ``prompts``); returns the
+    coefficient spec for DitKitTeaCache, or raises when the calibration node is missing."""
+    cls, why = find_node("ditkit.nodes.teacache", "DitKitTeaCacheCalibrate")
+    if cls is None:
+        raise RuntimeError(why)
+    for i, p in enumerate(prompts):
+        model = cls.execute(model=lab.dit.clone(), name=name, degree=4, min_prompts=len(prompts)).args[0]
+        lab.sample(model, p, 100 + i)
+    return f"{name}.json"
+
+
+def run_sampling(lab: Lab, prompts, seeds, features, rows: list, adherence: dict):
+    base = lab.dit
+    exact = {}
+    t_exact = 0.0
+    n_exact = 0
+    hits = {"colour": 0, "direction": 0, "n": 0}
+    for p in prompts:
+        for s in seeds:
+            v, a, dt, n = lab.sample(base, p, s)
+            frames, wave = lab.decode(v, a)
+            exact[(p, s)] = (frames, wave)
+            t_exact += dt
+            n_exact += n
+            colour, direction = D.describe_video(frames)
+            words = p.split()
+            hits["colour"] += colour == words[0]
+            hits["direction"] += direction == words[2]
+            hits["n"] += 1
+    adherence.update(hits)
+    rows.append(("exact path (reference)", "1.00x", "0.00", "inf", "1.000", "0.00 dB", "inf",
+                 f"{len(exact)} samples, {lab.steps} steps, {n_exact} passes, {t_exact:.2f}s"))
+    for feat in features:
+        cls, why = find_node(feat.module, feat.node_id)
+        if cls is None:
+            rows.append((feat.name, "-", "-", "-", "-", "-", "-", why))
+            continue
+        try:
+            t_feat = 0.0
+            n_feat = 0
+            ps, ss, ls, sn = [], [], [], []
+            for p in prompts:
+                for s in seeds:
+                    model = apply_node(cls, base.clone(), feat.overrides)
+                    v, a, dt, n = lab.sample(model, p, s)
+                    frames, wave = lab.decode(v, a)
+                    rf, rw = exact[(p, s)]
+                    t_feat += dt
+                    n_feat += n
+                    ps.append(psnr(rf, frames))
+                    ss.append(ssim(rf.movedim(1, 0), frames.movedim(1, 0)))
+                    ls.append(log_spectral_distance(rw, wave))
+                    sn.append(snr(rw, wave))
+            k = len(ps)
+            rows.append((feat.name, f"{t_exact / t_feat:.2f}x", f"{1 - n_feat / n_exact:.2f}",
+                         fmt(sum(ps) / k, " dB"), fmt(sum(ss) / k, nd=3), fmt(sum(ls) / k, " dB"),
+                         fmt(sum(sn) / k, " dB"), f"{n_feat} passes"))
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append((feat.name, "-", "-", "-", "-", "-", "-", f"error: {type(e).__name__}: {e}"[:160]))
+
+
+HEAD = ("row", "speed", "skip", "video PSNR", "SSIM", "audio LSD", "audio SNR", "notes")
+
+
+def print_table(rows):
+    widths = [max(len(str(r[i])) for r in rows + [HEAD]) for i in range(len(HEAD))]
+    line = " | ".join(h.ljust(w) for h, w in zip(HEAD, widths))
+    print(line)
+    print("-" * len(line))
+    for r in rows:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="one prompt, few steps, one held-out clip (CI)")
+    ap.add_argument("--steps", type=int, default=None, help="sampling steps (default 20, smoke 6)")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per prompt")
+    ap.add_argument("--t1-clips", type=int, default=None, help="held-out clips for the T=1 rows (default 6)")
+    ap.add_argument("--dit", default=str(L.DIT_FILE))
+    ap.add_argument("--vae", default=str(L.VAE_FILE))
+    ap.add_argument("--text", default=str(L.TEXT_FILE))
+    ap.add_argument("--features", default="", help="comma-separated substrings selecting feature rows")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    steps = a.steps or (6 if a.smoke else 20)
+    prompts = PROMPTS[:1] if a.smoke else PROMPTS
+    seeds = list(range(a.seeds))
+    feats = FEATURES
+    if a.features:
+        keys = [k.strip().lower() for k in a.features.split(",") if k.strip()]
+        feats = [f for f in FEATURES if any(k in f.name.lower() for k in keys)]
+    if a.smoke:
+        # one row per feature family keeps CI to minutes
+        seen, keep = set(), []
+        for f in feats:
+            fam = f.name.split("(")[0] + f.module
+            if fam not in seen:
+                seen.add(fam)
+                keep.append(f)
+        feats = keep
+    t0 = time.time()
+    lab = Lab(steps, a.dit, a.vae, a.text)
+    rows: list = []
+    run_t1(lab, a.t1_clips or (1 if a.smoke else 6), rows)
+    import tempfile
+
+    import folder_paths
+
+    # calibration/coefficient files go to a scratch output directory, not the host's
+    scratch = tempfile.mkdtemp(prefix="h3lab_out_")
+    folder_paths.set_output_directory(scratch)
+    if any("ditkit.nodes.teacache" == f.module for f in feats):
+        try:
+            spec = calibrate_teacache(lab, CALIB_PROMPTS[:2] if a.smoke else CALIB_PROMPTS)
+            for f in feats:
+                if f.module == "ditkit.nodes.teacache":
+                    f.overrides.setdefault("coefficients", spec)
+            print(f"TeaCache calibrated on the lab model -> {spec} (in {scratch})")
+        except Exception as e:  # noqa: BLE001
+            print(f"TeaCache calibration failed: {type(e).__name__}: {e}")
+    adherence: dict = {}
+    run_sampling(lab, prompts, seeds, feats, rows, adherence)
+    print()
+    print(f"H3 quality lab: {len(prompts)} prompt(s) x {len(seeds)} seed(s), {steps} euler steps, "
+          f"{FRAMES}x{H}x{W} px, CPU, torch threads 1")
+    print_table(rows)
+    print(f"prompt adherence of exact samples (read back from pixels): colour {adherence['colour']}/"
+          f"{adherence['n']}, direction {adherence['direction']}/{adherence['n']}")
+    print(f"total {time.time() - t0:.0f}s")
+    import shutil
+
+    shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
