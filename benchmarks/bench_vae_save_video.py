@@ -1,0 +1,131 @@
+"""DitKitSaveVideo (streaming chunked decode -> uint8 -> PyAV) vs native VAEDecode -> CreateVideo/SaveVideo.
+
+    COMFYUI_PATH=/work/ComfyUI nice -n 10 /work/ComfyUI/venv/bin/python benchmarks/bench_vae_save_video.py \
+        [--latent-t 52] [--hw 16x16]
+
+Same tiny H3 video VAE, same latent, each path in a fresh subprocess (so peaks do not mix). Host memory = peak RSS
+sampled every 2 ms minus the RSS after loading the VAE and a warm-up decode; wall time of decode + encode. Prints
+the ratio to the uint8 size of the video (target <= 1.25x) and checks the two files' decoded frames agree within
+1 LSB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    def __init__(self):
+        self.peak = rss()
+        self._stop = False
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop:
+            self.peak = max(self.peak, rss())
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *a):
+        self._stop = True
+        self._t.join()
+        self.peak = max(self.peak, rss())
+
+
+def child(mode: str, t: int, hh: int, ww: int, out: str) -> dict:
+    sys.path.insert(0, os.environ.get("COMFYUI_PATH", "/work/ComfyUI"))
+    from comfy.cli_args import args
+
+    args.cpu = True
+    torch.set_num_threads(1)
+    import importlib
+
+    h3 = importlib.import_module("ditkit.nodes.h3_vae")
+    sv = importlib.import_module("ditkit.nodes.save_video")
+    from comfy_api.latest import InputImpl, Types
+
+    from ditkit.testing.checkpoints import generate_all
+
+    d = Path("/tmp/ditkit_bench_vae")
+    generate_all(d, ["h3_video_vae_tiny"])
+    vae, _ = h3.load_h3_vae(str(d / "vae" / "h3_video_vae_tiny.safetensors"))
+    z = torch.randn(1, 24, t, hh, ww, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        vae.decode(z[:, :, :2])  # warm-up
+    import gc
+
+    gc.collect()
+    base = rss()
+    t0 = time.perf_counter()
+    with PeakRSS() as pk:
+        if mode == "ditkit":
+            data = sv.stream_save(vae, z, out, 24.0)
+            frames, h, w = data["frames"], data["height"], data["width"]
+        else:
+            images = vae.decode(z).reshape(-1, hh * 16, ww * 16, 3)  # VAEDecode
+            frames, h, w = images.shape[0], images.shape[1], images.shape[2]
+            video = InputImpl.VideoFromComponents(Types.VideoComponents(images=images, audio=None, frame_rate=24))
+            video.save_to(out, format=Types.VideoContainer.MP4, codec=Types.VideoCodec.H264)  # SaveVideo
+    dt = time.perf_counter() - t0
+    return {"mode": mode, "peak_extra": pk.peak - base, "seconds": dt, "frames": frames, "h": h, "w": w}
+
+
+def decode_frames(path):
+    import av
+    import numpy as np
+
+    with av.open(path) as c:
+        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--latent-t", type=int, default=52)
+    ap.add_argument("--hw", default="16x16", help="latent HxW (pixels = 16x)")
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    hh, ww = map(int, a.hw.split("x"))
+    if a.child:
+        print(json.dumps(child(a.child, a.latent_t, hh, ww, a.out)))
+        return
+    res = {}
+    for mode in ("native", "ditkit"):
+        out = f"/tmp/ditkit_bench_vae/{mode}.mp4"
+        p = subprocess.run([sys.executable, __file__, "--child", mode, "--latent-t", str(a.latent_t), "--hw", a.hw,
+                            "--out", out], capture_output=True, text=True, env=os.environ)
+        if p.returncode:
+            raise SystemExit(p.stderr[-3000:])
+        res[mode] = json.loads(p.stdout.strip().splitlines()[-1])
+        res[mode]["file"] = out
+    n, d = res["native"], res["ditkit"]
+    u8 = n["frames"] * n["h"] * n["w"] * 3
+    print(f"latent T={a.latent_t} {hh}x{ww} -> {n['frames']} frames {n['h']}x{n['w']}; uint8 video {u8 / 2**20:.1f} MiB, "
+          f"float32 video {4 * u8 / 2**20:.1f} MiB")
+    for r in (n, d):
+        print(f"{r['mode']:>7}: peak extra host RSS {r['peak_extra'] / 2**20:7.1f} MiB = {r['peak_extra'] / u8:.2f}x uint8 "
+              f"size, wall {r['seconds']:.1f}s")
+    print(f"ditkit/native: memory {d['peak_extra'] / max(n['peak_extra'], 1):.2f}x, time {d['seconds'] / n['seconds']:.2f}x")
+    fa, fb = decode_frames(n["file"]), decode_frames(d["file"])
+    diff = int(abs(fa.astype(int) - fb.astype(int)).max()) if fa.shape == fb.shape else None
+    print(f"decoded MP4 frames: shapes {fa.shape} / {fb.shape}, max abs diff {diff} LSB")
+
+
+if __name__ == "__main__":
+    main()
