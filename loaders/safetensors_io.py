@@ -3,7 +3,8 @@
 * bounded header length, checked against the file size before anything is allocated;
 * strict JSON: no duplicate keys, no NaN/Infinity constants, objects where objects are required;
 * every tensor entry checked: known dtype, integer non-negative shape, offsets in range, byte length equal
-  to ``numel * itemsize``, no two tensors overlapping;
+  to ``numel * itemsize``, no two tensors overlapping, the data section exactly covered (no hole, no trailing
+  bytes, as in the reference implementation);
 * ``__metadata__`` must map strings to strings;
 * tensors are read lazily, one at a time (never the whole file in RAM).
 
@@ -130,7 +131,8 @@ def read_header(path: str | os.PathLike) -> Header:
     obj = strict_json_loads(text.rstrip(" "), where)
     if not isinstance(obj, dict):
         raise CheckpointError(f"{where}: header is not a JSON object")
-    meta_raw = obj.pop("__metadata__", None) or {}
+    meta_raw = obj.pop("__metadata__", None)
+    meta_raw = {} if meta_raw is None else meta_raw  # null is allowed (as in the reference); [], "", 0 are not
     if not isinstance(meta_raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta_raw.items()):
         raise CheckpointError(f"{where}: __metadata__ must map strings to strings")
     for k, v in meta_raw.items():
@@ -166,6 +168,17 @@ def read_header(path: str | os.PathLike) -> Header:
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise CheckpointError(f"{where}: tensors {n0!r} and {n1!r} overlap (bytes {b1}..{e0})")
+    # the data section must be exactly covered, as the reference implementation requires: no hole, no
+    # trailing bytes (a file ComfyUI's own loader refuses is refused here too; no hidden payload)
+    covered = 0
+    for b, e, name in spans:
+        if b != covered:
+            raise CheckpointError(f"{where}: data section not covered: bytes {covered}..{b} before tensor {name!r} "
+                                  "belong to no tensor (corrupt or crafted file)")
+        covered = e
+    if covered != data_len:
+        raise CheckpointError(f"{where}: data section not covered: {data_len - covered} trailing bytes after the "
+                              f"last tensor (ends at {covered} of {data_len}; corrupt or crafted file)")
     return Header(path=path, header_len=n, tensors=tensors, metadata=dict(meta_raw))
 
 
