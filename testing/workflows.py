@@ -64,11 +64,8 @@ def compact_schema(info: dict) -> dict:
             ent: dict[str, Any] = {"name": name, "type": typ if isinstance(typ, str) else str(typ),
                                    "widget": bool(widget), "required": group == "required"}
             if widget:
-                if "default" in opts:
+                if "default" in opts:  # (no default from a COMBO's options: file lists differ between hosts)
                     ent["default"] = opts["default"]
-                elif typ == "COMBO":
-                    options = s[0] if isinstance(s[0], list) else opts.get("options") or []
-                    ent["default"] = options[0] if options else ""
                 if opts.get("control_after_generate"):
                     ent["control_after_generate"] = True
                 if opts.get("image_upload"):
