@@ -318,6 +318,20 @@ def strip_meta(graph: dict) -> dict:
     return {k: {"class_type": v["class_type"], "inputs": v.get("inputs") or {}} for k, v in graph.items()}
 
 
+def as_ui_would_send(graph: dict, object_info: dict) -> dict:
+    """``graph`` without ``_meta`` and with every omitted widget that has a default filled in: what a UI
+    round trip yields (a UI widget always holds a value, so the frontend always sends it)."""
+    out = strip_meta(graph)
+    for k, node in out.items():
+        sch = _schema(object_info, node["class_type"], f"API node {k!r}")
+        inputs = dict(node["inputs"])
+        for inp in sch["inputs"]:
+            if inp["widget"] and inp["name"] not in inputs and "default" in inp:
+                inputs[inp["name"]] = inp["default"]
+        node["inputs"] = inputs
+    return out
+
+
 # ----------------------------------------------------------------------------------------- twins
 
 def api_workflows(examples_dir: Path = EXAMPLES_DIR) -> list[Path]:
@@ -342,7 +356,7 @@ def dumps(obj) -> str:
 
 
 def sync(examples_dir: Path = EXAMPLES_DIR, schemas: dict | None = None, check: bool = False,
-         out=sys.stdout) -> list[str]:
+         out=None) -> list[str]:
     """Regenerate (or with ``check`` only compare) every UI twin. Returns the list of problems/changes."""
     schemas = load_schema_cache() if schemas is None else schemas
     problems = []
@@ -365,7 +379,7 @@ def sync(examples_dir: Path = EXAMPLES_DIR, schemas: dict | None = None, check: 
         if twin.stem not in names:
             problems.append(f"{twin}: orphan UI workflow with no example_workflows/api/{twin.name}")
     for line in problems:
-        print(line, file=out)
+        print(line, file=out if out is not None else sys.stdout)
     return problems
 
 
