@@ -207,9 +207,11 @@ def _sampling_begin(executor, args):
 
 def teacache_sample_wrapper(executor, *args, **kwargs):
     guider, orig, holder = _sampling_begin(executor, args)
-    info = holder.info
     sampler, sigmas = args[2], args[3]
     try:
+        if holder.state is None:  # deferred coefficient file: load and check it now
+            holder.state, holder.info = build_state(holder.info)
+        info = holder.info
         run_fp = run_fingerprint(guider, sampler, sigmas, holder.family)
         cf: coef.CoefficientFile = info["coefficient_file"]
         g = coef.check_run(cf, run_fp)
@@ -225,7 +227,7 @@ def teacache_sample_wrapper(executor, *args, **kwargs):
         try:
             if holder.state is not None and holder.state.calls:
                 rep = holder.state.report()
-                send_report(info.get("node_id"), NODE_TEACACHE, "teacache", rep.summary(), rep.as_dict())
+                send_report(holder.info.get("node_id"), NODE_TEACACHE, "teacache", rep.summary(), rep.as_dict())
             if holder.state is not None:
                 holder.state.release()
         finally:
@@ -280,38 +282,70 @@ class DitKitTeaCache(io.ComfyNode):
             raise CoefficientError(f"{NODE_TEACACHE}: end_percent {end_percent} < start_percent {start_percent}")
         family = detect_family(model)
         check_not_stacked(model, NODE_TEACACHE)
-        path = resolve_coefficients(coefficients)
-        cf = coef.load(path)
         mfp = model_fingerprint(model)
-        g = coef.check_model(cf, family, mfp)
-        errors = [m for m in g.mismatches if m.severity == "error"]
-        if errors:
-            raise CoefficientError(
-                f"{NODE_TEACACHE}: coefficient file {cf.describe()} is for {coef.FAMILY_NAMES.get(cf.family, cf.family)} "
-                f"but the model is {coef.FAMILY_NAMES[family]}; calibrate this model with {NODE_CALIBRATE}")
-        warnings = g.warnings()
-        if warnings and strict:
-            raise CoefficientError(f"{NODE_TEACACHE}: {cf.describe()} does not match this model: {'; '.join(warnings)} (strict mode)")
-        for w in warnings:
-            log.warning("[ditkit] %s: coefficient fingerprint mismatch: %s (file %s)", NODE_TEACACHE, w, cf.describe())
-        thresholds = {s: (audio_threshold if s == "audio" else threshold) for s in coef.FAMILY_STREAMS[family]}
-        streams = {s: cf.streams[s] for s in coef.FAMILY_STREAMS[family] if s in cf.streams}
-        missing = [s for s in coef.FAMILY_STREAMS[family] if s not in cf.streams]
-        if missing:
-            warnings.append(f"streams {missing} have no coefficients in the file and do not take part in skip decisions")
-        config = TeaCacheConfig(family, streams, {s: thresholds[s] for s in streams}, start_percent, end_percent, cache_device)
-        state = TeaCacheState(config, cf.describe())
-        holder = TeaCacheHolder(family, "teacache", state=state,
-                                info={"node_id": node_id, "coefficient_file": cf, "strict": strict, "model_warnings": warnings})
+        params = {"spec": coefficients, "threshold": threshold, "audio_threshold": audio_threshold,
+                  "start_percent": start_percent, "end_percent": end_percent, "cache_device": cache_device,
+                  "strict": strict, "family": family, "model_fp": mfp, "node_id": node_id}
+        deferred = _deferrable(coefficients)
+        if deferred:
+            holder = TeaCacheHolder(family, "teacache", state=None, info=dict(params, deferred=True))
+            summary = (f"TeaCache on {coef.FAMILY_NAMES[family]}: coefficient file '{deferred}' does not exist yet; it is "
+                       "loaded and checked when sampling starts (e.g. written by a DitKitTeaCacheCalibrate run earlier in "
+                       "this workflow)")
+            data = {"family": family, "coefficients": deferred, "deferred": True}
+        else:
+            state, info = build_state(params)
+            holder = TeaCacheHolder(family, "teacache", state=state, info=info)
+            cf = info["coefficient_file"]
+            warnings = info["model_warnings"]
+            summary = (f"TeaCache on {coef.FAMILY_NAMES[family]}: {cf.describe()}, thresholds {state.config.thresholds}, "
+                       f"steps {start_percent:.2f}-{end_percent:.2f}, cache on {cache_device}"
+                       + (f" | WARNING: {'; '.join(warnings)}" if warnings else ""))
+            data = {"family": family, "coefficients": cf.path, "kind": cf.kind, "thresholds": state.config.thresholds,
+                    "warnings": warnings, "fit": {s: st.fit for s, st in state.config.streams.items()}}
         m = model.clone()
         _install(m, holder, teacache_sample_wrapper)
-        summary = (f"TeaCache on {coef.FAMILY_NAMES[family]}: {cf.describe()}, thresholds {config.thresholds}, "
-                   f"steps {start_percent:.2f}-{end_percent:.2f}, cache on {cache_device}"
-                   + (f" | WARNING: {'; '.join(warnings)}" if warnings else ""))
-        payload = send_report(node_id, NODE_TEACACHE, "teacache_install", summary,
-                              {"family": family, "coefficients": path, "kind": cf.kind, "thresholds": config.thresholds,
-                               "warnings": warnings, "fit": {s: st.fit for s, st in streams.items()}})
+        payload = send_report(node_id, NODE_TEACACHE, "teacache_install", summary, data)
         return io.NodeOutput(m, ui=ui_report(payload))
+
+
+def _deferrable(spec: str) -> str | None:
+    """A plain file name in the teacache dir that does not exist yet (deferred to sampling start)."""
+    spec = (spec or "").strip()
+    if not spec or spec.startswith("shipped:") or os.path.isabs(spec) or os.sep in spec or "/" in spec:
+        return None
+    base = teacache_dir()
+    name = spec if spec.endswith(".json") else spec + ".json"
+    if os.path.isfile(os.path.join(base, spec)) or os.path.isfile(os.path.join(base, name)):
+        return None
+    if not all(ch.isalnum() or ch in "-_." for ch in name) or name.startswith("."):
+        return None
+    return name
+
+
+def build_state(params: dict) -> tuple[TeaCacheState, dict]:
+    """Load + check the coefficient file and build the runtime state (raises on bad files / other families)."""
+    family, strict = params["family"], params["strict"]
+    path = resolve_coefficients(params["spec"])
+    cf = coef.load(path)
+    g = coef.check_model(cf, family, params["model_fp"])
+    if any(m.severity == "error" for m in g.mismatches):
+        raise CoefficientError(
+            f"{NODE_TEACACHE}: coefficient file {cf.describe()} is for {coef.FAMILY_NAMES.get(cf.family, cf.family)} "
+            f"but the model is {coef.FAMILY_NAMES[family]}; calibrate this model with {NODE_CALIBRATE}")
+    warnings = g.warnings()
+    if warnings and strict:
+        raise CoefficientError(f"{NODE_TEACACHE}: {cf.describe()} does not match this model: {'; '.join(warnings)} (strict mode)")
+    for w in warnings:
+        log.warning("[ditkit] %s: coefficient fingerprint mismatch: %s (file %s)", NODE_TEACACHE, w, cf.describe())
+    streams = {s: cf.streams[s] for s in coef.FAMILY_STREAMS[family] if s in cf.streams}
+    missing = [s for s in coef.FAMILY_STREAMS[family] if s not in cf.streams]
+    if missing:
+        warnings.append(f"streams {missing} have no coefficients in the file and do not take part in skip decisions")
+    thresholds = {s: (params["audio_threshold"] if s == "audio" else params["threshold"]) for s in streams}
+    config = TeaCacheConfig(family, streams, thresholds, params["start_percent"], params["end_percent"], params["cache_device"])
+    info = dict(params, coefficient_file=cf, model_warnings=warnings, deferred=False)
+    return TeaCacheState(config, cf.describe()), info
 
 
 # ================================================================================================ calibration
