@@ -82,8 +82,8 @@ _D_BLOCK = {"attn.norm_q.weight": "attn.q_norm.weight", "attn.norm_k.weight": "a
 _FAMILIES = (
     ("adaln_single.emb.timestep_embedder.linear_1.bias", "an LTX-Video / LTX-2 DiT",
      "load it with the stock 'Load Diffusion Model' (UNETLoader)"),
-    ("double_blocks.0.img_attn.qkv.weight", "a FLUX DiT", "load it with UNETLoader"),
     ("double_stream_modulation_img.lin.weight", "a FLUX.2 DiT", "load it with UNETLoader"),
+    ("double_blocks.0.img_attn.qkv.weight", "a FLUX DiT", "load it with UNETLoader"),
     ("cap_embedder.1.weight", "a Z-Image / Lumina2 DiT", "load it with UNETLoader"),
     ("head.modulation", "a Wan DiT", "load it with UNETLoader"),
     ("decoder.transformer_blocks.0.scale1", "the H3 video VAE", "load it with VAELoader"),

@@ -178,11 +178,11 @@ def test_fp32_islands_are_not_mixed_dtype(ck):
 
 @pytest.mark.parametrize("name,what", [
     ("ltx2_tiny.safetensors", "LTX"),
-    ("flux2_tiny.safetensors", "not a MiniMax H3"),
+    ("flux2_tiny.safetensors", "FLUX.2"),
     ("zimage_tiny.safetensors", "Z-Image"),
 ])
 def test_wrong_family(ck, name, what):
-    _err(ck / name, what, name)
+    _err(ck / name, what, name, "not a MiniMax H3 DiT", "UNETLoader")
 
 
 def test_vae_is_wrong_family(tmp_path):
