@@ -89,7 +89,7 @@ class DitKitZImageLoader(io.ComfyNode):
         model, cfg, how = load_zimage(path)
         summary = (f"Z-Image dim {cfg['dim']}, {cfg['n_layers']} layers, {cfg.get('n_heads')} heads, "
                    f"loaded via {how}")
-        payload = send_report(cls.hidden.unique_id, NODE_ID, "load", summary,
+        payload = send_report(cls.hidden.unique_id if cls.hidden is not None else None, NODE_ID, "load", summary,
                               {"file": unet_name, "config": cfg, "path": how})
         return io.NodeOutput(model, summary, ui=ui_report(payload))
 

@@ -186,7 +186,7 @@ class DitKitLoKrLoader(io.ComfyNode):
         path = folder_paths.get_full_path_or_raise("loras", lokr_name)
         patched, plan = apply_lokr(model, path, strength, source=lokr_name)
         text = report_text(plan, lokr_name, strength)
-        payload = send_report(cls.hidden.unique_id, NODE_ID, "lokr", plan.summary(),
+        payload = send_report(cls.hidden.unique_id if cls.hidden is not None else None, NODE_ID, "lokr", plan.summary(),
                               {**plan.as_dict(), "file": lokr_name, "strength": strength})
         return io.NodeOutput(patched, text, ui=ui_report(payload))
 
