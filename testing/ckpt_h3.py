@@ -22,8 +22,9 @@ Dtypes follow the official bf16 release: fp32 islands ``video_patch_proj``, ``au
 ``time_embedder``, ``final_layer.video_out``/``audio_out`` and ``rope.inv_freq``; bf16 everywhere else.
 ComfyUI casts them to its compute dtype (fp32 on CPU) at load, so CPU sampling is unaffected.
 
-``text_dim`` is 1024 (not the diffusers fixture's 48) so the stock ``LotusConditioning`` node ([1, 2, 1024],
-no text encoder needed) is a valid H3 conditioning in API workflows; in-process tests can build
+``text_dim`` is 48 (the diffusers fixture's value) = the hidden width of the tiny H3 text encoder
+(``text_encoders/qwen3vl_tiny_minimax_h3.safetensors``, loaded by ``DitKitH3TextEncoderLoader``). The stock
+``LotusConditioning`` ([1, 2, 1024]) does NOT fit it; in-process tests build
 ``[[torch.randn(1, L, CONFIG["text_dim"]), {}]]``.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ CONFIG: dict = {
     "latents_dim": 24,
     "audio_latents_dim": 32,
     "patch_size": [1, 2, 2],
-    "text_dim": 1024,  # = the stock LotusConditioning width, so a text-encoder-free workflow can condition it
+    "text_dim": 48,  # = the tiny H3 text encoder's width (testing/ckpt_text.py: qwen3vl_tiny_minimax_h3)
     "timestep_input_dim": 16,
     "time_embed_hidden_size": 64,
     "time_embed_dim": 32,

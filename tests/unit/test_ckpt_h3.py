@@ -116,7 +116,7 @@ def test_comfy_file_inventory_shapes_dtypes(two_runs):
     assert t["video_patch_proj.weight"].shape == (hid, 96)
     assert t["final_layer.video_out.weight"].shape == (96, hid)
     assert t["final_layer.audio_out.weight"].shape == (32, hid)
-    assert t["condition_proj.weight"].shape == (hid, 1024)
+    assert t["condition_proj.weight"].shape == (hid, 48)
     assert t["blocks.0.mlp.fc1.weight"].shape == (256, hid)
     assert t["rope.inv_freq"].shape == (4,)
     assert 6 * t["rope.inv_freq"].shape[0] <= t["blocks.0.attn.q_norm.weight"].shape[0]
