@@ -391,3 +391,18 @@ def test_peft_written_files(models, tmp_path):
 
 def test_errors_are_ditkit_errors():
     assert issubclass(AdapterError, DitKitError) and issubclass(CheckpointError, DitKitError)
+
+
+@pytest.mark.parametrize("name,fam", [("zimage_lokr_tiny", "zimage"), ("flux2_lokr_tiny", "flux2")])
+def test_example_workflow_report_on_real_server(comfy_server, name, fam):
+    import json
+
+    graph = json.loads((REPO / "example_workflows" / "api" / f"{name}.json").read_text(encoding="utf-8"))
+    entry = comfy_server.run(graph)
+    assert entry["status"]["status_str"] == "success"
+    rep = entry["outputs"]["2"]["ditkit_report"][0]
+    assert rep["node_type"] == "DitKitLoKrLoader" and rep["data"]["family"] == fam
+    assert "0 keys unused, 0 refused" in rep["summary"]
+    assert rep["data"]["unused"] == {} and rep["data"]["refused"] == {}
+    n_mods = len({k.rsplit(".", 1)[0] for k in load_file(comfy_server.models_dir / "loras" / f"{name}.safetensors")})
+    assert len(rep["data"]["applied"]) == n_mods
