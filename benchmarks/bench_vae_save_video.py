@@ -73,7 +73,7 @@ def child(mode: str, t: int, hh: int, ww: int, out: str) -> dict:
     gc.collect()
     base = rss()
     t0 = time.perf_counter()
-    with PeakRSS() as pk:
+    with PeakRSS() as pk, torch.inference_mode():  # ComfyUI executes nodes under inference mode
         if mode == "ditkit":
             data = sv.stream_save(vae, z, out, 24.0)
             frames, h, w = data["frames"], data["height"], data["width"]

@@ -1,0 +1,129 @@
+"""T=1 decode core on a duck-typed fake H3 VAE (no ComfyUI). The oracle decodes every frame of every tile, blends
+the full tiles, THEN takes the frame (what slicing-before-blending must reproduce exactly)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ditkit.errors import DitKitError
+from ditkit.vae.t1_decode import direct_decode_t1, repeat_decode_t1, tiled_decode_frame, unwhiten
+
+
+class FakeH3:
+    """Minimal stand-in with the attributes/methods the core uses; the decoder mixes information across all
+    tokens it is given (like attention), so the result depends on the temporal extent."""
+
+    vae_ratio, tile_size, tile_overlap_min = 2, 8, 2
+    tokens_chunk_size, token_overlap, frame_pre_padding = 5, 2, 3
+    tiling = True
+
+    def __init__(self, c=24, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.latents_mean = torch.randn(c, generator=g)
+        self.latents_std = torch.rand(c, generator=g) + 0.5
+        self.w = torch.randn(3, c, generator=g) / c ** 0.5
+        self.wt = torch.randn(4, generator=g)
+        self.decoder = type("D", (), {"patch_size_t": 4})()
+
+    def _decode_temporal_chunks(self, t):
+        return (5, 1) if t == 2 else (0, 1)
+
+    def _decode_pixels(self, z):
+        b, c, t, h, w = z.shape
+        base = torch.einsum("bcthw,kc->bkthw", z, self.w)
+        ctx = base.mean(dim=(2, 3, 4), keepdim=True)
+        pos = ((torch.arange(0.5, t) / t) * 2 - 1).view(1, 1, t, 1, 1)  # extent-normalised, like the RoPE
+        frames = [torch.tanh(base * (p + 1) / 4 + ctx * self.wt[p] + 0.1 * pos * p) for p in range(4)]
+        out = torch.stack(frames, dim=3).reshape(b, 3, 4 * t, h, w)
+        return out.repeat_interleave(self.vae_ratio, -2).repeat_interleave(self.vae_ratio, -1)
+
+    def split_tiles(self, n):
+        if self.tile_size >= n:
+            return [0], [n], []
+        k = math.ceil((n - self.tile_overlap_min) / (self.tile_size - self.tile_overlap_min))
+        step = (n - self.tile_size) // (k - 1)
+        step -= step % self.vae_ratio
+        starts = [i * step for i in range(k - 1)] + [n - self.tile_size]
+        ov = [starts[i] + self.tile_size - starts[i + 1] for i in range(k - 1)]
+        return starts, [self.tile_size] * k, ov
+
+    def blend(self, a, b, e, dim):
+        e = min(a.shape[dim], b.shape[dim], e)
+        wgt = torch.arange(e, dtype=b.dtype) / e
+        shape = [1] * a.ndim
+        shape[dim] = e
+        wgt = wgt.view(shape)
+        blended = a.narrow(dim, a.shape[dim] - e, e) * (1 - wgt) + b.narrow(dim, 0, e) * wgt
+        return torch.cat([blended, b.narrow(dim, e, b.shape[dim] - e)], dim=dim)
+
+    def _finalize_pixels(self, x):
+        return (x.float() * 0.5 + 0.5).clamp(0, 1)
+
+
+def full_tiled_decode(m, z):
+    """Oracle: all frames, tiles blended (previous row's raw bottom strip, then the left raw strip), then cropped."""
+    r = m.vae_ratio
+    H, W = z.shape[-2] * r, z.shape[-1] * r
+    ys, yl, yo = m.split_tiles(H)
+    xs, xl, xo = m.split_tiles(W)
+    raw = [[m._decode_pixels(z[..., y // r:(y + a) // r, x // r:(x + b) // r]) for x, b in zip(xs, xl)]
+           for y, a in zip(ys, yl)]
+    rows = []
+    for i in range(len(ys)):
+        row = []
+        for j in range(len(xs)):
+            t = raw[i][j]
+            if i > 0:
+                t = m.blend(raw[i - 1][j][..., -yo[i - 1]:, :], t, yo[i - 1], -2)
+            if j > 0:
+                t = m.blend(raw[i][j - 1][..., :, -xo[j - 1]:], t, xo[j - 1], -1)
+            if i < len(ys) - 1:
+                t = t[..., :-yo[i], :]
+            if j < len(xs) - 1:
+                t = t[..., :, :-xo[j]]
+            row.append(t)
+        rows.append(torch.cat(row, -1))
+    return torch.cat(rows, -2)
+
+
+@pytest.mark.parametrize("hw", [(3, 3), (6, 5), (11, 7)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_repeat_decode_equals_full_clip_frame(hw, batch):
+    m = FakeH3()
+    z = torch.randn(batch, 24, 1, *hw, generator=torch.Generator().manual_seed(hw[0] * 10 + batch))
+    out, rep = repeat_decode_t1(m, z)
+    clip = unwhiten(m, z).repeat(1, 1, 7, 1, 1)
+    ref = m._finalize_pixels(full_tiled_decode(m, clip)[:, :, 3:4])
+    assert out.shape == (batch, 3, 1, hw[0] * 2, hw[1] * 2)
+    assert torch.equal(out, ref)
+    assert rep.tokens_decoded == 7 and rep.kept_raw_frame == 3
+    assert rep.canvas_bytes == batch * 3 * 1 * hw[0] * 2 * hw[1] * 2 * 4  # one frame, not 28
+    # context matters: the 7-token clip is not the same function as one token
+    assert not torch.equal(out, m._finalize_pixels(full_tiled_decode(m, unwhiten(m, z))[:, :, 3:4]))
+
+
+@pytest.mark.parametrize("s", [0, 1, 2, 3])
+def test_direct_decode_takes_declared_slice(s):
+    m = FakeH3(seed=1)
+    z = torch.randn(2, 24, 1, 9, 6, generator=torch.Generator().manual_seed(s))
+    out, rep = direct_decode_t1(m, z, s)
+    ref = m._finalize_pixels(full_tiled_decode(m, unwhiten(m, z))[:, :, s:s + 1])
+    assert torch.equal(out, ref) and rep.kept_raw_frame == s and rep.tokens_decoded == 1
+
+
+def test_untiled_model_and_bad_inputs():
+    m = FakeH3()
+    m.tiling = False
+    z = torch.randn(1, 24, 1, 6, 6)
+    out = tiled_decode_frame(m, unwhiten(m, z), 2)
+    assert torch.equal(out, m._decode_pixels(unwhiten(m, z))[:, :, 2:3])
+    with pytest.raises(DitKitError, match="16 channels"):
+        repeat_decode_t1(m, torch.randn(1, 16, 1, 4, 4))
+    with pytest.raises(DitKitError, match="T=2"):
+        repeat_decode_t1(m, torch.randn(1, 24, 2, 4, 4))
+    with pytest.raises(DitKitError, match="5-D"):
+        repeat_decode_t1(m, torch.randn(24, 1, 4, 4))
+    with pytest.raises(DitKitError, match="output_slice 4"):
+        direct_decode_t1(m, torch.randn(1, 24, 1, 4, 4), 4)
