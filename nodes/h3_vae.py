@@ -170,13 +170,15 @@ def h3_decode(vae, latent: torch.Tensor) -> tuple[torch.Tensor, dict]:
                           f"(shape {tuple(latent.shape)}): a latent of another model?")
     info = getattr(vae, "ditkit_h3", None) or {}
     kind = info.get("kind", "video")
+    source = "DitKitH3VAELoader" if info else "another loader (no h3_t1 metadata seen; treated as the video VAE)"
     t = latent.shape[2]
     if t > 1:
         if kind == "image":
             raise DitKitError(f"this is a single-frame IMAGE VAE ({info.get('file')}); it must not decode videos "
                               f"(latent T={t}). Load the H3 video VAE for T > 1")
         images = vae.decode(latent)
-        data = {"path": "native", "frames": images.shape[1], "batch": latent.shape[0], "vae_kind": kind}
+        data = {"path": "native", "frames": images.shape[1], "batch": latent.shape[0], "vae_kind": kind,
+                "vae_source": source}
         return images.reshape(-1, *images.shape[-3:]), data
     vae.throw_exception_if_invalid()
     mem = vae.memory_used_decode((latent.shape[0], c, 2) + tuple(latent.shape[3:]), vae.vae_dtype)
@@ -188,7 +190,7 @@ def h3_decode(vae, latent: torch.Tensor) -> tuple[torch.Tensor, dict]:
         else:
             out, rep = repeat_decode_t1(m, z)
     images = out.to(device=vae.output_device, dtype=vae.vae_output_dtype()).movedim(1, -1)
-    data = dict(rep.as_dict(), vae_kind=kind, vae_file=info.get("file"), summary=rep.summary())
+    data = dict(rep.as_dict(), vae_kind=kind, vae_file=info.get("file"), vae_source=source, summary=rep.summary())
     return images.reshape(-1, *images.shape[-3:]), data
 
 
