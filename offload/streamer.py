@@ -235,6 +235,7 @@ class LayerwiseStreamer:
         self._lock = threading.RLock()
         self.events: list[tuple[str, int]] = []                # ("copy"/"acquire"/"release", index): test trace
         self.trace = False
+        self.on_pass_end = None                                # callable() after the last layer of a pass
 
     # -- sizes ---------------------------------------------------------------------------------------------
     @property
@@ -320,8 +321,11 @@ class LayerwiseStreamer:
             self.drop_all()
             raise
         self.release(i)
-        if i == len(self.packs) - 1 and not self.wrap:
-            self.drop_all()
+        if i == len(self.packs) - 1:
+            if not self.wrap:
+                self.drop_all()
+            if self.on_pass_end is not None:
+                self.on_pass_end()
         return out
 
 

@@ -146,3 +146,136 @@ def test_adaln_bad_inputs(comfy, ckpts, reports):
     assert cache.signature is None and cache.entries == {}
     # still usable afterwards
     assert _equal(_sample(comfy, model, 3), _sample(comfy, m, 3))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# text encoders: stock CLIP objects, layerwise streaming
+# --------------------------------------------------------------------------------------------------------------
+def _encode(clip, text="a red fox jumps over the lazy dog"):
+    tok = clip.tokenize(text)
+    return clip.encode_from_tokens_scheduled(tok)
+
+
+def _te_reports(monkeypatch):
+    import ditkit.nodes.text_encoders as te
+
+    got = []
+    real = te.send_report
+
+    def capture(node_id, node_type, kind, summary, data=None):
+        got.append({"kind": kind, "summary": summary, "data": data or {}})
+        return real(node_id, node_type, kind, summary, data)
+
+    monkeypatch.setattr(te, "send_report", capture)
+    return got
+
+
+def _cond_equal(a, b):
+    assert len(a) == len(b)
+    for (ta, da), (tb, db) in zip(a, b):
+        assert ta.dtype == tb.dtype and torch.equal(ta, tb)
+        assert set(da) == set(db)
+        for k in da:
+            if isinstance(da[k], torch.Tensor):
+                assert torch.equal(da[k], db[k]), k
+
+
+@pytest.fixture(scope="module")
+def plain_te(comfy, ckpts):
+    """Non-streamed encoders and their conditioning, built once per module (CLIP construction is slow)."""
+    import comfy.sd
+
+    import ditkit.nodes.text_encoders as te
+
+    out = {}
+    for kind, fname, build in (("h3", "qwen3vl_tiny_minimax_h3.safetensors", te.build_h3_clip),
+                               ("ltx", "gemma_tiny_ltx.safetensors", te.build_ltx_clip)):
+        path = ckpts / "text_encoders" / fname
+        plain, cfg, info = build(path)
+        assert info == {"streaming": "off"}
+        ref = _encode(plain)
+        ref2 = _encode(plain, "a second, different prompt")
+        out[kind] = (path, build, plain, cfg, ref, ref2)
+    # independent oracle for the loader itself: ComfyUI's own load_clip with the same widths
+    path, _, _, cfg, ref, _ = out["h3"]
+    stock = comfy.sd.load_clip([str(path)], clip_type=comfy.sd.CLIPType.MINIMAX,
+                               model_options={"qwen3vl_32b_model_config": dict(cfg)})
+    _cond_equal(_encode(stock), ref)
+    return out
+
+
+@pytest.mark.parametrize("kind,prefetch", [("h3", 0), ("h3", 1), ("h3", 2), ("ltx", 1)])
+def test_te_streaming_equals_plain_and_bounds_peak(plain_te, monkeypatch, kind, prefetch):
+    reps = _te_reports(monkeypatch)
+    path, build, plain, cfg, ref, ref2 = plain_te[kind]
+    if kind == "h3":
+        assert ref[0][0].shape[-1] == 48 and "minimax_token_tags" in ref[0][1]
+    else:
+        assert ref[0][0].shape[-1] == 40 and ref[0][1].get("unprocessed_ltxav_embeds") is True
+    streamed, _, sinfo = build(path, streaming=True, prefetch=prefetch, force=True)
+    assert sinfo["streaming"] == "layerwise" and sinfo["layers"] == cfg["num_hidden_layers"]
+    got = _encode(streamed)
+    got2 = _encode(streamed, "a second, different prompt")
+    _cond_equal(got, ref)
+    _cond_equal(got2, ref2)
+    passes = [r for r in reps if r["kind"] == "te_streaming"]
+    assert len(passes) == 2
+    d = passes[0]["data"]
+    st = streamed.ditkit_streaming.streamers[0]
+    n_tensors = len(list(st.layers[0].parameters())) + len(list(st.layers[0].buffers()))
+    bound = (prefetch + 1) * (st.max_layer_bytes + n_tensors * 256)
+    assert 0 < d["peak_device_bytes"] <= bound
+    assert d["bytes_h2d"] == st.host_bytes and d["layers_streamed"] == cfg["num_hidden_layers"]
+    assert d["host_embedding_bytes_read"] > 0 and d["live_device_bytes"] == 0
+    # the embedding table is not part of what streams (host-resident), and it is the big tensor for H3
+    emb = sinfo["embedding_bytes_on_host"]
+    if kind == "h3":
+        assert emb == 151936 * 48 * 2 and emb > st.host_bytes
+
+
+def test_te_streaming_is_noop_on_cpu_and_says_so(comfy, ckpts, monkeypatch):
+    import ditkit.nodes.text_encoders as te
+
+    reps = _te_reports(monkeypatch)
+    path = ckpts / "text_encoders" / "qwen3vl_tiny_minimax_h3.safetensors"
+    clip, _, info = te.build_h3_clip(path, streaming=True, prefetch=1, force=False)
+    assert info["streaming"] == "noop_cpu"
+    assert any("no-op" in r["summary"] for r in reps)
+    assert not any(k.endswith("embed_tokens") for k in clip.patcher.object_patches)
+
+
+def test_te_lora_on_streamed_layer_refused(comfy, ckpts):
+    import ditkit.nodes.text_encoders as te
+
+    path = ckpts / "text_encoders" / "qwen3vl_tiny_minimax_h3.safetensors"
+    clip, _, _ = te.build_h3_clip(path, streaming=True, prefetch=1, force=True)
+    lora = clip.clone()
+    key = "qwen3vl_32b.transformer.model.layers.3.mlp.up_proj.weight"
+    w = lora.patcher.get_model_object(key)
+    lora.add_patches({key: (torch.zeros_like(w),)}, 1.0)
+    with pytest.raises(te.StreamingError, match="CLIP LoRA"):
+        _encode(lora)
+    # the un-patched clip still works after the refusal
+    _encode(clip)
+
+
+def test_te_bad_files(comfy, ckpts, monkeypatch):
+    import ditkit.nodes.text_encoders as te
+    from ditkit.errors import CheckpointError
+
+    def no_read(*a, **k):
+        raise AssertionError("weights were read before the family check")
+
+    monkeypatch.setattr(te, "load_with_metadata", no_read)
+    with pytest.raises(CheckpointError, match="not a MiniMax H3.*Gemma"):
+        te.build_h3_clip(ckpts / "text_encoders" / "gemma_tiny_ltx.safetensors")
+    with pytest.raises(CheckpointError, match="not a MiniMax H3.*diffusion model"):
+        te.build_h3_clip(ckpts / "diffusion_models" / "h3_tiny_comfy.safetensors")
+    with pytest.raises(CheckpointError, match="not a Gemma.*Qwen3-VL"):
+        te.build_ltx_clip(ckpts / "text_encoders" / "qwen3vl_tiny_minimax_h3.safetensors")
+    with pytest.raises(CheckpointError, match="was not found"):
+        te._run("h3", te.H3_NODE, "no_such_file.safetensors", "off", 1, None)
+    junk = ckpts / "text_encoders" / "junk.safetensors"
+    junk.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(CheckpointError):
+        te.build_h3_clip(junk)
