@@ -27,13 +27,19 @@ def dm(comfy, tiny_ckpts):
     return d
 
 
+def _cond():
+    from ditkit.testing.ckpt_h3 import CONFIG
+
+    g = torch.Generator().manual_seed(0)
+    return [[torch.randn(1, 7, CONFIG["text_dim"], generator=g), {}]]
+
+
 def _sample(model, seed=SEED):
     import nodes
-    from comfy_extras.nodes_lotus import LotusConditioning
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
     lat = EmptyMiniMaxH3LatentAV.execute(64, 64, 5)[0]
-    cond = LotusConditioning.execute()[0]  # [1, 2, 1024]: the tiny H3 text_dim is 1024 on purpose
+    cond = _cond()
     out = nodes.common_ksampler(model, seed, 2, 1.0, "euler", "simple", cond, cond, lat)[0]["samples"]
     return [t.clone() for t in out.unbind()]
 
@@ -65,7 +71,7 @@ def test_stock_loader_detects_and_samples_tiny_h3_variants(dm, reference):
         m = _stock(dm / name)
         cfg = m.model.model_config.unet_config
         assert cfg["image_model"] == "minimax_h3" and cfg["hidden_size"] == 64 and cfg["num_attention_heads"] == 3
-        assert cfg["text_dim"] == 1024 and cfg["num_layers"] == 2 and cfg["token_refiner_num_layers"] == 2
+        assert cfg["text_dim"] == 48 and cfg["num_layers"] == 2 and cfg["token_refiner_num_layers"] == 2
         for k, val in extra.items():
             assert cfg[k] == val, (name, k)
         sv, sa = _sample(m)
@@ -171,11 +177,16 @@ def test_server_official_folder_matches_stock_unetloader(comfy_server):
     """Same graph twice on the real server: stock UNETLoader(comfy file) vs DitKitH3ModelLoader(official folder)."""
     from safetensors.torch import load_file as st_load  # reading our own test outputs (safetensors, no pickle)
 
+    if "DitKitH3TextEncoderLoader" not in comfy_server.object_info():
+        pytest.skip("needs DitKitH3TextEncoderLoader (tiny H3 text encoder) for a 48-wide conditioning")
+
     def graph(loader):
         return {
             "1": loader,
             "2": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}},
-            "3": {"class_type": "LotusConditioning", "inputs": {}},
+            "8": {"class_type": "DitKitH3TextEncoderLoader",
+                  "inputs": {"text_encoder": "qwen3vl_tiny_minimax_h3.safetensors", "streaming": "off", "prefetch": 1}},
+            "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["8", 0], "text": "a red fox in the snow"}},
             "4": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "seed": SEED, "steps": 2, "cfg": 1.0,
                                                         "sampler_name": "euler", "scheduler": "simple",
                                                         "positive": ["3", 0], "negative": ["3", 0],
