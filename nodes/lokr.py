@@ -92,14 +92,17 @@ def check_weight_formats(model, plan: core.LoKrPlan) -> None:
     for it in plan.items:
         wk = it.target.weight_key
         w = comfy.utils.get_attr(model.model, wk)
+        mod = comfy.utils.get_attr(model.model, wk.rsplit(".", 1)[0])
+        qfmt = getattr(mod, "quant_format", None)
         cls = type(w).__name__
-        layout = getattr(w, "_layout_cls", None) or getattr(w, "layout_type", None)
-        if cls != "Parameter" and cls != "Tensor" or w.dtype not in _SUPPORTED_WEIGHT_DTYPES:
-            fmt = f"{cls}" + (f" layout {layout}" if layout else "") + f", dtype {w.dtype}"
+        plain = cls in ("Parameter", "Tensor") and w.dtype in _SUPPORTED_WEIGHT_DTYPES
+        if qfmt is not None or not plain:
+            fmt = (f"comfy_quant format {qfmt}, layout {getattr(mod, 'layout_type', None)}" if qfmt is not None
+                   else f"{cls}, dtype {w.dtype}")
             raise AdapterError(
                 f"{NODE_ID}: layer '{wk}' is stored quantized/packed ({fmt}); ditkit does not merge LoKr into "
-                "quantized weights (it would have to re-quantize, possibly with another scheme). Load the model "
-                "unquantized (bf16/fp16/fp32) and quantize after merging.")
+                "quantized weights (it would have to re-quantize, and ComfyUI re-quantizes with stochastic "
+                "rounding). Load the model unquantized (bf16/fp16/fp32) and quantize after merging.")
 
 
 def apply_lokr(model, path: str, strength: float, source: str | None = None):

@@ -183,17 +183,47 @@ def test_bad_input_leaves_model_unchanged(models, tmp_path, case):
     assert all(torch.equal(before_w[k], after[k]) for k in before_w)
 
 
-def test_quantized_base_refused_with_layer_and_format(comfy, tiny_ckpts):
+def _comfy_quant(sd, fmt):
+    """ComfyUI mixed-precision layout: per-layer fp8/int8 weight + weight_scale + comfy_quant JSON."""
+    import json
+
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(".weight") and v.dim() == 2 and k.startswith(("double_blocks", "single_blocks")):
+            p, w = k[: -len("weight")], v.float()
+            if fmt == "float8_e4m3fn":
+                s = w.abs().max() / 448.0
+                out[k] = (w / s).to(torch.float8_e4m3fn)
+            else:
+                s = w.abs().max() / 127.0
+                out[k] = torch.round(w / s).clamp(-127, 127).to(torch.int8)
+            out[p + "weight_scale"] = s.reshape(())
+            out[p + "comfy_quant"] = torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8)
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["plain-fp8", "float8_e4m3fn", "int8_tensorwise"])
+def test_quantized_base_refused_with_layer_and_format(comfy, tiny_ckpts, fmt):
     import comfy.sd
 
     from ditkit.nodes.lokr import apply_lokr
 
-    q = comfy.sd.load_diffusion_model(str(tiny_ckpts / "diffusion_models" / "flux2_tiny.safetensors"),
-                                      model_options={"dtype": torch.float8_e4m3fn})
+    path = tiny_ckpts / "diffusion_models" / "flux2_tiny.safetensors"
+    if fmt == "plain-fp8":
+        q = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float8_e4m3fn})
+        pat = r"float8_e4m3fn"
+    else:
+        q = comfy.sd.load_diffusion_model_state_dict(_comfy_quant(load_file(path), fmt))
+        pat = rf"comfy_quant format {fmt}, layout \w+Layout"
     before = dict(q.patches)
-    with pytest.raises(AdapterError, match=r"layer 'diffusion_model\.[a-z_0-9.]+\.weight' is stored quantized/packed \(.*float8_e4m3fn"):
+    before_w = {k: v.clone() for k, v in q.model_state_dict().items() if isinstance(v, torch.Tensor) and v.dim() == 2}
+    with pytest.raises(AdapterError, match=r"layer 'diffusion_model\.[a-z_0-9.]+\.weight' is stored quantized/packed \(.*" + pat):
         apply_lokr(q, str(lokr_path(tiny_ckpts, "flux2")), 1.0)
     assert q.patches == before
+    after = q.model_state_dict()
+    assert all(torch.equal(before_w[k].float(), after[k].float()) for k in before_w)
 
 
 def test_node_execute_report(models, tiny_ckpts, comfy):
