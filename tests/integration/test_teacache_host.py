@@ -278,3 +278,37 @@ def test_other_families_calibrate_and_skip(env, reports, family, cfg):
     if cfg != 1.0:  # cond and uncond batched together: two condition states, decided jointly
         assert len(rep["per_condition"]) == 2
         assert {d["skipped"] for d in rep["per_condition"]} == {rep["skipped"]}
+
+
+# ------------------------------------------------------------------------------------------------ real server
+
+def _api(name):
+    from ditkit.run import REPO
+
+    return json.loads((REPO / "example_workflows" / "api" / name).read_text(encoding="utf-8"))
+
+
+def test_server_calibrate_then_teacache_workflow(comfy_server):
+    """Real headless ComfyUI: the example workflow calibrates on 3 prompts, writes the coefficient file, and the
+    TeaCache sampler in the same workflow skips steps and reports per-stream counts; a 12-step run warns."""
+    import re
+
+    graph = _api("h3_teacache_tiny.json")
+    entry = comfy_server.run(graph)
+    assert entry["status"]["status_str"] == "success"
+    path = comfy_server.output_dir / "ditkit" / "teacache" / "h3_teacache_tiny.json"
+    raw = json.loads(path.read_text())
+    assert raw["calibration"]["n_prompts"] >= 3 and raw["fingerprint"]["steps"] == 8
+    assert raw["fingerprint"]["model"]["weights_sha256"] and raw["streams"]["video"]["fit"]["r2"] is not None
+    log = comfy_server.log_text()
+    m = re.findall(r"TeaCache h3: computed (\d+)/(\d+) calls, skipped (\d+).*?\| video: skipped (\d+).*?\| audio: skipped (\d+)", log)
+    assert m, log[-3000:]
+    computed, calls, skipped, v_skip, a_skip = map(int, m[-1])
+    assert calls == 8 and skipped >= 1 and computed + skipped == calls and v_skip == a_skip == skipped
+    # same file, another step count -> the guard warns in the report and the log
+    graph["13"]["inputs"]["steps"] = 12
+    entry = comfy_server.run(graph)
+    assert entry["status"]["status_str"] == "success"
+    log = comfy_server.log_text()
+    assert re.search(r"coefficient fingerprint mismatch: steps: file has 8, this run has 12", log)
+    assert re.search(r"TeaCache h3: computed \d+/12 calls.*WARNING: \d+ fingerprint mismatch", log)
