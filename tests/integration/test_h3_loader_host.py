@@ -210,3 +210,26 @@ def test_server_official_folder_matches_stock_unetloader(comfy_server):
     assert set(outs[0]) == set(outs[1]) == {"video", "audio"}
     for k in outs[0]:
         assert torch.equal(outs[0][k], outs[1][k]), k
+
+
+def test_int8_repack_passes_through_and_samples_like_stock(dm, tmp_path):
+    """A ComfyUI int8_tensorwise repack (I8 weights + weight_scale + comfy_quant markers) goes through untouched."""
+    from ditkit.loaders.safetensors_io import load_file, save_file
+    from ditkit.nodes.h3_loaders import load_h3_model
+
+    sd = load_file(dm / "h3_tiny_comfy.safetensors")
+    for k in list(sd):
+        if k.startswith("blocks.") and k.endswith(("qkv_proj.weight", "out_proj.weight", "fc1.weight", "fc2.weight")):
+            w = sd[k].float()
+            s = w.abs().amax() / 127.0
+            sd[k] = torch.round(w / s).clamp(-127, 127).to(torch.int8)
+            sd[k[:-len("weight")] + "weight_scale"] = s.reshape(())
+            sd[k[:-len("weight")] + "comfy_quant"] = torch.tensor(list(b'{"format": "int8_tensorwise"}'),
+                                                                  dtype=torch.uint8)
+    p = tmp_path / "h3_tiny_int8.safetensors"
+    save_file(sd, p)
+    model, rep = load_h3_model(str(p))
+    assert rep.quantized == 8 and rep.layout == "comfy" and "quantized" in rep.variant
+    ref = _sample(_stock(p))
+    got = _sample(model)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
