@@ -207,6 +207,18 @@ def test_server_roundtrip_and_rejects(comfy_server):
     err = comfy_server.run_expect_failure(bad)
     assert "AUDIO" in str(err)
     assert comfy_server.alive()
+    vdir = comfy_server.models_dir / "vae"
+    raw = (vdir / ck.VIDEO_VAE_NAME).read_bytes()
+    (vdir / "h3_truncated.safetensors").write_bytes(raw[: len(raw) // 3])
+    sd = load_file(vdir / ck.IMAGE_VAE_NAME)
+    meta = ck.image_vae_metadata(sd)
+    meta["h3_t1_output_slice"] = "3x"
+    save_file(sd, vdir / "h3_badslice.safetensors", metadata=meta)
+    for name, needle in (("h3_truncated.safetensors", "truncated"), ("h3_badslice.safetensors", "h3_t1_output_slice")):
+        g = json.loads(json.dumps(bad))
+        g["1"]["inputs"]["vae_name"] = name
+        assert needle in str(comfy_server.run_expect_failure(g))
+        assert comfy_server.alive()
     entry = comfy_server.run(_wf("h3_save_video_tiny.json"))
     files = comfy_server.output_files(entry)
     assert any(str(f).endswith(".mp4") and f.stat().st_size > 0 for f in files)
