@@ -67,4 +67,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Under ``python -m`` this file runs as ``__main__``; the family modules register into the importable
+    # ``<pkg>.testing.checkpoints`` module, so delegate to that one.
+    from . import checkpoints as _registry_module
+
+    raise SystemExit(_registry_module.main())
