@@ -31,45 +31,76 @@ OP = "block_sparse_attn"
 # ---------------------------------------------------------------------------------------------------------
 # reference: gather the selected key tiles and run SDPA, one batch per distinct key-tile count
 def block_sparse_attn_reference(q, k, v, q2k_index, q2k_num, variable_block_sizes, need_lse: bool = True,
-                                max_chunk_elems: int = 1 << 26):
+                                max_chunk_elems: int = 1 << 22):
     B, H, S, D = q.shape
     T = S // TILE
     Tk = k.shape[2] // TILE
     scale = D ** -0.5
     out = torch.zeros_like(q)
     lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device) if need_lse else None
+    lse_t = lse.view(B, H, T, TILE) if need_lse else None
     qt = q.reshape(B, H, T, TILE, D)
-    kt = k.reshape(B, H, Tk, TILE, D)
-    vt = v.reshape(B, H, Tk, TILE, D)
+    # flat [B*H*Tk, 64*D] views make the tile gather one index_select
+    kf = k.reshape(B * H * Tk, TILE * D)
+    vf = v.reshape(B * H * Tk, TILE * D)
     vbs = variable_block_sizes.to(device=q.device, dtype=torch.long)
     key_live = torch.arange(TILE, device=q.device)[None, :] < vbs[:, None]     # [Tk, 64]
+    all_live = bool(key_live.all())
     num = q2k_num.to(device=q.device, dtype=torch.long)
     idx_all = q2k_index.to(device=q.device, dtype=torch.long)
     ot = out.view(B, H, T, TILE, D)
+
+    def attend(qq, kk, vv, live):
+        """qq [N, M, D], kk/vv [N, L, D], live [N, L] or None -> (out, lse_log2 or None)."""
+        if need_lse:
+            s = torch.matmul(qq.float(), kk.float().transpose(1, 2)) * scale
+            if live is not None:
+                s = s.masked_fill(~live[:, None, :], float("-inf"))
+            m = torch.logsumexp(s, dim=-1)                                      # natural log
+            o = torch.matmul(torch.exp(s - m[..., None]), vv.float()).to(q.dtype)
+            return o, m * LOG2E
+        mask = None if live is None else live[:, None, None, :]
+        return F.scaled_dot_product_attention(qq[:, None], kk[:, None], vv[:, None], attn_mask=mask)[:, 0], None
+
+    full = torch.arange(Tk, device=q.device)
     for count in torch.unique(num).tolist():
         if count <= 0:
             continue
         bi, hi, ti = torch.nonzero(num == count, as_tuple=True)
+        if count == Tk:
+            # dense query tiles (e.g. H3 prefix rows): one big-M call per (b, h) on the un-gathered keys
+            dense_rows = (idx_all[bi, hi, ti, :Tk].sort(dim=-1).values == full).all(dim=-1)
+            for b, h in {(int(b_), int(h_)) for b_, h_ in zip(bi[dense_rows], hi[dense_rows])}:
+                sel = ti[dense_rows & (bi == b) & (hi == h)]
+                qq = qt[b, h, sel].reshape(1, -1, D)
+                live = None if all_live else key_live.reshape(1, -1)
+                o, m = attend(qq, k[b, h][None], v[b, h][None], live)
+                ot[b, h, sel] = o.view(-1, TILE, D)
+                if need_lse:
+                    lse_t[b, h, sel] = m.view(-1, TILE)
+            keep = ~dense_rows
+            bi, hi, ti = bi[keep], hi[keep], ti[keep]
         per = count * TILE * D * 2 + count * TILE * TILE
-        step = max(1, max_chunk_elems // per)
+        step = max(1, min(bi.numel(), max_chunk_elems // per))
+        # reused gather buffers: fresh multi-MB allocations per chunk cost more in page faults than the copy
+        kbuf = k.new_empty(step * count, TILE * D)
+        vbuf = v.new_empty(step * count, TILE * D)
         for s0 in range(0, bi.numel(), step):
             b_, h_, t_ = bi[s0:s0 + step], hi[s0:s0 + step], ti[s0:s0 + step]
             idx = idx_all[b_, h_, t_, :count]                                   # [N, c]
-            kk = kt[b_[:, None], h_[:, None], idx].reshape(-1, count * TILE, D)
-            vv = vt[b_[:, None], h_[:, None], idx].reshape(-1, count * TILE, D)
-            live = key_live[idx].reshape(-1, count * TILE)
-            qq = qt[b_, h_, t_]                                                 # [N, 64, D]
-            if need_lse:
-                s = torch.matmul(qq.float(), kk.float().transpose(1, 2)) * scale
-                s = s.masked_fill(~live[:, None, :], float("-inf"))
-                m = torch.logsumexp(s, dim=-1)                                  # natural log
-                p = torch.exp(s - m[..., None])
-                o = torch.matmul(p, vv.float()).to(q.dtype)
-                lse.view(B, H, T, TILE)[b_, h_, t_] = m * LOG2E
-            else:
-                mask = None if bool(live.all()) else live[:, None, None, :]
-                o = F.scaled_dot_product_attention(qq[:, None], kk[:, None], vv[:, None], attn_mask=mask)[:, 0]
+            flat = (((b_ * H + h_) * Tk)[:, None] + idx).reshape(-1)
+            n = flat.numel()
+            kk = torch.index_select(kf, 0, flat, out=kbuf[:n]).view(-1, count * TILE, D)
+            vv = torch.index_select(vf, 0, flat, out=vbuf[:n]).view(-1, count * TILE, D)
+            live = None
+            if not all_live:
+                live = key_live[idx].reshape(-1, count * TILE)
+                if bool(live.all()):
+                    live = None
+            o, m = attend(qt[b_, h_, t_], kk, vv, live)
             ot[b_, h_, t_] = o
+            if need_lse:
+                lse_t[b_, h_, t_] = m
     return out, lse
 
 

@@ -25,10 +25,10 @@ TILE = 64
 # references
 def pack_reference(x: torch.Tensor, tile_src: torch.Tensor) -> torch.Tensor:
     src = tile_src.to(device=x.device, dtype=torch.long)
-    live = src >= 0
-    out = x.new_zeros(*x.shape[:-2], src.numel(), x.shape[-1])
-    out[..., live, :] = x[..., src[live], :]
-    return out
+    # pad slots read an appended zero row: one index_select, pads exactly zero
+    zero = x.new_zeros(*x.shape[:-2], 1, x.shape[-1])
+    xz = torch.cat([x, zero], dim=-2)
+    return xz.index_select(-2, torch.where(src >= 0, src, x.shape[-2]))
 
 
 def unpack_combine_reference(fine: torch.Tensor, untile_index: torch.Tensor, coarse: Optional[torch.Tensor] = None,

@@ -208,7 +208,7 @@ def vsa_h3_attention(q, k, v, layout: H3TileLayout, keep: float, gate: Optional[
     k_vid = layout.topk(keep)
     idx, num = select_h3(scores, lay.num_prefix_tiles, lay.num_video_tiles, k_vid, exempt)
     sel = REGISTRY.resolve("block_sparse_attn", q.device, q.dtype, D, backend)
-    fine, _ = sel.fn(qt, kt, vt, idx, num, lay.sizes)
+    fine, _ = sel.fn(qt, kt, vt, idx, num, lay.sizes, need_lse=False)
     coarse = None
     if gate is not None:
         vp = pool_tiles(vt, lay.sizes)
