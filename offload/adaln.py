@@ -139,11 +139,20 @@ class AdalnScheduleCache:
 
     # -- keys ----------------------------------------------------------------------------------------------
     def key_of(self, t_emb: torch.Tensor) -> tuple:
+        """Exact key of ``t_emb``, computed once per tensor object (one device->host read per forward, not one
+        per block). The memo holds a reference, so the object cannot be freed and its id reused. Normal tensors
+        are re-keyed if their version counter moved (an in-place write); inference-mode tensors have no version
+        counter, and the memo then relies on H3's forward never writing into ``t_emb`` (it builds it fresh per
+        forward and only reads it)."""
+        try:
+            version = t_emb._version
+        except RuntimeError:  # inference tensor (ComfyUI samples under torch.inference_mode)
+            version = None
         memo = self._memo
-        if memo is not None and memo[0] is t_emb and memo[1] == t_emb._version:
-            return memo[2]
+        if memo is not None and memo[0] is t_emb and memo[1] == version and memo[2] == t_emb.data_ptr():
+            return memo[3]
         k = tensor_key(t_emb)
-        self._memo = (t_emb, t_emb._version, k)
+        self._memo = (t_emb, version, t_emb.data_ptr(), k)
         return k
 
     # -- weights -------------------------------------------------------------------------------------------

@@ -279,3 +279,37 @@ def test_te_bad_files(comfy, ckpts, monkeypatch):
     junk.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     with pytest.raises(CheckpointError):
         te.build_h3_clip(junk)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# real host (headless ComfyUI over /prompt)
+# --------------------------------------------------------------------------------------------------------------
+def test_real_host_adaln_cache_workflow(comfy_server):
+    """The example workflow: cached samplers (3 steps cold, 3 steps hot, 5 steps rebuild) and an uncached
+    5-step sampler on the same input latent; cached == uncached bit for bit; the per-run reports are right."""
+    import json
+    import re
+    from pathlib import Path
+
+    from ditkit.loaders.safetensors_io import load_file
+
+    wf = Path(__file__).resolve().parents[2] / "example_workflows" / "api" / "h3_adaln_cache_tiny.json"
+    graph = json.loads(wf.read_text())
+    entry = comfy_server.run(graph)
+    assert entry["status"]["status_str"] == "success"
+    files = {p.name: p for p in comfy_server.output_files(entry)}
+
+    def latent(prefix):
+        (name,) = [n for n in files if n.startswith(prefix)]
+        return load_file(files[name])["latent_tensor"]
+
+    for part in ("video", "audio"):
+        a, b = latent(f"h3_adaln_cached_{part}"), latent(f"h3_adaln_plain_{part}")
+        assert a.shape == b.shape and torch.equal(a, b), part
+    runs = re.findall(r"DitKitH3AdaLNCache #5 adaln_cache: run: (\d+) hits, (\d+) misses, (\d+) rebuilds \((\w+)\)",
+                      comfy_server.log_text())
+    n_proj = 2 + 1  # tiny H3: 2 blocks + final layer; cfg 1 -> one forward per step
+    assert [tuple(r) for r in runs[-3:]] == [(str(3 * n_proj), "0", "1", "cold"), (str(3 * n_proj), "0", "0", "hot"),
+                                             (str(5 * n_proj), "0", "1", "cold")]
+    # the text encoder streaming request is a reported no-op on the CPU host
+    assert re.search(r"DitKitH3TextEncoderLoader #3 \w+: .*no-op", comfy_server.log_text())

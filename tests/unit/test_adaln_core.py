@@ -164,3 +164,27 @@ def test_h3_real_sizes_from_shapes():
     per_row = (50 * 96768 + 10752) * 2
     assert s["table_bytes_per_row"] == per_row == 9_698_304
     assert s["table_bytes"] == 98 * per_row
+
+
+def test_inference_mode_tensors_are_keyed():
+    origs, cache, wrapped = _setup()
+    with torch.inference_mode():
+        e = t_embed([0.2, 0.6])
+        cache.build(("inf",), [e])
+        live = e.clone()
+        for o, w in zip(origs, wrapped):
+            for a, b in zip(o(live), w(live)):
+                assert torch.equal(a, b)
+    assert cache.stats.hits == 4 and cache.stats.misses == 0
+
+
+def test_in_place_write_to_t_emb_is_rekeyed():
+    origs, cache, wrapped = _setup()
+    e = t_embed([0.2, 0.6])
+    cache.build(("v",), [e])
+    live = e.clone()
+    wrapped[0](live)
+    live.add_(1.0)  # version counter moves -> new key -> miss, computed exactly
+    for a, b in zip(origs[0](live), wrapped[0](live)):
+        assert torch.equal(a, b)
+    assert cache.stats.hits == 1 and cache.stats.misses == 1
