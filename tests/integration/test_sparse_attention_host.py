@@ -163,3 +163,20 @@ def test_refuses_non_h3_and_bad_backend(env):
     with pytest.raises(BackendError, match="flashinfer"):
         DitKitSparseAttention.execute(env.model, backend="flashinfer")
     assert repr(env.model.model_options) == before
+
+
+def test_example_workflow_reports_backend(comfy_server):
+    """The shipped API workflow samples H3 with the node on a real server; the run report names the backend."""
+    import json
+
+    from ditkit.run import REPO
+
+    graph = json.loads((REPO / "example_workflows/api/h3_sparse_attention_tiny.json").read_text(encoding="utf-8"))
+    entry = comfy_server.run(graph)
+    assert entry["status"]["status_str"] == "success"
+    log = comfy_server.log_text()
+    runs = [ln for ln in log.splitlines() if "DitKitSparseAttention" in ln and " run: " in ln]
+    assert runs, "no VSA-H3 run report in the server log"
+    assert "VSA-H3 backend reference" in runs[-1] and "steps sparse 4 / dense 0" in runs[-1]
+    installs = [ln for ln in log.splitlines() if "DitKitSparseAttention" in ln and " install: " in ln]
+    assert installs and "keep 25%" in installs[-1]
