@@ -3,9 +3,10 @@
 ditkit keeps every example workflow in API format (``example_workflows/api/<name>.json``: what the
 integration tests queue on /prompt) and ships a UI-format twin (``example_workflows/<name>.json``: what
 ComfyUI's template browser opens). Mapping between the two needs each node's input order and which inputs are
-widgets, i.e. the server's ``/object_info``. A compact copy of the schemas of every node class the examples
-use is cached in ``testing/node_schemas.json`` so the twins can be regenerated and checked without a server
-(CI); an integration test checks the cache against a live server.
+widgets, i.e. the server's ``/object_info``. Each twin carries a compact copy of the schemas of the node
+classes it uses (``extra.ditkit_schemas``; the frontend keeps and ignores it), so a twin can be checked and
+regenerated without a server (CI) and adding a workflow touches no shared file; an integration test checks the
+embedded schemas against a live server.
 
 CLI::
 
@@ -14,14 +15,15 @@ CLI::
     python -m ditkit.testing.workflows to-api UI.json [-o API.json] [--comfyui PATH | --server URL]
 
 ``sync`` rewrites every twin from its API source (``--check``: only report, exit 1 when a twin is stale,
-missing or orphaned). With ``--comfyui``/``--server`` it first refreshes the schema cache from that server
-(``--check`` then also fails when the cache is out of date).
+missing or orphaned). Schemas come from ``--comfyui``/``--server`` (``/object_info``; use this after adding a
+workflow or changing a node's inputs) or else from the schemas embedded in the twins.
 
 Plain Python (no ComfyUI, no torch imports).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import uuid
@@ -32,7 +34,7 @@ from ..errors import WorkflowError
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES_DIR = PACK_ROOT / "example_workflows"
-SCHEMA_CACHE = Path(__file__).resolve().parent / "node_schemas.json"
+EMBED_KEY = "ditkit_schemas"
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
@@ -82,18 +84,36 @@ def schemas_from(object_info: dict) -> dict[str, dict]:
     return {k: compact_schema(v) for k, v in object_info.items() if isinstance(v, dict)}
 
 
-def load_schema_cache(path: Path = SCHEMA_CACHE) -> dict[str, dict]:
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text(encoding="utf-8"))
+def embedded_schemas(ui: dict) -> dict[str, dict]:
+    """The node schemas a twin carries (``extra.ditkit_schemas``), or {}."""
+    emb = ((ui or {}).get("extra") or {}).get(EMBED_KEY)
+    return dict(emb) if isinstance(emb, dict) else {}
+
+
+def known_schemas(examples_dir: Path | None = None) -> dict[str, dict]:
+    """Union of the schemas embedded in every twin (the offline schema source). When two twins disagree on a
+    class (one is stale), that class is left out so a conversion asks for a server instead of guessing."""
+    examples_dir = EXAMPLES_DIR if examples_dir is None else examples_dir
+    seen: dict[str, dict] = {}
+    conflict: set[str] = set()
+    for twin in sorted(Path(examples_dir).glob("*.json")):
+        try:
+            emb = embedded_schemas(json.loads(twin.read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError):
+            continue
+        for cls, sch in emb.items():
+            if cls in seen and seen[cls] != sch:
+                conflict.add(cls)
+            seen.setdefault(cls, sch)
+    return {k: v for k, v in seen.items() if k not in conflict}
 
 
 def _schema(schemas: dict, class_type: str, where: str) -> dict:
     s = schemas.get(class_type)
     if s is None:
         raise WorkflowError(f"{where}: node class {class_type!r} is unknown (not installed on the server, or "
-                            f"missing from the schema cache; refresh it with `python -m ditkit.testing.workflows "
-                            f"sync --comfyui PATH`)")
+                            f"no example twin embeds its schema yet: run `python -m ditkit.testing.workflows sync "
+                            f"--comfyui PATH`)")
     return compact_schema(s)
 
 
@@ -131,11 +151,12 @@ def _depths(graph: dict) -> dict[str, int]:
     return depth
 
 
-def api_to_ui(graph: dict, object_info: dict, *, name: str | None = None) -> dict:
+def api_to_ui(graph: dict, object_info: dict, *, name: str | None = None, embed: bool = True) -> dict:
     """A UI-format (litegraph) workflow equivalent to the API-format ``graph``.
 
-    ``widgets_values`` follow the node's input order in ``object_info`` (raw /object_info or the compact
-    cache); nodes are laid out in a grid, one column per graph depth. Deterministic for a given input."""
+    ``widgets_values`` follow the node's input order in ``object_info`` (raw /object_info or compact
+    schemas); nodes are laid out in a grid, one column per graph depth; with ``embed`` the compact schemas of
+    the classes used are stored in ``extra.ditkit_schemas``. Deterministic for a given input."""
     if not isinstance(graph, dict) or not graph:
         raise WorkflowError("API workflow must be a non-empty JSON object of nodes")
     ids = _node_ids(graph)
@@ -213,10 +234,14 @@ def api_to_ui(graph: dict, object_info: dict, *, name: str | None = None) -> dic
             if not o["links"]:
                 o["links"] = None
     seed = name or json.dumps(graph, sort_keys=True)
+    extra: dict[str, Any] = {"ds": {"scale": 1.0, "offset": [0, 0]}}
+    if embed:
+        extra[EMBED_KEY] = {c: compact_schema(object_info[c]) for c in sorted({n["class_type"]
+                                                                               for n in graph.values()})}
     return {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"ditkit/example_workflows/{seed}")), "revision": 0,
             "last_node_id": max(ids.values()), "last_link_id": len(links),
             "nodes": sorted(nodes_by_key.values(), key=lambda n: n["id"]), "links": links, "groups": [],
-            "config": {}, "extra": {"ds": {"scale": 1.0, "offset": [0, 0]}}, "version": 0.4}
+            "config": {}, "extra": extra, "version": 0.4}
 
 
 # -------------------------------------------------------------------------------------- UI -> API
@@ -355,22 +380,38 @@ def dumps(obj) -> str:
     return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
 
 
-def sync(examples_dir: Path = EXAMPLES_DIR, schemas: dict | None = None, check: bool = False,
+def sync(examples_dir: Path = EXAMPLES_DIR, object_info: dict | None = None, check: bool = False,
          out=None) -> list[str]:
-    """Regenerate (or with ``check`` only compare) every UI twin. Returns the list of problems/changes."""
-    schemas = load_schema_cache() if schemas is None else schemas
+    """Regenerate (or with ``check`` only compare) every UI twin. Returns the list of problems/changes.
+
+    Schemas: ``object_info`` (a live server) when given; else each twin's embedded schemas, completed by the
+    union of all twins' (for a new workflow or a newly used class)."""
     problems = []
     sources = api_workflows(examples_dir)
+    union = known_schemas(examples_dir) if object_info is None else {}
     for api in sources:
-        graph = json.loads(api.read_text(encoding="utf-8"))
-        text = dumps(api_to_ui(graph, schemas, name=api.stem))
         twin = twin_path(api)
         old = twin.read_text(encoding="utf-8") if twin.is_file() else None
+        try:
+            graph = json.loads(api.read_text(encoding="utf-8"))
+            if object_info is not None:
+                schemas = object_info
+            else:
+                own = {}
+                if old is not None:
+                    with contextlib.suppress(json.JSONDecodeError):
+                        own = embedded_schemas(json.loads(old))
+                schemas = {**union, **own}
+            text = dumps(api_to_ui(graph, schemas, name=api.stem))
+        except (WorkflowError, json.JSONDecodeError) as e:
+            problems.append(f"{api}: cannot convert: {e}")
+            continue
         if old == text:
             continue
         what = "missing" if old is None else "stale"
         if check:
-            problems.append(f"{twin}: {what} (regenerate with `python -m ditkit.testing.workflows sync`)")
+            problems.append(f"{twin}: {what} (regenerate with `python -m ditkit.testing.workflows sync"
+                            f"{'' if object_info is None else ' --comfyui PATH'}`)")
         else:
             twin.write_text(text, encoding="utf-8")
             problems.append(f"{twin}: written ({what})")
@@ -396,20 +437,18 @@ def _server_object_info(a) -> dict | None:
     return None
 
 
-def refresh_cache(object_info: dict, classes: set[str], path: Path = SCHEMA_CACHE, check: bool = False) -> list[str]:
-    missing = sorted(c for c in classes if c not in object_info)
-    if missing:
-        raise WorkflowError(f"the server does not know node classes {missing} used by example workflows")
-    fresh = {c: compact_schema(object_info[c]) for c in sorted(classes)}
-    old = load_schema_cache(path)
-    if old == fresh:
-        return []
-    if check:
-        changed = sorted(c for c in set(fresh) | set(old) if fresh.get(c) != old.get(c))
-        return [f"{path}: out of date for {changed} (refresh with `python -m ditkit.testing.workflows sync "
-                f"--comfyui PATH`)"]
-    path.write_text(dumps(fresh), encoding="utf-8")
-    return [f"{path}: updated ({len(fresh)} node classes)"]
+def schema_drift(object_info: dict, examples_dir: Path = EXAMPLES_DIR) -> list[str]:
+    """Twins whose embedded schemas differ from ``object_info`` (a live server): ``["<twin>: <classes>"]``."""
+    out = []
+    for api in api_workflows(examples_dir):
+        twin = twin_path(api)
+        if not twin.is_file():
+            continue
+        emb = embedded_schemas(json.loads(twin.read_text(encoding="utf-8")))
+        bad = sorted(c for c, sch in emb.items() if c not in object_info or compact_schema(object_info[c]) != sch)
+        if bad:
+            out.append(f"{twin.name}: {bad}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -426,7 +465,8 @@ def main(argv=None) -> int:
             p.add_argument("input")
             p.add_argument("-o", "--output", help="output file (default: stdout)")
         g = p.add_mutually_exclusive_group()
-        g.add_argument("--comfyui", help="start this ComfyUI to read /object_info (refreshes the schema cache)")
+        g.add_argument("--comfyui", help="start this ComfyUI to read /object_info (default: schemas embedded in "
+                                         "the example twins)")
         g.add_argument("--server", help="read /object_info from this running server")
         p.add_argument("--python", help="python for --comfyui (default: its venv)")
     a = ap.parse_args(argv)
@@ -434,19 +474,14 @@ def main(argv=None) -> int:
         info = _server_object_info(a)
         if a.cmd == "sync":
             ex = Path(a.dir)
-            msgs = []
-            if info is not None:
-                msgs += refresh_cache(info, used_classes(api_workflows(ex)), check=a.check)
-                for m in msgs:
-                    print(m)
-            msgs += sync(ex, check=a.check)
+            msgs = sync(ex, object_info=info, check=a.check)
             if a.check:
                 if msgs:
                     return 1
                 print(f"ok: {len(api_workflows(ex))} example workflows and their UI twins are in sync")
             return 0
         src = json.loads(Path(a.input).read_text(encoding="utf-8"))
-        schemas = info if info is not None else load_schema_cache()
+        schemas = info if info is not None else known_schemas()
         out = api_to_ui(src, schemas, name=Path(a.input).stem) if a.cmd == "to-ui" else ui_to_api(src, schemas)
         if a.output:
             Path(a.output).write_text(dumps(out), encoding="utf-8")

@@ -209,9 +209,9 @@ def test_ui_to_api_errors():
 API = wfm.api_workflows()
 
 
-def test_example_twins_are_in_sync_with_the_schema_cache(capsys):
-    """``example_workflows/<name>.json`` == conversion of ``example_workflows/api/<name>.json`` with the cached
-    schemas (regenerate with ``python -m ditkit.testing.workflows sync [--comfyui PATH]``)."""
+def test_example_twins_are_in_sync(capsys):
+    """``example_workflows/<name>.json`` == conversion of ``example_workflows/api/<name>.json`` with the schemas
+    the twin embeds (regenerate with ``python -m ditkit.testing.workflows sync --comfyui PATH``)."""
     problems = wfm.sync(check=True)
     assert not problems, "\n".join(problems)
 
@@ -219,24 +219,37 @@ def test_example_twins_are_in_sync_with_the_schema_cache(capsys):
 @pytest.mark.parametrize("path", API, ids=[p.stem for p in API])
 def test_example_workflow_roundtrips(path):
     graph = json.loads(path.read_text(encoding="utf-8"))
-    cache = wfm.load_schema_cache()
-    missing = sorted({n["class_type"] for n in graph.values()} - set(cache))
-    assert not missing, f"{path.name}: {missing} not in testing/node_schemas.json (run sync --comfyui PATH)"
-    back = wfm.ui_to_api(wfm.api_to_ui(graph, cache), cache)
-    assert wfm.strip_meta(back) == wfm.as_ui_would_send(graph, cache)
+    twin = wfm.twin_path(path)
+    assert twin.is_file(), f"{twin} missing (python -m ditkit.testing.workflows sync --comfyui PATH)"
+    schemas = wfm.embedded_schemas(json.loads(twin.read_text(encoding="utf-8")))
+    # the twin embeds exactly the schemas of the classes its API source uses
+    assert set(schemas) == wfm.used_classes([path])
+    back = wfm.ui_to_api(wfm.api_to_ui(graph, schemas), schemas)
+    assert wfm.strip_meta(back) == wfm.as_ui_would_send(graph, schemas)
     titles = {k: (v.get("_meta") or {}).get("title") for k, v in graph.items()}
     assert all(back[k].get("_meta", {}).get("title") in (t, None) for k, t in titles.items())
 
 
-def test_schema_cache_holds_only_used_classes():
-    assert set(wfm.load_schema_cache()) == wfm.used_classes(API)
+def test_embedded_schemas_and_known_schemas(tmp_path):
+    ui = wfm.api_to_ui(GRAPH, INFO, name="t")
+    assert set(wfm.embedded_schemas(ui)) == {"Loader", "Src", "Sampler", "Sink"}
+    assert wfm.embedded_schemas(ui)["Src"] == wfm.compact_schema(INFO["Src"])
+    assert "ditkit_schemas" not in wfm.api_to_ui(GRAPH, INFO, embed=False)["extra"]
+    (tmp_path / "a.json").write_text(json.dumps(ui))
+    other = json.loads(json.dumps(ui))
+    other["extra"]["ditkit_schemas"]["Src"]["inputs"][0]["default"] = 99  # a stale twin disagrees on Src
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    known = wfm.known_schemas(tmp_path)
+    assert set(known) == {"Loader", "Sampler", "Sink"}  # the conflicting class is left out, not guessed
 
 
 def test_sync_cli_check_write_and_orphans(tmp_path, capsys, monkeypatch):
     ex = tmp_path / "example_workflows"
     (ex / "api").mkdir(parents=True)
     (ex / "api" / "one.json").write_text(json.dumps(GRAPH))
-    monkeypatch.setattr(wfm, "load_schema_cache", lambda path=None: wfm.schemas_from(INFO))
+    assert wfm.main(["sync", "--check", "--dir", str(ex)]) == 1  # no twin, no schemas anywhere
+    assert "cannot convert" in capsys.readouterr().out
+    monkeypatch.setattr(wfm, "known_schemas", lambda examples_dir=None: wfm.schemas_from(INFO))
     assert wfm.main(["sync", "--check", "--dir", str(ex)]) == 1
     assert "one.json: missing" in capsys.readouterr().out
     assert wfm.main(["sync", "--dir", str(ex)]) == 0
@@ -252,7 +265,7 @@ def test_sync_cli_check_write_and_orphans(tmp_path, capsys, monkeypatch):
 
 
 def test_convert_cli(tmp_path, monkeypatch):
-    monkeypatch.setattr(wfm, "load_schema_cache", lambda path=None: wfm.schemas_from(INFO))
+    monkeypatch.setattr(wfm, "known_schemas", lambda examples_dir=None: wfm.schemas_from(INFO))
     (tmp_path / "g.json").write_text(json.dumps(GRAPH))
     assert wfm.main(["to-ui", str(tmp_path / "g.json"), "-o", str(tmp_path / "ui.json")]) == 0
     assert wfm.main(["to-api", str(tmp_path / "ui.json"), "-o", str(tmp_path / "api.json")]) == 0
@@ -262,14 +275,19 @@ def test_convert_cli(tmp_path, monkeypatch):
     assert wfm.main(["to-ui", str(tmp_path / "bad.json")]) == 2
 
 
-def test_refresh_cache(tmp_path):
-    path = tmp_path / "cache.json"
-    assert wfm.refresh_cache(INFO, {"Src", "Sink"}, path=path, check=True)  # missing file = out of date
-    assert "updated" in wfm.refresh_cache(INFO, {"Src", "Sink"}, path=path)[0]
-    assert set(json.loads(path.read_text())) == {"Src", "Sink"}
-    assert wfm.refresh_cache(INFO, {"Src", "Sink"}, path=path, check=True) == []
+def test_sync_uses_live_schemas_and_detects_drift(tmp_path, capsys):
+    ex = tmp_path / "example_workflows"
+    (ex / "api").mkdir(parents=True)
+    (ex / "api" / "one.json").write_text(json.dumps(GRAPH))
+    assert wfm.sync(ex, object_info=INFO) == [f"{ex / 'one.json'}: written (missing)"]
+    assert wfm.sync(ex, check=True) == []  # offline: the twin's embedded schemas reproduce it
+    assert wfm.schema_drift(INFO, ex) == []
     changed = json.loads(json.dumps(INFO))
     changed["Src"]["input"]["required"]["w"][1]["default"] = 9
-    assert "Src" in wfm.refresh_cache(changed, {"Src", "Sink"}, path=path, check=True)[0]
-    with pytest.raises(WorkflowError, match="Gone"):
-        wfm.refresh_cache(INFO, {"Gone"}, path=path)
+    assert wfm.schema_drift(changed, ex) == ["one.json: ['Src']"]
+    changed["Sink"]["input"]["required"]["prefix"] = ["STRING", {"default": "out", "multiline": True}]
+    assert wfm.schema_drift(changed, ex) == ["one.json: ['Src']"]  # options the converter ignores are not drift
+    reordered = json.loads(json.dumps(INFO))
+    reordered["Src"]["input_order"]["required"] = ["mode", "w"]
+    assert wfm.sync(ex, object_info=reordered, check=True)  # widget order changed on the server: stale twin
+    capsys.readouterr()
