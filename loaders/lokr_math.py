@@ -71,3 +71,36 @@ def kron_rows_aligned(w1_rows: int, w2_rows: int, start: int, stop: int) -> bool
     """Is row range [start, stop) of kron(w1, w2) itself one Kronecker product kron(w1[a:b], w2)?"""
     del w1_rows
     return start % w2_rows == 0 and stop % w2_rows == 0
+
+
+def add_delta_(weight: torch.Tensor, f: dict, scale: float, swap_halves: bool = False,
+               function=None, max_chunk_elems: int = 1 << 22) -> torch.Tensor:
+    """``weight += function(scale * kron(w1, w2))`` in place, one block of w1 rows at a time.
+
+    Rows of kron(w1, w2) come in blocks of ``w2.shape[0]`` rows per row of w1, so the product is built
+    and added ``max_chunk_elems`` elements at a time (fp32): the full ΔW is never held. Same products,
+    same fp32 arithmetic as materialising it. Falls back to the full ΔW when the Kronecker shape differs
+    from the weight's (a reshape) or rows must be permuted (``swap_halves``).
+    """
+    fn = function if function is not None else (lambda a: a)
+    w1 = rebuild_w1(f).contiguous()
+    w2 = rebuild_w2(f).contiguous()
+    if w2.dim() > w1.dim():
+        w1 = w1.reshape(*w1.shape, *([1] * (w2.dim() - w1.dim())))
+    kshape = (w1.shape[0] * w2.shape[0], w1.shape[1] * w2.shape[1], *w2.shape[2:])
+    if swap_halves or tuple(kshape) != tuple(weight.shape):
+        d = (torch.kron(w1, w2) * scale).reshape(tuple(weight.shape))
+        if swap_halves:
+            n = d.shape[0] // 2
+            d = torch.cat([d[n:], d[:n]], dim=0)
+        weight += fn(d.to(weight.dtype))
+        return weight
+    out_k = w2.shape[0]
+    per_w1_row = max(1, weight[:out_k].numel())
+    step = max(1, max_chunk_elems // per_w1_row)
+    for i0 in range(0, w1.shape[0], step):
+        i1 = min(i0 + step, w1.shape[0])
+        blk = torch.kron(w1[i0:i1].contiguous(), w2)
+        blk.mul_(scale)
+        weight[i0 * out_k:i1 * out_k] += fn(blk.to(weight.dtype))
+    return weight

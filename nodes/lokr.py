@@ -17,7 +17,7 @@ from comfy_api.latest import io
 
 from ..errors import AdapterError, CheckpointError
 from ..loaders import lokr as core
-from ..loaders.lokr_math import delta_weight
+from ..loaders.lokr_math import add_delta_
 from ..loaders.safetensors_io import SafeFile, strict_json_loads
 from ._common import send_report, ui_report
 
@@ -50,11 +50,8 @@ class DitKitLoKrPatch(WeightAdapterBase):
         scale, shape, swap = self.weights[n:n + 3]
         if tuple(weight.shape) != tuple(shape):
             raise AdapterError(f"{NODE_ID}: patch for '{key}' expects shape {tuple(shape)}, weight is {tuple(weight.shape)}")
-        d = delta_weight(factors, shape, scale, torch.float32)
-        if swap:
-            d = core.swap_halves(d)
-        d = d * float(strength)
-        weight += function(d.to(weight.dtype))
+        # fp32 products, added one Kronecker row block at a time (the full ΔW is never held)
+        add_delta_(weight, factors, float(scale) * float(strength), swap_halves=swap, function=function)
         return weight
 
 

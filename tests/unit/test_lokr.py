@@ -330,3 +330,23 @@ def test_unknown_keys_reported_with_reason():
 def test_unsupported_model():
     with pytest.raises(UnsupportedModelError):
         core.build_targets({"diffusion_model.input_blocks.0.0.weight": (320, 4, 3, 3)})
+
+
+@pytest.mark.parametrize("chunk", [1, 700, 1 << 22])
+@pytest.mark.parametrize("kind", ["full", "both", "tucker"])
+def test_add_delta_chunked_matches_oracle(chunk, kind):
+    from ditkit.loaders.lokr_math import add_delta_
+
+    f, scale = make_module(96, 40, kind, 4)
+    f = {k: v for k, v in f.items() if k != "alpha"}
+    base = torch.randn(96, 40, generator=G)
+    ref = base.double() + 0.3 * scale * oracle_delta(f)
+    got = add_delta_(base.clone(), f, 0.3 * scale, max_chunk_elems=chunk)
+    assert (got.double() - ref).abs().max().item() / ref.abs().max().item() <= 1e-6
+    swapped = add_delta_(base.clone(), f, 0.3 * scale, swap_halves=True)
+    d = 0.3 * scale * oracle_delta(f)
+    ref_s = base.double() + torch.cat([d[48:], d[:48]])
+    assert (swapped.double() - ref_s).abs().max().item() / ref_s.abs().max().item() <= 1e-6
+    view = base.clone()
+    add_delta_(view[10:86], {k: v for k, v in make_module(76, 40, "full", 4)[0].items() if k != "alpha"}, 1.0)
+    assert torch.equal(view[:10], base[:10]) and torch.equal(view[86:], base[86:])  # offset view patched in place only
