@@ -37,6 +37,9 @@ NODE_TEACACHE = "DitKitTeaCache"
 NODE_CALIBRATE = "DitKitTeaCacheCalibrate"
 WRAPPER_KEY = "ditkit_teacache"
 FOREIGN_CACHE_KEYS = ("easycache", "lazycache")
+# ditkit step caches (skip whole model calls / block stacks). Not the H3 AdaLN schedule cache
+# ("ditkit_h3_adaln_cache"), which computes the same values faster and composes with TeaCache.
+DITKIT_STEP_CACHE_KEYS = (WRAPPER_KEY,)
 
 
 # ================================================================================================ helpers
@@ -72,8 +75,8 @@ def check_not_stacked(model, node_id: str) -> None:
         for k in by_key:
             if k in FOREIGN_CACHE_KEYS:
                 found.append(f"{wtype} wrapper '{k}' (native EasyCache/LazyCache)")
-            elif isinstance(k, str) and k.startswith("ditkit_") and "cache" in k:
-                found.append(f"{wtype} wrapper '{k}' (a ditkit cache: DitKitTeaCache or DitKitTeaCacheCalibrate)")
+            elif k in DITKIT_STEP_CACHE_KEYS:
+                found.append(f"{wtype} wrapper '{k}' (a ditkit step cache: DitKitTeaCache or DitKitTeaCacheCalibrate)")
     if HOLDER_KEY in to:
         found.append(f"transformer_options['{HOLDER_KEY}'] (a ditkit cache)")
     if found:

@@ -312,3 +312,22 @@ def test_server_calibrate_then_teacache_workflow(comfy_server):
     log = comfy_server.log_text()
     assert re.search(r"coefficient fingerprint mismatch: steps: file has 8, this run has 12", log)
     assert re.search(r"TeaCache h3: computed \d+/12 calls.*WARNING: \d+ fingerprint mismatch", log)
+
+
+def test_composes_with_h3_adaln_schedule_cache(env, reports):
+    """The AdaLN schedule cache is not a step cache: TeaCache stacks on it, and with threshold 0 the output is
+    exactly the AdaLN-cache-only output."""
+    pytest.importorskip("ditkit.nodes.adaln_cache")
+    from ditkit.nodes.adaln_cache import DitKitH3AdaLNCache
+
+    model = load(env, "h3")
+    if not os.path.isfile(os.path.join(env["out"], "ditkit", "teacache", "h3_host.json")):
+        _calibrate(env, "h3", "h3_host")
+    ad = DitKitH3AdaLNCache.execute(model=model, offload_weights=False).result[0]
+    pos, neg, lat = inputs(model, "h3", 4)
+    ref = sample(ad, pos, neg, lat)
+    out = sample(_teacache(ad, "h3_host.json", 0.0), pos, neg, lat)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    reports.clear()
+    sample(_teacache(ad, "h3_host.json", 10.0), pos, neg, lat)
+    assert [r for r in reports if r["kind"] == "teacache"][-1]["data"]["skipped"] >= 1
