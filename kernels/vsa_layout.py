@@ -175,3 +175,39 @@ def check_seq_len(layout: H3TileLayout, n: int) -> None:
 def token_tile_ids(layout: H3TileLayout) -> torch.Tensor:
     """Tile id of every packed row (for token-level oracles)."""
     return layout.untile_index // layout.tile
+
+
+SEGMENT_CLASS = {"text": "text", "cond": "visual", "ref_img": "visual", "cond_audio": "audio", "ref_audio": "audio",
+                 "audio": "audio", "video": "video"}
+
+
+def prefix_segments_from_spans(spans) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """FastVideo's prefix segments from a ComfyUI ``PackedLayout.segments`` list ``[(start, stop, kind)]``.
+
+    FastVideo tiles ``[text | cond video rows | audio rows]`` as three segments, so adjacent spans of the same
+    class (several keyframes' ``cond`` spans; ``cond_audio``/``ref_audio`` next to ``audio``) are merged into
+    one segment; the last span must be the target video. Returns (lengths, classes) of the prefix segments.
+    """
+    spans = [(int(a), int(b), str(k)) for a, b, k in spans]
+    if not spans or spans[-1][2] != "video":
+        raise LayoutError(f"VSA-H3 needs the target video as the last packed segment; got {spans}")
+    pos = 0
+    lengths: list[int] = []
+    classes: list[str] = []
+    for a, b, kind in spans[:-1]:
+        if a != pos or b < a:
+            raise LayoutError(f"VSA-H3 packed segments are not contiguous: {spans}")
+        pos = b
+        cls = SEGMENT_CLASS.get(kind)
+        if cls is None or cls == "video":
+            raise LayoutError(f"VSA-H3 cannot place segment kind {kind!r} in the prefix ({spans})")
+        if b == a:
+            continue
+        if classes and classes[-1] == cls:
+            lengths[-1] += b - a
+        else:
+            lengths.append(b - a)
+            classes.append(cls)
+    if spans[-1][0] != pos:
+        raise LayoutError(f"VSA-H3 packed segments are not contiguous: {spans}")
+    return tuple(lengths), tuple(classes)

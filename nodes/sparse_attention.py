@@ -20,6 +20,7 @@ from comfy_api.latest import io
 from ..errors import BackendError, UnsupportedModelError
 from ..kernels import REGISTRY
 from ..kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
+from ..kernels.vsa_layout import prefix_segments_from_spans
 from ._common import send_report, ui_report
 
 NODE_ID = "DitKitSparseAttention"
@@ -76,12 +77,8 @@ def _segments_from_inputs(dm, args, kwargs):
     layout = payload.get("layout")
     if layout is None or layout.signature != sig:
         layout = PackedLayout(*sig, keyframes=payload.get("keyframes"), refs=payload.get("refs"))
-    segs = list(layout.segments)
-    if not segs or segs[-1][2] != "video":
-        raise UnsupportedModelError(f"{NODE_ID}: the packed H3 sequence does not end with the target video "
-                                    f"(segments {[(a, b, k) for a, b, k in segs]})")
+    prefix, _ = prefix_segments_from_spans(layout.segments)
     pt, ph, pw = dm.patch_size
-    prefix = tuple(b - a for a, b, _ in segs[:-1])
     grid = (lt // pt, lh // ph, lw // pw)
     return prefix, grid
 

@@ -290,3 +290,19 @@ def test_custom_ops_trace_under_torch_compile():
         fo = CUSTOM_OPS["pack"](fx, torch.empty(lay.padded_len, dtype=torch.int64))
         assert fo.shape == (1, 1, lay.padded_len, 16)
     assert tile_pack.TILE == 64
+
+
+def test_prefix_segments_follow_fastvideo_grouping():
+    from ditkit.kernels.vsa_layout import prefix_segments_from_spans
+
+    # t2va: [text | audio | video]
+    assert prefix_segments_from_spans([(0, 10, "text"), (10, 84, "audio"), (84, 532, "video")]) == \
+        ((10, 74), ("text", "audio"))
+    # fl2va, two keyframes: their cond rows form ONE segment (FastVideo's n_cond), empty spans dropped
+    spans = [(0, 7, "text"), (7, 71, "cond"), (71, 135, "cond"), (135, 135, "cond_audio"), (135, 149, "audio"),
+             (149, 200, "video")]
+    assert prefix_segments_from_spans(spans) == ((7, 128, 14), ("text", "visual", "audio"))
+    with pytest.raises(LayoutError):
+        prefix_segments_from_spans([(0, 5, "text"), (5, 9, "video"), (9, 12, "audio")])
+    with pytest.raises(LayoutError):
+        prefix_segments_from_spans([(0, 5, "text"), (6, 9, "video")])
