@@ -278,6 +278,16 @@ class DitKitTeaCache(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, coefficients="", **kwargs):
+        """Re-execute when the coefficient file changes on disk (e.g. after a new calibration)."""
+        try:
+            path = resolve_coefficients(coefficients)
+            st = os.stat(path)
+            return f"{path}|{st.st_mtime_ns}|{st.st_size}"
+        except Exception:  # noqa: BLE001 - a missing/bad file is reported by execute
+            return f"missing|{coefficients}|{time.time()}"
+
+    @classmethod
     def execute(cls, model, coefficients, threshold, audio_threshold, start_percent, end_percent, cache_device,
                 strict) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
