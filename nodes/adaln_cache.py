@@ -171,6 +171,9 @@ def _install(m, cache: AdalnScheduleCache, dm, node_id: str, park: bool) -> dict
                        f"tables {after.table_bytes / 2**20:.3f} MiB, weights off-device "
                        f"{after.weight_bytes_parked / 2**20:.3f}/{after.weight_bytes_total / 2**20:.3f} MiB "
                        f"[{after.park_mode}]")
+            if after.table_bytes > after.weight_bytes_total:
+                summary += ("; NOTE tables are larger than the AdaLN weights they replace (curve-form or long "
+                            "schedule): the cache saves compute only")
             if run["misses"]:
                 summary += f"; MISSES computed uncached: {after.miss_keys[:4]}"
             send_report(state.node_id, NODE_ID, "adaln_cache", summary, data)

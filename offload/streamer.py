@@ -236,6 +236,7 @@ class LayerwiseStreamer:
         self.events: list[tuple[str, int]] = []                # ("copy"/"acquire"/"release", index): test trace
         self.trace = False
         self.on_pass_end = None                                # callable() after the last layer of a pass
+        self.last_pass: dict | None = None                     # stats snapshot taken at the end of each pass
 
     # -- sizes ---------------------------------------------------------------------------------------------
     @property
@@ -324,6 +325,7 @@ class LayerwiseStreamer:
         if i == len(self.packs) - 1:
             if not self.wrap:
                 self.drop_all()
+            self.last_pass = self.stats.as_dict()
             if self.on_pass_end is not None:
                 self.on_pass_end()
         return out
