@@ -56,3 +56,14 @@ def test_writer_roundtrip_and_abort(tmp_path):
         PyAVVideoWriter(str(tmp_path / "c.mp4"), 24.0, 47, 32)
     with pytest.raises(DitKitError, match="uint8"):
         PyAVVideoWriter(str(tmp_path / "d.mp4"), 24.0, 48, 32).write(frames.float())
+
+
+def test_missing_pyav_is_a_clear_error(monkeypatch, tmp_path):
+    import sys
+
+    from ditkit.errors import BackendError
+
+    monkeypatch.setitem(sys.modules, "av", None)  # makes `import av` raise ImportError
+    with pytest.raises(BackendError, match="pip install av"):
+        PyAVVideoWriter(str(tmp_path / "x.mp4"), 24.0, 48, 32)
+    assert not (tmp_path / "x.mp4").exists()
