@@ -75,8 +75,9 @@ def test_layout_guards_and_topk():
 # ------------------------------------------------------------------------------------------------- pack / unpack
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_pack_unpack_combine(backend, dtype):
-    lay = build_h3_layout((70, 0, 100), (5, 6, 10))
+@pytest.mark.parametrize("prefix,video", SHAPES[:3])
+def test_pack_unpack_combine(backend, dtype, prefix, video):
+    lay = build_h3_layout(prefix, video)
     x = _rand((1, 2, lay.seq_len, 16), dtype, 0)
     pack = REGISTRY.resolve("vsa_pack", DEVICE, dtype, 16, backend).fn
     unpack = REGISTRY.resolve("vsa_unpack_combine", DEVICE, dtype, 16, backend).fn
@@ -137,12 +138,12 @@ def _oracle_bsa(q, k, v, idx, num, vbs):
 
 @pytest.mark.parametrize("backend", ["reference", "triton", "flex"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("D", [16, 32])
-def test_block_sparse_attn_vs_oracle(backend, dtype, D):
+@pytest.mark.parametrize("D,T,sizes", [(16, 3, (64, 17, 64, 5)), (32, 3, (64, 17, 64, 5)), (64, 2, (1, 64, 40))])
+def test_block_sparse_attn_vs_oracle(backend, dtype, D, T, sizes):
     if backend == "flex" and dtype == torch.float16 and DEVICE == "cpu":
         pytest.skip("CPU FlexAttention has no fp16 kernel")
-    B, H, T, Tk = 1, 2, 3, 4
-    vbs = torch.tensor([64, 17, 64, 5], dtype=torch.int32).to(DEVICE)
+    B, H, Tk = 1, 2, len(sizes)
+    vbs = torch.tensor(sizes, dtype=torch.int32).to(DEVICE)
     q = _rand((B, H, T * 64, D), dtype, 3)
     k = _rand((B, H, Tk * 64, D), dtype, 4)
     v = _rand((B, H, Tk * 64, D), dtype, 5)
