@@ -25,6 +25,17 @@ import torch.nn.functional as F
 
 
 def cuda_time(fn, reps):
+    if not torch.cuda.is_available():  # --device cpu smoke runs
+        import time
+
+        out = fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - t)
+        times.sort()
+        return times[len(times) // 2], out
     for _ in range(3):
         out = fn()
     torch.cuda.synchronize()
@@ -49,20 +60,22 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--grid", default="37,24,42")
     ap.add_argument("--prefix", default="300,414")
+    ap.add_argument("--device", default="cuda", help="cpu only for a smoke run of this script (small --grid)")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --device cpu for a smoke run)")
     from ditkit.kernels import REGISTRY, build_h3_layout, select_h3, vsa_h3_attention
     from ditkit.kernels.vsa import block_sparse_attn, pool_tiles, resolve_aux
 
-    dev = torch.device("cuda")
-    dtype = getattr(torch, a.dtype)
+    dev = torch.device(a.device)
+    dtype = getattr(torch, a.dtype) if dev.type == "cuda" else torch.float32
     grid = tuple(int(x) for x in a.grid.split(","))
     prefix = tuple(int(x) for x in a.prefix.split(",") if x)
     lay = build_h3_layout(prefix, grid)
     S, D, H = lay.seq_len, 128, a.heads
-    print(f"device {torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()} torch {torch.__version__}")
-    print(f"geometry: {lay.describe()}; heads {H}, head_dim {D}, {a.dtype}, keep {a.keep:g} -> k={lay.topk(a.keep)}")
+    if dev.type == "cuda":
+        print(f"device {torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()} torch {torch.__version__}")
+    print(f"geometry: {lay.describe()}; heads {H}, head_dim {D}, {str(dtype).replace('torch.', '')}, keep {a.keep:g} -> k={lay.topk(a.keep)}")
     print("backends:", REGISTRY.explain("block_sparse_attn", dev, dtype, D))
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(1, H, S, D, device=dev, dtype=dtype, generator=g) for _ in range(3))
