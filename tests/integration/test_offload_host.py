@@ -286,7 +286,8 @@ def test_te_bad_files(comfy, ckpts, monkeypatch):
 # --------------------------------------------------------------------------------------------------------------
 def test_real_host_adaln_cache_workflow(comfy_server):
     """The example workflow: cached samplers (3 steps cold, 3 steps hot, 5 steps rebuild) and an uncached
-    5-step sampler on the same input latent; cached == uncached bit for bit; the per-run reports are right."""
+    5-step sampler on the same input latent; cached == uncached bit for bit; the per-run reports are right.
+    Then a second prompt with other step counts (4, 4, 7)."""
     import json
     import re
     from pathlib import Path
@@ -294,22 +295,30 @@ def test_real_host_adaln_cache_workflow(comfy_server):
     from ditkit.loaders.safetensors_io import load_file
 
     wf = Path(__file__).resolve().parents[2] / "example_workflows" / "api" / "h3_adaln_cache_tiny.json"
-    graph = json.loads(wf.read_text())
-    entry = comfy_server.run(graph)
-    assert entry["status"]["status_str"] == "success"
-    files = {p.name: p for p in comfy_server.output_files(entry)}
-
-    def latent(prefix):
-        (name,) = [n for n in files if n.startswith(prefix)]
-        return load_file(files[name])["latent_tensor"]
-
-    for part in ("video", "audio"):
-        a, b = latent(f"h3_adaln_cached_{part}"), latent(f"h3_adaln_plain_{part}")
-        assert a.shape == b.shape and torch.equal(a, b), part
-    runs = re.findall(r"DitKitH3AdaLNCache #5 adaln_cache: run: (\d+) hits, (\d+) misses, (\d+) rebuilds \((\w+)\)",
-                      comfy_server.log_text())
     n_proj = 2 + 1  # tiny H3: 2 blocks + final layer; cfg 1 -> one forward per step
-    assert [tuple(r) for r in runs[-3:]] == [(str(3 * n_proj), "0", "1", "cold"), (str(3 * n_proj), "0", "0", "hot"),
-                                             (str(5 * n_proj), "0", "1", "cold")]
+    pattern = r"DitKitH3AdaLNCache #5 adaln_cache: run: (\d+) hits, (\d+) misses, (\d+) rebuilds \((\w+)\)"
+    for steps_a, steps_b, tag in ((3, 5, "p1"), (4, 7, "p2")):
+        graph = json.loads(wf.read_text())
+        for nid in ("6", "7"):
+            graph[nid]["inputs"]["steps"] = steps_a
+        for nid in ("8", "9"):
+            graph[nid]["inputs"]["steps"] = steps_b
+        for nid in ("12", "13", "14", "15"):
+            graph[nid]["inputs"]["filename_prefix"] += f"_{tag}"
+        before = len(re.findall(pattern, comfy_server.log_text()))
+        entry = comfy_server.run(graph)
+        assert entry["status"]["status_str"] == "success"
+        files = {p.name: p for p in comfy_server.output_files(entry)}
+
+        def latent(prefix):
+            (name,) = [n for n in files if n.startswith(prefix)]
+            return load_file(files[name])["latent_tensor"]
+
+        for part in ("video", "audio"):
+            a, b = latent(f"h3_adaln_cached_{part}_{tag}"), latent(f"h3_adaln_plain_{part}_{tag}")
+            assert a.shape == b.shape and torch.equal(a, b), (tag, part)
+        runs = [tuple(r) for r in re.findall(pattern, comfy_server.log_text())][before:]
+        assert runs == [(str(steps_a * n_proj), "0", "1", "cold"), (str(steps_a * n_proj), "0", "0", "hot"),
+                        (str(steps_b * n_proj), "0", "1", "cold")], (tag, runs)
     # the text encoder streaming request is a reported no-op on the CPU host
     assert re.search(r"DitKitH3TextEncoderLoader #3 \w+: .*no-op", comfy_server.log_text())
