@@ -64,29 +64,30 @@ def _build_scaled_vae(sd: dict, cfg, metadata: dict) -> comfy.sd.VAE:
     """A stock ``comfy.sd.VAE`` wrapper around a ``MiniMaxH3VideoVAE`` built at the detected (scaled) size.
 
     The wrapper's H3 settings (ratios, memory estimates, tiling flags) come from ComfyUI's own constructor, run on
-    the meta device with only the detection keys (nothing allocated); its model is then replaced by the scaled one
-    and a fresh patcher is made for it."""
+    the meta device on the stock key inventory (nothing allocated); its model is then replaced by the scaled one, a
+    fresh patcher is made for it and the weights are assigned (the file's tensors, cast to the VAE dtype)."""
     probe_plan = video_vae_plan(dict(cfg.plan_cfg(), ch=128, ch_mult=[1, 2, 2, 4, 4, 8], dec_layers=36,
                                      dec_heads=32))
     probe = {k: torch.empty(shape, device="meta") for k, shape in probe_plan.items()}
+    if cfg.ffn_mult != 4:
+        raise CheckpointError(f"decoder FFN width {cfg.ffn_mult}x is not buildable by ComfyUI's ViT3DDecoder (4x)")
     with torch.device("meta"):
         vae = comfy.sd.VAE(sd=probe, metadata=metadata)
         model = h3vae.MiniMaxH3VideoVAE(ch=cfg.ch, ch_mult=tuple(cfg.ch_mult), num_res_blocks=cfg.num_res_blocks)
-    if cfg.ffn_mult != 4:
-        raise CheckpointError(f"decoder FFN width {cfg.ffn_mult}x is not buildable by ComfyUI's ViT3DDecoder (4x)")
     model.decoder = h3vae.ViT3DDecoder(patch_size=model.vae_ratio, patch_size_t=model.vae_ratio_t,
                                        in_channels=cfg.z_channels, num_layers=cfg.dec_layers, heads=cfg.dec_heads,
                                        dim_head=cfg.dec_dim_head, num_register_tokens=cfg.num_register_tokens)
     model.pixel_mean = torch.tensor(h3vae.IMAGENET_MEAN).view(1, 3, 1, 1, 1)
     model.pixel_std = torch.tensor(h3vae.IMAGENET_STD).view(1, 3, 1, 1, 1)
-    model.load_state_dict(sd, strict=True, assign=True)
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if left:
-        raise CheckpointError(f"scaled H3 VAE: tensors {left[:3]} were not materialised")
+    # same order as comfy.sd.VAE: cast, archive dtypes, make the patcher, then load the weights into the model
     model = model.eval().to(vae.vae_dtype)
     mm.archive_model_dtypes(model)
     vae.first_stage_model = model
     vae.patcher = type(vae.patcher)(model, load_device=vae.device, offload_device=mm.vae_offload_device())
+    model.load_state_dict({k: v.to(vae.vae_dtype) for k, v in sd.items()}, strict=True, assign=True)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise CheckpointError(f"scaled H3 VAE: tensors {left[:3]} were not materialised")
     vae.size = None
     vae.model_size()
     return vae
