@@ -151,6 +151,9 @@ class DitKitSparseAttention(io.ComfyNode):
         rt = VSAH3Runtime(cfg, gate_source=gate_src)
         topts = m.model_options.setdefault("transformer_options", {})
         prev = topts.get("optimized_attention_override")
+        if getattr(prev, "_ditkit_vsa", False):
+            raise BackendError(f"{NODE_ID}: this model already has VSA-H3 installed by another "
+                               f"{NODE_ID} node; use one (chain the node once, after other attention nodes)")
         prev_name = getattr(prev, "__qualname__", type(prev).__name__) if prev is not None else None
 
         def dense(func, q, k, v, heads, *a, **kw):
@@ -200,6 +203,7 @@ class DitKitSparseAttention(io.ComfyNode):
             finally:
                 send_report(node_id, NODE_ID, "run", rt.summary(), rt.as_dict())
 
+        override._ditkit_vsa = True
         topts["optimized_attention_override"] = override
         m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, forward_wrapper)
         m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, outer_wrapper)

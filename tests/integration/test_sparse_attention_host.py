@@ -163,6 +163,9 @@ def test_refuses_non_h3_and_bad_backend(env):
     with pytest.raises(BackendError, match="flashinfer"):
         DitKitSparseAttention.execute(env.model, backend="flashinfer")
     assert repr(env.model.model_options) == before
+    once = DitKitSparseAttention.execute(env.model).result[0]
+    with pytest.raises(BackendError, match="already has VSA-H3"):
+        DitKitSparseAttention.execute(once)
 
 
 def test_example_workflow_reports_backend(comfy_server):

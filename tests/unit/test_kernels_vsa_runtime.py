@@ -1,0 +1,44 @@
+"""VSA-H3 runtime decisions and counters (plain torch, no ComfyUI)."""
+from __future__ import annotations
+
+import torch
+
+from ditkit.kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
+
+PREFIX, GRID = (10, 74), (7, 8, 8)
+
+
+def _qkv(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    S = sum(PREFIX) + 7 * 8 * 8
+    return (torch.randn(1, 2, S, 16, generator=g) for _ in range(3))
+
+
+def test_sigma_window_and_min_tokens():
+    rt = VSAH3Runtime(VSAH3Config(keep=0.25, sigma_start=0.9, sigma_end=0.2, min_tokens=0))
+    assert not rt.begin_forward(PREFIX, GRID, 0.95).sparse
+    assert rt.begin_forward(PREFIX, GRID, 0.9).sparse           # boundary inclusive
+    assert rt.begin_forward(PREFIX, GRID, 0.5).sparse
+    assert not rt.begin_forward(PREFIX, GRID, 0.1).sparse
+    assert rt.begin_forward(PREFIX, GRID, None).sparse
+    big = VSAH3Runtime(VSAH3Config(keep=0.25, min_tokens=10_000))
+    ctx = big.begin_forward(PREFIX, GRID, 0.5)
+    assert not ctx.sparse and "min_tokens" in ctx.reason
+
+
+def test_counters_density_and_summary():
+    rt = VSAH3Runtime(VSAH3Config(keep=0.25), gate_source="none")
+    ctx = rt.begin_forward(PREFIX, GRID, 0.5)
+    q, k, v = _qkv()
+    out = rt.attention(q, k, v, ctx)
+    rt.dense_call("token refiner / non-packed")
+    assert out.shape == q.shape
+    # 11 tiles: 3 prefix (dense rows: 11 each) + 8 video rows (3 prefix + k=2) -> (3*11 + 8*5) / 121 per head
+    assert rt.k_video == 2 and rt.n_tiles == 11
+    assert abs(rt.density - (3 * 11 + 8 * 5) / 121) < 1e-12
+    s = rt.summary()
+    assert "backend reference" in s and "steps sparse 1 / dense 0" in s and "token refiner / non-packed: 1" in s
+    d = rt.as_dict()
+    assert d["calls"] == {"sparse": 1, "token refiner / non-packed": 1} and d["backends_used"] == {"reference": 1}
+    rt.reset()
+    assert rt.as_dict()["calls"] == {} and rt.density is None
