@@ -24,6 +24,9 @@ def import_comfy(comfyui_path: str):
     args.cpu = True
     import comfy.model_management  # noqa: F401
     import comfy.sd  # noqa: F401
+    import comfy.utils
+
+    comfy.utils.PROGRESS_BAR_ENABLED = False
 
 
 def load_model(family: str, ckpt_dir: str):
@@ -79,11 +82,11 @@ def make_inputs(model, family: str, prompt_seed: int, text_len: int = 8, size: s
     if family == "h3":
         from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
-        lat = EmptyMiniMaxH3LatentAV.execute(width=64, height=64, length=22).result[0]
+        lat = EmptyMiniMaxH3LatentAV.execute(width=256, height=256, length=22).result[0]
     elif family == "ltx2":
         from comfy_extras.nodes_lt import EmptyLTXVLatentVideo, LTXVConcatAVLatent
 
-        v = EmptyLTXVLatentVideo.execute(width=64, height=64, length=9, batch_size=1).result[0]
+        v = EmptyLTXVLatentVideo.execute(width=256, height=256, length=9, batch_size=1).result[0]
         a = {"samples": torch.zeros(1, 8, 10, 16), "type": "audio"}  # 8 ch x 16 mel bins, 10 latent frames
         lat = LTXVConcatAVLatent.execute(video_latent=v, audio_latent=a).result[0]
     elif family == "zimage":
