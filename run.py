@@ -164,9 +164,10 @@ def extra_paths_yaml(custom_nodes_dir: str | os.PathLike, models_dir: str | os.P
     if models_dir is not None:
         root = Path(models_dir).resolve()
         names = list(MODEL_FOLDERS)
-        names += sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in names) if root.is_dir() else []
+        names += sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in names
+                        and p.name != "custom_nodes" and not p.name.startswith(".")) if root.is_dir() else []
         for name in names:
-            lines.append(f"  {name}: {yaml_quote(str(root / name))}")
+            lines.append(f"  {yaml_quote(name)}: {yaml_quote(str(root / name))}")
     return "\n".join(lines) + "\n"
 
 

@@ -98,6 +98,8 @@ def test_extra_paths_yaml_parses_to_the_paths(tmp_path):
     weird = tmp_path / "models dir: #1 'q' \"dq\" é"
     (weird / "diffusion_models").mkdir(parents=True)
     (weird / "my_custom_folder").mkdir()
+    (weird / "custom_nodes").mkdir()  # must not override the pack link entry
+    (weird / "odd: name #x").mkdir()
     nodes = tmp_path / "nodes: x"
     text = run.extra_paths_yaml(nodes, weird)
     conf = yaml.safe_load(text)
@@ -105,7 +107,7 @@ def test_extra_paths_yaml_parses_to_the_paths(tmp_path):
     c = conf["ditkit_run"]
     assert c["custom_nodes"] == str(nodes.resolve())
     for name in ("checkpoints", "diffusion_models", "unet", "vae", "text_encoders", "clip", "loras",
-                 "my_custom_folder"):
+                 "my_custom_folder", "odd: name #x"):
         assert c[name] == str(weird.resolve() / name), name
     assert all("\n" not in v for v in c.values())  # ComfyUI splits values on newlines
     assert "base_path" not in c and "is_default" not in c
