@@ -234,10 +234,20 @@ def install_streaming(clip, prefetch: int, force: bool = False, node_id=None, no
 
     patcher.add_callback_with_key(pe.CallbacksMP.ON_LOAD, STREAM_KEY, on_load)
     st0 = state.streamers[0]
+    # ComfyUI budgets VRAM with ModelPatcher.model_size() (cached in .size, inherited by clones). The streamed
+    # layers and the host embedding never occupy the device; what does is the rest of the model plus the
+    # (1 + prefetch) layer buffers. Without this ComfyUI would free VRAM for the whole encoder before each encode.
+    import comfy.model_management as mm
+
+    full = mm.module_size(patcher.model)
+    hidden = sum(s.host_bytes for s in state.streamers) + sum(_nbytes(m.embed_tokens.weight) for _, m in stacks)
+    buffers = sum((prefetch + 1) * s.max_layer_bytes for s in state.streamers)
+    patcher.size = max(full - hidden, 0) + buffers
     info = {"streaming": "layerwise", "prefetch": prefetch, "device": str(device), "stacks": [p for p, _ in stacks],
             "layers": sum(len(s.packs) for s in state.streamers), "host_bytes": sum(s.host_bytes for s in state.streamers),
             "max_layer_bytes": st0.max_layer_bytes, "pinned": st0.pin,
-            "embedding_bytes_on_host": sum(_nbytes(m.embed_tokens.weight) for _, m in stacks)}
+            "embedding_bytes_on_host": sum(_nbytes(m.embed_tokens.weight) for _, m in stacks),
+            "budgeted_device_bytes": patcher.size, "unstreamed_model_bytes": full}
     clip.ditkit_streaming = state
     return info
 

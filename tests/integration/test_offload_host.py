@@ -214,6 +214,9 @@ def test_te_streaming_equals_plain_and_bounds_peak(plain_te, monkeypatch, kind, 
         assert ref[0][0].shape[-1] == 40 and ref[0][1].get("unprocessed_ltxav_embeds") is True
     streamed, _, sinfo = build(path, streaming=True, prefetch=prefetch, force=True)
     assert sinfo["streaming"] == "layerwise" and sinfo["layers"] == cfg["num_hidden_layers"]
+    # ComfyUI's VRAM budget for the streamed CLIP excludes streamed layers and the host embedding
+    assert streamed.patcher.model_size() == sinfo["budgeted_device_bytes"] < plain.patcher.model_size()
+    assert streamed.clone().patcher.model_size() == sinfo["budgeted_device_bytes"]
     got = _encode(streamed)
     got2 = _encode(streamed, "a second, different prompt")
     _cond_equal(got, ref)
