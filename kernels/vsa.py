@@ -176,6 +176,9 @@ def select_h3(scores: torch.Tensor, num_prefix_tiles: int, num_video_tiles: int,
     return idx, num
 
 
+REGISTRY.op("vsa_select", select_h3)   # pooled-score top-k: reference only (torch.topk is fine on GPU too)
+
+
 @dataclass
 class VSAStats:
     backend: str
@@ -206,7 +209,8 @@ def vsa_h3_attention(q, k, v, layout: H3TileLayout, keep: float, gate: Optional[
     kp = pool_tiles(kt, lay.sizes)
     scores = torch.matmul(qp, kp.transpose(-2, -1)) / (D ** 0.5)
     k_vid = layout.topk(keep)
-    idx, num = select_h3(scores, lay.num_prefix_tiles, lay.num_video_tiles, k_vid, exempt)
+    sel_k = REGISTRY.resolve("vsa_select", q.device, torch.float32, D)
+    idx, num = sel_k.fn(scores, lay.num_prefix_tiles, lay.num_video_tiles, k_vid, exempt)
     sel = REGISTRY.resolve("block_sparse_attn", q.device, q.dtype, D, backend)
     fine, _ = sel.fn(qt, kt, vt, idx, num, lay.sizes, need_lse=False)
     coarse = None
