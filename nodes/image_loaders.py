@@ -27,10 +27,10 @@ def _zimage_config(sd: dict, path: str) -> dict:
     dim = int(cfg["dim"])
     qkv = sd.get("layers.0.attention.qkv.weight")
     mod = sd.get("layers.0.adaLN_modulation.0.weight")
-    if qkv is None or mod is None or tuple(qkv.shape) != (3 * dim, dim) or mod.shape[0] != 4 * dim or dim % 128:
+    if qkv is None or mod is None or tuple(qkv.shape) != (3 * dim, dim) or mod.shape[0] != 4 * dim or dim % 128 or dim < 256:
         raise UnsupportedModelError(
             f"{NODE_ID}: '{path}' does not have the Z-Image layout (needs fused 'layers.0.attention.qkv.weight' "
-            f"[3*dim, dim], 'layers.0.adaLN_modulation.0.weight' [4*dim, *], dim a multiple of 128; got dim {dim}, "
+            f"[3*dim, dim], 'layers.0.adaLN_modulation.0.weight' [4*dim, *], dim a multiple of 128 and >= 256 (ComfyUI's Z-Image modulation); got dim {dim}, "
             f"qkv {None if qkv is None else tuple(qkv.shape)})")
     cfg.update(n_heads=dim // 128, n_kv_heads=dim // 128, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512],
                rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0)
