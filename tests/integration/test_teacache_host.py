@@ -331,3 +331,23 @@ def test_composes_with_h3_adaln_schedule_cache(env, reports):
     reports.clear()
     sample(_teacache(ad, "h3_host.json", 10.0), pos, neg, lat)
     assert [r for r in reports if r["kind"] == "teacache"][-1]["data"]["skipped"] >= 1
+
+
+def test_state_is_reset_between_samplings_and_kept_per_condition(env, reports):
+    """Same TeaCache model, same inputs, with another prompt sampled in between: identical outputs (no residual
+    leaks across samplings). With cfg > 1 on H3 (batch 1: cond and uncond are separate calls) both conditions
+    keep their own state and counts."""
+    model = load(env, "h3")
+    if not os.path.isfile(os.path.join(env["out"], "ditkit", "teacache", "h3_host.json")):
+        _calibrate(env, "h3", "h3_host")
+    tc = _teacache(model, "h3_host.json", 0.5)
+    a = inputs(model, "h3", 11)
+    b = inputs(model, "h3", 12)
+    first = sample(tc, *a, cfg=3.0)
+    sample(tc, *b, cfg=3.0)
+    again = sample(tc, *a, cfg=3.0)
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    rep = [r for r in reports if r["kind"] == "teacache"][-1]["data"]
+    assert rep["calls"] == 2 * STEPS and len(rep["per_condition"]) == 2
+    for c in rep["per_condition"]:
+        assert c["computed"] + c["skipped"] == STEPS
