@@ -422,8 +422,15 @@ def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
                    f"distinct prompts so far; run more prompts with the same model/sampler/steps to fit)")
         send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration", summary, data)
         return
-    cf = fit_files(objs, degree=info["degree"], min_prompts=info["min_prompts"],
-                   source=f"{NODE_CALIBRATE} '{name}' ({len(objs)} full-compute runs)")
+    try:
+        cf = fit_files(objs, degree=info["degree"], min_prompts=info["min_prompts"],
+                       source=f"{NODE_CALIBRATE} '{name}' ({len(objs)} full-compute runs)")
+    except CoefficientError as e:  # the sampling itself succeeded: keep its output, report the failed fit loudly
+        log.warning("[ditkit] %s '%s': fit failed: %s", NODE_CALIBRATE, name, e)
+        data["error"] = str(e)
+        send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration",
+                    f"TeaCache calibration '{name}': FIT FAILED, no coefficient file written: {e}", data)
+        return
     out_path = os.path.join(base, f"{name}.json")
     coef.save(cf, out_path)
     fits = {s: st.fit for s, st in cf.streams.items()}
