@@ -136,9 +136,18 @@ def parse_lokr(sd: dict[str, torch.Tensor], peft_config: dict | None = None, sou
             unused[k] = "not a LoKr tensor (no lokr_w1/lokr_w2/alpha/... suffix)"
     notes: list[str] = []
     modules: dict[str, LoKrModule] = {}
-    is_peft = writer == "peft"
+    has_alpha = any(k.endswith(".alpha") for k in sd)
+    # PEFT scaling (alpha / r from the config, also for full-rank factors) for PEFT files, and for diffusers
+    # exports that carry their PEFT config in the metadata and no per-module alpha
+    is_peft = writer == "peft" or (peft_config is not None and not has_alpha)
     if is_peft and peft_config is None:
         notes.append("PEFT file without adapter config: alpha/r unknown, assumed alpha == r (scale 1.0)")
+    elif is_peft:
+        notes.append(f"PEFT scaling alpha/r from the adapter config (r={peft_config.get('r')}, "
+                     f"alpha={peft_config.get('alpha')}, rank_pattern/alpha_pattern: "
+                     f"{len(peft_config.get('rank_pattern') or {})}/{len(peft_config.get('alpha_pattern') or {})} entries)")
+    elif peft_config is not None:
+        notes.append("an adapter config was found but the file has per-module alpha keys: LyCORIS scaling used")
     for prefix, parts in groups.items():
         if not any(s in parts for s in ("lokr_w1", "lokr_w1_a", "lokr_w2", "lokr_w2_a")):
             for s, k in parts.items():
@@ -173,7 +182,7 @@ def _set_scale(m: LoKrModule, is_peft: bool, peft_config: dict | None, source: s
                            "(LyCORIS would silently read 0 as 'alpha = rank'; re-export the adapter with its real alpha)")
     if is_peft:
         cfg = peft_config or {}
-        name = m.prefix.removeprefix("base_model.model.")
+        name = m.prefix.removeprefix("base_model.model.").removeprefix("transformer.")
         r = _pattern_lookup(cfg.get("rank_pattern"), name) or cfg.get("r")
         alpha = _pattern_lookup(cfg.get("alpha_pattern"), name) or cfg.get("alpha")
         if r is None or alpha is None:

@@ -350,3 +350,18 @@ def test_add_delta_chunked_matches_oracle(chunk, kind):
     view = base.clone()
     add_delta_(view[10:86], {k: v for k, v in make_module(76, 40, "full", 4)[0].items() if k != "alpha"}, 1.0)
     assert torch.equal(view[:10], base[:10]) and torch.equal(view[86:], base[86:])  # offset view patched in place only
+
+
+def test_diffusers_export_with_peft_metadata_uses_peft_scaling():
+    import json
+
+    f, _ = make_module(ci.ZIMAGE["dim"], ci.ZIMAGE["dim"], "full", 8)
+    sd = {f"transformer.layers.0.attention.to_q.{k}": v for k, v in f.items() if k != "alpha"}
+    cfg = core.peft_config_from_metadata({"lora_adapter_metadata": json.dumps({"r": 4, "alpha": 2})})
+    p = core.parse_lokr(sd, peft_config=cfg)
+    assert p.modules["transformer.layers.0.attention.to_q"].scale == 0.5
+    assert any("PEFT scaling" in n for n in p.notes)
+    # with per-module alpha keys the LyCORIS rule wins (full-rank -> 1.0) and the note says so
+    p = core.parse_lokr({**sd, "transformer.layers.0.attention.to_q.alpha": torch.tensor(3.0)}, peft_config=cfg)
+    assert p.modules["transformer.layers.0.attention.to_q"].scale == 1.0
+    assert any("LyCORIS scaling used" in n for n in p.notes)
