@@ -182,29 +182,36 @@ class _CudaCopier(_Copier):
     is ``record_stream``-ed on the compute stream before its last reference is dropped.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cuda=None, alloc_device=None):
         super().__init__(device)
-        self.stream = torch.cuda.Stream(device=device)
+        # ``cuda``: the torch.cuda namespace (injectable so the call protocol can be checked without a GPU);
+        # ``alloc_device``: where device buffers are allocated (the device itself unless a test overrides it)
+        self.cuda = cuda if cuda is not None else torch.cuda
+        self.alloc_device = alloc_device if alloc_device is not None else device
+        self.stream = self.cuda.Stream(device=device)
 
     def start(self, host: dict):
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            bufs = {dt: torch.empty(b.numel(), dtype=torch.uint8, device=self.device) for dt, b in host.items()}
+        with self.cuda.stream(self.stream):
+            bufs = {dt: torch.empty(b.numel(), dtype=torch.uint8, device=self.alloc_device) for dt, b in host.items()}
             for dt, b in host.items():
                 bufs[dt].copy_(b, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = self.cuda.Event()
             ev.record(self.stream)
         return bufs, ev
 
     def wait(self, token) -> None:
         if token is not None:
-            torch.cuda.current_stream(self.device).wait_event(token)
+            self.cuda.current_stream(self.device).wait_event(token)
 
     def retire(self, bufs: dict) -> None:
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.cuda.current_stream(self.device)
         for b in bufs.values():
-            b.record_stream(compute)
+            self.record_stream(b, compute)
+
+    def record_stream(self, buf: torch.Tensor, stream) -> None:
+        buf.record_stream(stream)
 
 
 class LayerwiseStreamer:

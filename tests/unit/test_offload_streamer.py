@@ -209,3 +209,89 @@ def test_wraparound_prefetch_for_dit_use():
     assert st.stats.prefetch_hits == 5 and st.stats.sync_loads == 1
     st.drop_all()
     assert st.stats.live_device_bytes == 0
+
+
+# --- the CUDA copier's stream/event protocol, checked with a recording fake of torch.cuda (no GPU here) ------
+class FakeCuda:
+    def __init__(self):
+        self.log = []
+        outer = self
+
+        class Stream:
+            def __init__(self, device=None):
+                self.name = "copy"
+
+            def wait_stream(self, other):
+                outer.log.append(("copy.wait_stream", other.name))
+
+        class Event:
+            n = 0
+
+            def __init__(self):
+                Event.n += 1
+                self.id = Event.n
+
+            def record(self, stream):
+                outer.log.append(("event.record", self.id, stream.name))
+
+        class _Ctx:
+            def __init__(self, s):
+                self.s = s
+
+            def __enter__(self):
+                outer.log.append(("enter", self.s.name))
+
+            def __exit__(self, *a):
+                outer.log.append(("exit", self.s.name))
+
+        class Current:
+            name = "compute"
+
+            def wait_event(self, ev):
+                outer.log.append(("compute.wait_event", ev.id))
+
+        self.Stream, self.Event = Stream, Event
+        self._ctx, self._current = _Ctx, Current()
+
+    def current_stream(self, device=None):
+        return self._current
+
+    def stream(self, s):
+        return self._ctx(s)
+
+
+def test_cuda_copier_protocol_with_fake_streams():
+    from ditkit.offload import streamer as sm
+
+    fake = FakeCuda()
+    model = Decoder(n=3)
+    st = LayerwiseStreamer(list(model.layers), "cpu", prefetch=1, pin=False)
+    cop = sm._CudaCopier(torch.device("cpu"), cuda=fake, alloc_device="cpu")
+    recorded = []
+    cop.record_stream = lambda buf, stream: recorded.append((buf.data_ptr(), id(stream)))
+    st.copier = cop
+    st.trace = True
+    for i in range(3):
+        model.layers[i] = StreamedLayer(st, i)
+    ref = Decoder(n=3)
+    ids = torch.tensor([[1, 2]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+    log = fake.log
+    # every copy: copy stream waits for compute first, then copies inside the copy-stream context, then an event
+    starts = [i for i, e in enumerate(log) if e == ("copy.wait_stream", "compute")]
+    assert len(starts) == 3
+    for i in starts:
+        assert log[i + 1] == ("enter", "copy")
+        assert log[i + 2][0] == "event.record" and log[i + 2][2] == "copy"
+        assert log[i + 3] == ("exit", "copy")
+    # compute waits on each layer's own event, in layer order, and never before that event was recorded
+    waits = [e[1] for e in log if e[0] == "compute.wait_event"]
+    assert waits == [1, 2, 3]
+    for ev in waits:
+        rec = log.index(next(e for e in log if e[0] == "event.record" and e[1] == ev))
+        assert rec < log.index(("compute.wait_event", ev))
+    # every device buffer is record_stream-ed on the compute stream before being dropped (one dtype pack x2)
+    n_dtypes = len(st.packs[0].host)
+    assert len(recorded) == 3 * n_dtypes
+    assert st.stats.live_device_bytes == 0
