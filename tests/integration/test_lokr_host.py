@@ -436,3 +436,23 @@ def test_example_workflow_report_on_real_server(comfy_server, name, fam):
     assert rep["data"]["unused"] == {} and rep["data"]["refused"] == {}
     n_mods = len({k.rsplit(".", 1)[0] for k in load_file(comfy_server.models_dir / "loras" / f"{name}.safetensors")})
     assert len(rep["data"]["applied"]) == n_mods
+
+
+def test_lowvram_prefetch_path(models, tiny_ckpts):
+    """Dynamic VRAM / lowvram: ComfyUI copies each patch's tensors into a gathered buffer and rebuilds the
+    adapter as ``type(p)(p.loaded_keys, weights)`` before applying it per cast — must give the same weight."""
+    import comfy.model_patcher
+
+    from ditkit.nodes.lokr import apply_lokr
+
+    model = models["zimage"]
+    m, _ = apply_lokr(model, str(lokr_path(tiny_ckpts, "zimage")), 0.9)
+    k = "diffusion_model.layers.0.attention.qkv.weight"  # three row-offset patches (to_q, to_k, to_v)
+    assert len(m.patches[k]) == 3
+    lvp = comfy.model_patcher.LowVramPatch(k, m.patches)
+    need = lvp.memory_required()
+    assert need > 0
+    lvp.prepare(torch.empty(need, dtype=torch.uint8), None, copy=True)
+    w = lvp(base_sd(model)[k].clone())
+    assert torch.allclose(w, patched(m, k), rtol=0, atol=1e-6)
+    assert not torch.equal(w, base_sd(model)[k])
