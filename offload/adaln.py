@@ -131,6 +131,11 @@ class AdalnScheduleCache:
         self._parked: dict[int, torch.device] = {}   # id(param) -> device it came from
         self._lock = threading.RLock()
         self.park_enabled = True
+        # which tensors live on an accelerator and should be parked (injectable so the bookkeeping can be
+        # exercised on a CPU-only machine)
+        self.on_accelerator = lambda p: p.device.type not in ("cpu", "meta")
+        self.park_events = 0        # tensors moved to host (cumulative)
+        self.unpark_events = 0      # tensors moved back (cumulative)
 
     def wrap(self, orig: torch.nn.Module, name: str) -> CachedAdalnProj:
         m = CachedAdalnProj(orig, self, len(self.modules), name)
@@ -162,31 +167,46 @@ class AdalnScheduleCache:
                 if p is not None:
                     yield p
 
+    def _is_parked(self, p) -> bool:
+        rec = self._parked.get(id(p))
+        return rec is not None and p.data.data_ptr() == rec[1]
+
     def park(self) -> int:
-        """Move AdaLN weights that live on an accelerator to (pinned) host memory. Returns bytes parked now."""
+        """Move AdaLN weights that live on an accelerator to (pinned) host memory. Returns bytes parked.
+
+        A parameter counts as parked only while it still holds the host copy made here: if the host framework
+        moved it back (a model reload), it is parked again."""
         total = parked = 0
         for p in self._params():
             n = p.numel() * p.element_size()
             total += n
-            if not self.park_enabled or p.device.type in ("cpu", "meta"):
-                if id(p) in self._parked:
-                    parked += n
+            if self._is_parked(p):
+                parked += n
                 continue
-            dev = p.device
-            host = torch.empty(p.shape, dtype=p.dtype, pin_memory=dev.type == "cuda")
-            host.copy_(p.data)
-            p.data = host
-            self._parked[id(p)] = dev
+            self._parked.pop(id(p), None)
+            if not self.park_enabled or not self.on_accelerator(p):
+                continue
+            self._park_one(p, p.device)
             parked += n
         self.stats.weight_bytes_total = total
         self.stats.weight_bytes_parked = parked
         return parked
 
+    def _park_one(self, p, dev) -> None:
+        host = torch.empty(p.shape, dtype=p.dtype, pin_memory=torch.device(dev).type == "cuda")
+        host.copy_(p.data)
+        p.data = host
+        self._parked[id(p)] = (dev, host.data_ptr())
+        self.park_events += 1
+
     def unpark(self, params=None) -> None:
         for p in (params if params is not None else list(self._params())):
-            dev = self._parked.pop(id(p), None)
-            if dev is not None:
+            if self._is_parked(p):
+                dev = self._parked.pop(id(p))[0]
                 p.data = p.data.to(dev, non_blocking=False)
+                self.unpark_events += 1
+            else:
+                self._parked.pop(id(p), None)
         if params is None:
             self.stats.weight_bytes_parked = 0
 
@@ -247,18 +267,14 @@ class AdalnScheduleCache:
             if len(self.stats.miss_keys) < 64:
                 self.stats.miss_keys.append(f"{mod.block_name}:{k[3][:10]}:M={k[1][0] if k[1] else 0}")
             params = [p for p in mod.linear._parameters.values() if p is not None]
-            was_parked = [p for p in params if id(p) in self._parked]
-            devs = {id(p): self._parked[id(p)] for p in was_parked}
-            self.unpark(was_parked)
+            was_parked = [(p, self._parked[id(p)][0]) for p in params if self._is_parked(p)]
+            self.unpark([p for p, _ in was_parked])
             try:
                 with torch.no_grad():
                     out = mod.compute(t_emb)
             finally:
-                for p in was_parked:
-                    host = torch.empty(p.shape, dtype=p.dtype, pin_memory=devs[id(p)].type == "cuda")
-                    host.copy_(p.data)
-                    p.data = host
-                    self._parked[id(p)] = devs[id(p)]
+                for p, dev in was_parked:
+                    self._park_one(p, dev)
             if self.entries is entries:
                 slot_row = entries.setdefault(k, [None] * len(self.modules))
                 if slot_row[mod.slot] is None:

@@ -188,3 +188,54 @@ def test_in_place_write_to_t_emb_is_rekeyed():
     for a, b in zip(origs[0](live), wrapped[0](live)):
         assert torch.equal(a, b)
     assert cache.stats.hits == 1 and cache.stats.misses == 1
+
+
+def _fake_accelerator(cache):
+    """Treat every weight as device-resident so the park/unpark bookkeeping runs on a CPU-only machine
+    (the 'host copy' is then another CPU tensor; the protocol is what is checked)."""
+    cache.on_accelerator = lambda p: True
+
+
+def test_parking_bookkeeping_hits_miss_rebuild():
+    origs, cache, wrapped = _setup()
+    _fake_accelerator(cache)
+    total = sum(p.numel() * p.element_size() for o in origs for p in o.linear.parameters())
+    n_params = sum(1 for o in origs for _ in o.linear.parameters())
+    e1, e2 = t_embed([0.1, 0.3]), t_embed([0.7])
+    ref = {id(e): [tuple(t.clone() for t in o(e)) for o in origs] for e in (e1, e2)}
+    cache.build(("A",), [e1])
+    assert cache.stats.weight_bytes_parked == total == cache.stats.weight_bytes_total
+    assert cache.park_events == n_params and cache.unpark_events == 0
+    ptrs = {id(p): p.data_ptr() for o in origs for p in o.linear.parameters()}
+    # hits never touch the weights
+    for w in wrapped:
+        w(e1.clone())
+    assert cache.unpark_events == 0 and cache.park_events == n_params
+    # a miss brings back (and re-parks) only the projection it runs, and is exact
+    got = wrapped[2](e2)
+    for a, b in zip(ref[id(e2)][2], got):
+        assert torch.equal(a, b)
+    per_mod = sum(1 for _ in origs[2].linear.parameters())
+    assert cache.unpark_events == per_mod and cache.park_events == n_params + per_mod
+    assert cache.stats.weight_bytes_parked == total
+    # hot build: nothing moves; rebuild: everything comes back once, then is parked again
+    cache.build(("A",), [e1])
+    assert cache.unpark_events == per_mod
+    cache.build(("B",), [e2])
+    assert cache.unpark_events == per_mod + n_params and cache.park_events == 2 * n_params + per_mod
+    for o, w in zip(origs, wrapped):
+        for a, b in zip(ref[id(e2)][origs.index(o)], w(e2.clone())):
+            assert torch.equal(a, b)
+    # host reload: if the framework replaces a parked tensor (moves it back), the next park catches it
+    p0 = origs[0].linear.weight
+    p0.data = p0.data.clone()
+    assert cache.park() == total and cache.park_events == 2 * n_params + per_mod + 1
+    assert all(p.data_ptr() != ptrs[id(p)] for o in origs for p in o.linear.parameters())
+
+
+def test_parking_disabled_moves_nothing():
+    origs, cache, wrapped = _setup()
+    _fake_accelerator(cache)
+    cache.park_enabled = False
+    cache.build(("A",), [t_embed([0.5])])
+    assert cache.park_events == 0 and cache.stats.weight_bytes_parked == 0
