@@ -18,6 +18,15 @@ except Exception:  # noqa: BLE001 - any import failure means "no triton"
     HAS_TRITON = False
 
 
+def _interpreted(fn) -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return isinstance(fn, InterpretedFunction)
+    except Exception:  # noqa: BLE001
+        return False
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -37,3 +46,7 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         rows = pid * N + tl.arange(0, N)
         tl.store(OUT + pid * N + tl.arange(0, N), (rows * stride).to(tl.int64))
+
+
+# True when this process created ditkit's kernels under TRITON_INTERPRET=1 (decided at import, like Triton)
+INTERPRETED = HAS_TRITON and _interpreted(offs64)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -97,7 +96,10 @@ def package_available(name: str) -> bool:
 
 
 def triton_interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether ditkit's Triton kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    from . import _triton
+
+    return bool(_triton.INTERPRETED)
 
 
 class Registry:

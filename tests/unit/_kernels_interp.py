@@ -12,24 +12,22 @@ import sys
 import torch
 
 ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 _MODS = ("ditkit.kernels._triton", "ditkit.kernels.tile_pack", "ditkit.kernels.block_sparse", "ditkit.kernels.vsa",
          "ditkit.kernels")
 
 
 def ensure_interpreted():
+    """Build ditkit's kernels for the interpreter. TRITON_INTERPRET must stay set for the session: Triton
+    also reads it at launch (restoring it makes the first launch fail inside triton.experimental.gluon)."""
     if ON_GPU:
         return
+    os.environ["TRITON_INTERPRET"] = "1"
     t = sys.modules.get("ditkit.kernels._triton")
-    if t is not None and getattr(t, "HAS_TRITON", False):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(t.offs64, InterpretedFunction):
-            for m in _MODS:
-                if m in sys.modules:
-                    importlib.reload(sys.modules[m])
+    if t is not None and getattr(t, "HAS_TRITON", False) and not t.INTERPRETED:
+        for m in _MODS:
+            if m in sys.modules:
+                importlib.reload(sys.modules[m])
     import ditkit.kernels  # noqa: F401
 
 

@@ -91,8 +91,10 @@ def test_explicit_backend_refused_not_swapped(gpu):
 
 
 def test_cpu_triton_only_under_interpreter(monkeypatch):
+    from ditkit.kernels import _triton
+
     REGISTRY.clear_cache()
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_triton, "INTERPRETED", False)
     with pytest.raises(BackendError, match="TRITON_INTERPRET"):
         REGISTRY.resolve(OP, "cpu", torch.float32, 64, backend="triton")
     REGISTRY.clear_cache()
