@@ -456,3 +456,35 @@ def test_lowvram_prefetch_path(models, tiny_ckpts):
     w = lvp(base_sd(model)[k].clone())
     assert torch.allclose(w, patched(m, k), rtol=0, atol=1e-6)
     assert not torch.equal(w, base_sd(model)[k])
+
+
+def _unit_suite():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_lokr_unit_suite", REPO / "tests" / "unit" / "test_lokr.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("fam", ["zimage", "flux2"])
+@pytest.mark.parametrize("fmt", ["lycoris", "kohya", "musubi", "onetrainer", "peft", "aitoolkit", "simpletuner", "bare"])
+def test_every_format_exact_through_comfy(models, tmp_path, fam, fmt):
+    """The unit suite's files (every writer naming; full / decomposed / both / Tucker factors, misaligned
+    power-of-two factors) through DitKitLoKrLoader's real path: ComfyUI add_patches + patch_weight_to_device."""
+    import json
+
+    from ditkit.nodes.lokr import apply_lokr
+
+    u = _unit_suite()
+    sd, expect = u.build_file(fam, fmt, u.KINDS, (8, 16))
+    f = _write(tmp_path, "adapter_model.safetensors" if fmt == "peft" else f"{fmt}.safetensors", sd)
+    if fmt == "peft":
+        (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LOKR", "r": 4, "alpha": 8}))
+    model = models[fam]
+    base = base_sd(model)
+    m, plan = apply_lokr(model, str(f), 0.6)
+    assert not plan.unused and not plan.refused and len(plan.items) == len(expect)
+    ref = u.expected({k: base[k] for k, _, _ in expect}, expect, 0.6)
+    worst = max((patched(m, k).double() - r).abs().max().item() / r.abs().max().item() for k, r in ref.items())
+    assert worst <= 1e-6, worst
