@@ -24,7 +24,8 @@ import folder_paths
 
 from ..errors import CheckpointError, DitKitError, UnsupportedModelError
 from ..loaders.safetensors_io import load_file, read_header
-from ..vae.h3_layout import H3_VIDEO_KEYS, classify_vae_keys, detect_video_config, video_vae_plan
+from ..vae.h3_layout import (H3_VIDEO_KEYS, STOCK_VIDEO_CONFIG, classify_vae_keys, detect_video_config,
+                             video_vae_plan)
 from ..vae.metadata import check_whitening_matches, validate_image_vae_metadata
 from ..vae.t1_decode import direct_decode_t1, repeat_decode_t1
 from ._common import send_report, ui_report
@@ -66,8 +67,7 @@ def _build_scaled_vae(sd: dict, cfg, metadata: dict) -> comfy.sd.VAE:
     The wrapper's H3 settings (ratios, memory estimates, tiling flags) come from ComfyUI's own constructor, run on
     the meta device on the stock key inventory (nothing allocated); its model is then replaced by the scaled one, a
     fresh patcher is made for it and the weights are assigned (the file's tensors, cast to the VAE dtype)."""
-    probe_plan = video_vae_plan(dict(cfg.plan_cfg(), ch=128, ch_mult=[1, 2, 2, 4, 4, 8], dec_layers=36,
-                                     dec_heads=32))
+    probe_plan = video_vae_plan(STOCK_VIDEO_CONFIG)
     probe = {k: torch.empty(shape, device="meta") for k, shape in probe_plan.items()}
     if cfg.ffn_mult != 4:
         raise CheckpointError(f"decoder FFN width {cfg.ffn_mult}x is not buildable by ComfyUI's ViT3DDecoder (4x)")
