@@ -1,0 +1,200 @@
+"""web/js/ditkit.js in a real browser against a real ComfyUI (classic canvas and Nodes 2.0).
+
+Loads ``example_workflows/ditkit_showcase_tiny.json`` (UI format: TeaCache calibration on 3 prompts, then VSA-H3
+sparse attention + calibrated TeaCache on the tiny FastH3 model, T=1 decode with the H3 video VAE) into the page
+with ``app.loadGraphData``, queues it from the page (``app.queuePrompt``), waits for ``execution_success`` and reads
+the badges back from the node objects (classic) or the DOM (Nodes 2.0). The oracle for every counter is the
+server's own log line for that report (written by Python before the websocket event is sent), never the JS.
+Screenshots go to ``$DITKIT_ARTEFACTS`` (default ``<repo>/_out/browser``).
+
+Needs: COMFYUI_PATH (``comfy_server`` fixture), ``pip install playwright`` and a Chromium
+(``apt-get install chromium``; path from ``$DITKIT_CHROMIUM``, default ``/usr/bin/chromium``). Skips otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WORKFLOW = REPO / "example_workflows" / "ditkit_showcase_tiny.json"
+ARTEFACTS = Path(os.environ.get("DITKIT_ARTEFACTS", REPO / "_out" / "browser"))
+CHROMIUM = os.environ.get("DITKIT_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+SPARSE, TEACACHE, CALIB, DECODE = "11", "12", "7", "15"
+# screenshot layout (the committed twin keeps the generator's layout; badges need room above each title)
+LAYOUT = {1: (100, 100), 3: (100, 320), 14: (100, 560), 2: (100, 740), 4: (500, 100), 5: (500, 320), 6: (500, 540),
+          7: (900, 100), 11: (900, 640), 12: (900, 1060), 8: (1300, 100), 9: (1300, 560), 10: (1300, 1020),
+          13: (1700, 100), 15: (1700, 560), 16: (1700, 800)}
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set DITKIT_CHROMIUM)",
+                allow_module_level=True)
+
+
+def _post_setting(url: str, key: str, value) -> None:
+    req = urllib.request.Request(f"{url}/api/settings/{key}", data=json.dumps(value).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 - loopback test server
+        assert r.status == 200
+
+
+def _log_report(log: str, node: str, kind: str) -> str:
+    """The last summary the server logged for report ``kind`` of node ``node`` ('[ditkit] <type> #<id> <kind>: ...')."""
+    hits = re.findall(rf"\[ditkit\] \S+ #{node} {kind}: (.*)", log)
+    assert hits, f"the server logged no '{kind}' report for node {node}"
+    return hits[-1]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _open(browser, server, vue: bool):
+    for k, v in {"Comfy.TutorialCompleted": True, "Comfy.VueNodes.Enabled": vue,
+                 "Comfy.NodeBadge.NodeIdBadgeMode": "Show all"}.items():
+        _post_setting(server.url, k, v)
+    page = browser.new_page(viewport={"width": 1800, "height": 1100})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" and "ditkit" in m.text else None)
+    page.goto(server.url, wait_until="domcontentloaded")
+    page.wait_for_function("() => window.app && window.app.graph && window.ditkit && window.app.extensionManager",
+                           timeout=120_000)
+    return page, errors
+
+
+def _run_showcase(page, server) -> None:
+    wf = json.loads(WORKFLOW.read_text())
+    for n in wf["nodes"]:
+        n["pos"] = list(LAYOUT.get(n["id"], n["pos"]))
+    page.evaluate("""async (wf) => {
+        window.__ditkitDone = null;
+        const { api } = await import('/scripts/api.js');
+        api.addEventListener('execution_success', () => { window.__ditkitDone = 'success'; });
+        api.addEventListener('execution_error', (e) => { window.__ditkitDone = 'error: ' + JSON.stringify(e.detail); });
+        await window.app.loadGraphData(wf);
+        await window.app.queuePrompt(0, 1);
+    }""", wf)
+    deadline = time.monotonic() + float(os.environ.get("DITKIT_WORKFLOW_TIMEOUT", "600"))
+    while time.monotonic() < deadline:
+        done = page.evaluate("() => window.__ditkitDone")
+        if done:
+            assert done == "success", f"{done}\n--- server log ---\n{server.log_tail(40)}"
+            return
+        assert server.alive(), server.log_tail(40)
+        time.sleep(0.5)
+    pytest.fail(f"workflow did not finish\n{server.log_tail(40)}")
+
+
+def _canvas_badges(page, node: str) -> list[str]:
+    return page.evaluate("""(id) => {
+        const n = window.app.graph.getNodeById(id) ?? window.app.graph.getNodeById(Number(id));
+        return (n?.badges ?? []).map((b) => (typeof b === 'function' ? b() : b)).map((b) => b?.text ?? '')
+                                .filter((t) => t);
+    }""", node)
+
+
+def _shot(page, name: str, nodes: list[str] | None = None) -> Path:
+    ARTEFACTS.mkdir(parents=True, exist_ok=True)
+    page.evaluate("""(ids) => {
+        const c = window.app.canvas;
+        const ns = ids ? ids.map((i) => window.app.graph.getNodeById(Number(i))) : window.app.graph.nodes;
+        let x0 = Infinity, y0 = Infinity, x1 = -Infinity, y1 = -Infinity;
+        for (const n of ns) { x0 = Math.min(x0, n.pos[0]); y0 = Math.min(y0, n.pos[1] - 80);
+                              x1 = Math.max(x1, n.pos[0] + n.size[0]); y1 = Math.max(y1, n.pos[1] + n.size[1]); }
+        const W = c.canvas.clientWidth, H = c.canvas.clientHeight;
+        const s = Math.min(1.3, 0.9 * Math.min(W / (x1 - x0), H / (y1 - y0)));
+        c.ds.scale = s; c.ds.offset[0] = (W / s - (x1 - x0)) / 2 - x0; c.ds.offset[1] = (H / s - (y1 - y0)) / 2 - y0;
+        c.setDirty(true, true);
+    }""", nodes)
+    page.wait_for_timeout(800)
+    path = ARTEFACTS / f"{name}.png"
+    page.screenshot(path=str(path))
+    return path
+
+
+def _expected(server) -> dict:
+    log = server.log_text()
+    run = _log_report(log, SPARSE, "run")
+    tc = _log_report(log, TEACACHE, "teacache")
+    cal = _log_report(log, CALIB, "teacache_calibration")
+    dec = _log_report(log, DECODE, "vae_decode")
+    m_run = re.search(r"backend (\S+); steps sparse (\d+) / dense (\d+).*measured block density ([0-9.]+)", run)
+    m_tc = re.search(r"computed (\d+)/(\d+) calls, skipped (\d+)", tc)
+    streams = re.findall(r"(video|audio): skipped (\d+) / computed (\d+)", tc)
+    r2 = re.findall(r"(video|audio) R2 ([0-9.]+)", cal)
+    assert m_run and m_tc and streams and r2, (run, tc, cal)
+    assert "duplicated to a 7-token clip" in dec, dec
+    return {"backend": m_run[1], "sparse": int(m_run[2]), "dense": int(m_run[3]), "density": float(m_run[4]),
+            "computed": int(m_tc[1]), "calls": int(m_tc[2]), "skipped": int(m_tc[3]), "streams": streams, "r2": r2}
+
+
+def _check_texts(texts: dict[str, list[str]], exp: dict) -> None:
+    sp, tc, cal, dec = (" | ".join(texts[k]) for k in (SPARSE, TEACACHE, CALIB, DECODE))
+    assert f"VSA {exp['backend']} ρ={exp['density']:.2f}" in sp, sp
+    assert f"steps sparse {exp['sparse']} / dense {exp['dense']}" in sp, sp
+    assert exp["sparse"] > 0
+    assert f"TeaCache skipped {exp['skipped']}/{exp['calls']}" in tc, tc
+    assert exp["skipped"] > 0 and exp["computed"] + exp["skipped"] == exp["calls"]
+    for s, skipped, computed in exp["streams"]:
+        assert f"{s}: {computed} computed / {skipped} skipped" in tc, tc
+    for s, r in exp["r2"]:
+        assert f"{s} R²={float(r):.3f}" in cal, cal
+    assert "T=1 repeat-decode" in dec, dec
+
+
+def test_badges_classic_canvas(comfy_server, browser):
+    page, errors = _open(browser, comfy_server, vue=False)
+    try:
+        _run_showcase(page, comfy_server)
+        page.wait_for_timeout(500)
+        exp = _expected(comfy_server)
+        texts = {n: _canvas_badges(page, n) for n in (SPARSE, TEACACHE, CALIB, DECODE)}
+        _check_texts(texts, exp)
+        # the calibration view fetched the coefficient + pair files and holds one series per stream
+        plot = page.evaluate("""() => { const n = window.app.graph.getNodeById(7);
+            const p = n.ditkitCal && n.ditkitCal.plot; if (!p) return null;
+            return Object.fromEntries(Object.entries(p).map(([k, v]) => [k, v.points.length])); }""")
+        assert plot and set(plot) == {s for s, _ in exp["r2"]} and all(v > 0 for v in plot.values()), plot
+        full = _shot(page, "classic_full")
+        zoom = _shot(page, "classic_sparse_teacache_decode", [CALIB, SPARSE, TEACACHE, "13", DECODE])
+        assert full.stat().st_size > 10_000 and zoom.stat().st_size > 10_000
+        assert not [e for e in errors if "ditkit" in e], errors
+    finally:
+        page.close()
+
+
+def test_badges_nodes_2(comfy_server, browser):
+    page, errors = _open(browser, comfy_server, vue=True)
+    try:
+        assert page.evaluate("() => window.app.extensionManager.setting.get('Comfy.VueNodes.Enabled')") is True
+        _run_showcase(page, comfy_server)
+        page.wait_for_timeout(1000)
+        exp = _expected(comfy_server)
+        texts = {}
+        for n in (SPARSE, TEACACHE, CALIB, DECODE):
+            el = page.locator(f'[data-node-id="{n}"]').first
+            el.wait_for(state="attached", timeout=30_000)
+            texts[n] = [el.inner_text()]
+        _check_texts(texts, exp)
+        shot = _shot(page, "nodes2_full")
+        assert shot.stat().st_size > 10_000
+        assert not [e for e in errors if "ditkit" in e], errors
+    finally:
+        page.close()
+        _post_setting(comfy_server.url, "Comfy.VueNodes.Enabled", False)
