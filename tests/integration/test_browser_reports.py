@@ -198,3 +198,39 @@ def test_badges_nodes_2(comfy_server, browser):
     finally:
         page.close()
         _post_setting(comfy_server.url, "Comfy.VueNodes.Enabled", False)
+
+
+def test_ditkit_error_reaches_the_node(comfy_server, browser):
+    """A ditkit node that refuses its input (VSA-H3 on a Z-Image model): the execution_error event carries the
+    actionable message (ComfyUI outlines the node and opens its error panel) and the extension keeps the message as a red badge on it."""
+    page, errors = _open(browser, comfy_server, vue=False)
+    try:
+        detail = page.evaluate("""async () => {
+            const { api } = await import('/scripts/api.js');
+            const done = new Promise((res) => {
+                api.addEventListener('execution_error', (e) => res(e.detail));
+                api.addEventListener('execution_success', () => res(null));
+            });
+            const g = window.app.graph;
+            g.clear();
+            const a = LiteGraph.createNode('DitKitZImageLoader'); a.pos = [100, 100]; g.add(a);
+            a.widgets.find((w) => w.name === 'unet_name').value = 'zimage_tiny.safetensors';
+            const b = LiteGraph.createNode('DitKitSparseAttention'); b.pos = [500, 100]; g.add(b);
+            const c = LiteGraph.createNode('PreviewAny'); c.pos = [900, 100]; g.add(c);
+            a.connect(0, b, 0); b.connect(0, c, 0);
+            await window.app.queuePrompt(0, 1);
+            const d = await done;
+            return d && { ...d, node: String(b.id) };
+        }""")
+        assert detail, "the workflow did not fail"
+        assert detail["node_type"] == "DitKitSparseAttention", detail
+        assert detail["exception_type"].endswith("UnsupportedModelError"), detail
+        msg = detail["exception_message"]
+        assert "needs a MiniMax H3 / FastH3 model" in msg and "Model Sparse Attention" in msg, msg
+        page.wait_for_function("(id) => window.ditkit.badgeTexts(id).length > 0", arg=detail["node"], timeout=15_000)
+        texts = _canvas_badges(page, detail["node"])
+        assert any(t.startswith("error: UnsupportedModelError: DitKitSparseAttention: VSA-H3") for t in texts), texts
+        _shot(page, "classic_error")
+        assert not [e for e in errors if "ditkit" in e], errors
+    finally:
+        page.close()

@@ -30,6 +30,9 @@ const num = (v, d = 2) => (typeof v === "number" ? v.toFixed(d) : "n/a");
 const shorten = (s, n = 48) => (s && s.length > n ? s.slice(0, n - 1) + "…" : s || "");
 const sum = (o) => Object.values(o || {}).reduce((a, v) => a + (typeof v === "number" ? v : 0), 0);
 
+// Kinds shown as their (shortened) summary: load-time facts with no counters.
+export const SUMMARY_KINDS = ["load", "vae_load", "latent", "te_loader"];
+
 // One payload -> [{text, color}] (compact: a badge is one line on the node).
 export function badgeSpecs(p) {
   const d = p.data || {};
@@ -92,6 +95,8 @@ export function badgeSpecs(p) {
       if (d.streaming === "noop_cpu") return [{ text: "TE streaming: no-op on CPU", color: WARN }];
       return [{ text: `TE streamed ${mib(d.bytes_h2d)} · peak ${mib(d.peak_device_bytes)}`, color: OK }];
     }
+    case "error":  // a ditkit node raised: the exception message (DitKitError texts say what to do)
+      return [{ text: shorten(`error: ${p.summary}`, 64), color: BAD }];
     case "video_save":
       return [{ text: shorten(`saved ${d.frames} frames, ${d.chunks} chunks`), color: OK }];
     default:
@@ -349,6 +354,14 @@ app.registerExtension({
         const n = findNode(id);
         if (n) refreshBadges(n);
       }
+    });
+    // a ditkit node raised: keep its message on the node as a red badge (ComfyUI also outlines the node and
+    // shows the error dialog; the badge survives closing it)
+    api.addEventListener("execution_error", (ev) => {
+      const d = ev.detail || {};
+      if (!String(d.node_type || "").startsWith("DitKit")) return;
+      handleReport({ node: d.node_id, node_type: d.node_type, kind: "error",
+                     summary: `${String(d.exception_type || "").split(".").pop()}: ${d.exception_message}`, data: {} });
     });
     window.ditkit = { state, badgeTexts, badgeSpecs, handleReport };
   },
