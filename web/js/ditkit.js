@@ -365,6 +365,11 @@ app.registerExtension({
     });
     window.ditkit = { state, badgeTexts, badgeSpecs, handleReport };
   },
+  // another workflow is loaded: node ids are reused, so reports of the previous graph must not show on it
+  async beforeConfigureGraph() {
+    state.clear();
+    rev += 1;
+  },
   async nodeCreated(node) {
     if (!String(node.comfyClass || "").startsWith("DitKit")) return;
     if (node.badges && node.badges.length === 0) {
