@@ -64,6 +64,9 @@ PAYLOADS = {
         "pairs_this_run": 10, "prompts": 3, "min_prompts": 3, "fit": {"video": {"r2": 0.98765}}}},
     "calib_pairs": {"node": "7", "kind": "teacache_calibration", "summary": "s", "data": {
         "pairs_this_run": 10, "prompts": 1, "min_prompts": 3}},
+    "calib_live": {"node": "7", "kind": "teacache_calibration_progress", "summary": "s", "data": {
+        "pairs": 12, "step": 3, "steps": 6}},
+    "error": {"node": "2", "kind": "error", "summary": "UnsupportedModelError: " + "y" * 100, "data": {}},
     "load": {"node": "1", "kind": "load", "summary": "H3 official layout, 2 shards " + "x" * 80, "data": {}},
 }
 EXPECTED = {
@@ -77,6 +80,8 @@ EXPECTED = {
     "stream": ["TE streamed 3.0 MiB · peak 0.500 MiB"],
     "calib_fit": ["fit video R²=0.988"],
     "calib_pairs": ["calib 10 pairs · 1/3 prompts"],
+    "calib_live": ["calib recording: 12 pairs (step 3/6)"],
+    "error": ["error: UnsupportedModelError: " + "y" * 33 + "…"],
 }
 
 

@@ -68,6 +68,8 @@ export function badgeSpecs(p) {
       }
       return [{ text: `calib ${d.pairs_this_run} pairs · ${d.prompts}/${d.min_prompts} prompts`, color: INFO }];
     }
+    case "teacache_calibration_progress":  // optional per-step report: {pairs, step, steps}
+      return [{ text: `calib recording: ${d.pairs} pairs (step ${d.step}/${d.steps})`, color: INFO }];
     case "teacache_calibration_install":
       return [{ text: `calibrating '${d.name}'`, color: INFO }];
     case "vae_decode": {
@@ -206,7 +208,11 @@ function handleReport(p) {
   // an install report followed by its run report: show the run
   if (p.kind === "run") dropKind(s, "install");
   if (p.kind === "teacache") dropKind(s, "teacache_install");
-  if (p.kind === "teacache_calibration") dropKind(s, "teacache_calibration_install");
+  if (p.kind === "teacache_calibration_progress") dropKind(s, "teacache_calibration_install");
+  if (p.kind === "teacache_calibration") {
+    dropKind(s, "teacache_calibration_install");
+    dropKind(s, "teacache_calibration_progress");
+  }
   const node = findNode(id);
   if (!node) return;
   refreshBadges(node);
@@ -323,6 +329,10 @@ function updateCalibrationView(node, p) {
   const d = p.data || {};
   if (p.kind === "teacache_calibration_install") {
     cal.text.textContent = `recorder installed for '${d.name}': waiting for sampling`;
+    return;
+  }
+  if (p.kind === "teacache_calibration_progress") {
+    cal.text.textContent = `recording: ${d.pairs} pairs (step ${d.step}/${d.steps})`;
     return;
   }
   cal.pairs = (cal.pairs || 0) + (d.pairs_this_run || 0);
