@@ -82,24 +82,38 @@ def model_shapes(model) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in sd.items()}
 
 
-def check_weight_formats(model, plan: core.LoKrPlan) -> None:
-    """Refuse quantized / packed base weights (named layer + format) before anything is patched."""
+# comfy_quant per-tensor schemes whose ComfyUI re-quantization is verified (tests/integration/test_lokr_host.py):
+# dequantize -> fp32 add -> requantize_from_float(scale="recalculate") into the same layout
+REQUANT_OK = ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise")
+
+
+def check_weight_formats(model, plan: core.LoKrPlan) -> dict[str, str]:
+    """Quantized target layers -> format, for the per-tensor schemes ComfyUI re-quantizes with the same layout
+    and a recomputed scale; any other quantized / packed layer is refused (layer + format) before anything
+    is patched."""
     import comfy.utils
 
+    handled: dict[str, str] = {}
     for it in plan.items:
         wk = it.target.weight_key
         w = comfy.utils.get_attr(model.model, wk)
         mod = comfy.utils.get_attr(model.model, wk.rsplit(".", 1)[0])
         qfmt = getattr(mod, "quant_format", None)
         cls = type(w).__name__
-        plain = cls in ("Parameter", "Tensor") and w.dtype in _SUPPORTED_WEIGHT_DTYPES
-        if qfmt is not None or not plain:
-            fmt = (f"comfy_quant format {qfmt}, layout {getattr(mod, 'layout_type', None)}" if qfmt is not None
-                   else f"{cls}, dtype {w.dtype}")
-            raise AdapterError(
-                f"{NODE_ID}: layer '{wk}' is stored quantized/packed ({fmt}); ditkit does not merge LoKr into "
-                "quantized weights (it would have to re-quantize, and ComfyUI re-quantizes with stochastic "
-                "rounding). Load the model unquantized (bf16/fp16/fp32) and quantize after merging.")
+        if qfmt is None and cls in ("Parameter", "Tensor") and w.dtype in _SUPPORTED_WEIGHT_DTYPES:
+            continue
+        convrot = bool(getattr(getattr(w, "_params", None), "convrot", False))
+        if qfmt in REQUANT_OK and not convrot and cls == "QuantizedTensor":
+            handled[wk] = qfmt
+            continue
+        fmt = (f"comfy_quant format {qfmt}{' (ConvRot)' if convrot else ''}, layout {getattr(mod, 'layout_type', None)}"
+               if qfmt is not None else f"{cls}, dtype {w.dtype}")
+        raise AdapterError(
+            f"{NODE_ID}: layer '{wk}' is stored quantized/packed ({fmt}); ditkit merges LoKr only into "
+            f"unquantized weights or the per-tensor comfy_quant schemes {', '.join(REQUANT_OK)} (dequantize -> "
+            "fp32 add -> requantize, same layout, scale recomputed). Load the model unquantized, or quantize after "
+            "merging.")
+    return handled
 
 
 def apply_lokr(model, path: str, strength: float, source: str | None = None):
@@ -108,7 +122,14 @@ def apply_lokr(model, path: str, strength: float, source: str | None = None):
     sd, meta = read_adapter(path)
     parsed = core.parse_lokr(sd, peft_config=peft_config_for(path, meta), source=source)
     plan = core.plan(parsed, model_shapes(model), source=source)
-    check_weight_formats(model, plan)
+    quant = check_weight_formats(model, plan)
+    if quant:
+        counts: dict[str, int] = {}
+        for f in quant.values():
+            counts[f] = counts.get(f, 0) + 1
+        plan.notes.append(f"{len(quant)} quantized layers ({', '.join(f'{n} {f}' for f, n in sorted(counts.items()))}) "
+                          "patched by ComfyUI as dequantize -> fp32 add -> requantize into the same layout with the "
+                          "scale recomputed (amax / qmax) and stochastic rounding seeded per key")
     patches = {}
     for it in plan.items:
         t = it.target
@@ -169,7 +190,8 @@ class DitKitLoKrLoader(io.ComfyNode):
                         "exactly onto ComfyUI's fused Z-Image / FLUX.2 weights and reports every key.",
             search_aliases=["lokr", "lycoris", "kronecker lora", "lokr loader", "flux2 lokr", "z-image lokr"],
             inputs=[
-                io.Model.Input("model", tooltip="A ComfyUI Z-Image or FLUX.2 model (unquantized weights)."),
+                io.Model.Input("model", tooltip="A ComfyUI Z-Image or FLUX.2 model: bf16/fp16/fp32 weights, or comfy_quant "
+                                               "per-tensor fp8 / int8 layers (re-quantized in the same layout)."),
                 io.Combo.Input("lokr_name", options=folder_paths.get_filename_list("loras"),
                                tooltip="LoKr adapter file (.safetensors) in models/loras."),
                 io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01,

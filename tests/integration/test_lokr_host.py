@@ -204,9 +204,10 @@ def _comfy_quant(sd, fmt):
     return out
 
 
-@pytest.mark.parametrize("fmt", ["plain-fp8", "float8_e4m3fn", "int8_tensorwise"])
+@pytest.mark.parametrize("fmt", ["plain-fp8", "mxfp8-flagged"])
 def test_quantized_base_refused_with_layer_and_format(comfy, tiny_ckpts, fmt):
     import comfy.sd
+    import comfy.utils
 
     from ditkit.nodes.lokr import apply_lokr
 
@@ -214,16 +215,55 @@ def test_quantized_base_refused_with_layer_and_format(comfy, tiny_ckpts, fmt):
     if fmt == "plain-fp8":
         q = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float8_e4m3fn})
         pat = r"float8_e4m3fn"
-    else:
-        q = comfy.sd.load_diffusion_model_state_dict(_comfy_quant(load_file(path), fmt))
-        pat = rf"comfy_quant format {fmt}, layout \w+Layout"
+    else:  # a layout ditkit has not verified: flag one layer of an fp8 comfy_quant model as mxfp8
+        q = comfy.sd.load_diffusion_model_state_dict(_comfy_quant(load_file(path), "float8_e4m3fn"))
+        comfy.utils.get_attr(q.model, "diffusion_model.single_blocks.1.linear1").quant_format = "mxfp8"
+        pat = r"comfy_quant format mxfp8, layout \w+Layout"
     before = dict(q.patches)
-    before_w = {k: v.clone() for k, v in q.model_state_dict().items() if isinstance(v, torch.Tensor) and v.dim() == 2}
+    before_w = {k: v.float().clone() for k, v in q.model_state_dict().items() if isinstance(v, torch.Tensor) and v.dim() == 2}
     with pytest.raises(AdapterError, match=r"layer 'diffusion_model\.[a-z_0-9.]+\.weight' is stored quantized/packed \(.*" + pat):
         apply_lokr(q, str(lokr_path(tiny_ckpts, "flux2")), 1.0)
     assert q.patches == before
     after = q.model_state_dict()
-    assert all(torch.equal(before_w[k].float(), after[k].float()) for k in before_w)
+    assert all(torch.equal(before_w[k], after[k].float()) for k in before_w)
+
+
+@pytest.mark.parametrize("fmt,qmax", [("float8_e4m3fn", 448.0), ("int8_tensorwise", 127.0)])
+def test_quantized_base_requantized_same_scheme(comfy, tiny_ckpts, fmt, qmax):
+    """comfy_quant per-tensor fp8 / int8: dequantize -> fp32 add -> requantize into the SAME layout with the
+    scale recomputed. Oracle (float64): W' = dequant(base) + ΔW; scale' = amax|W'| / qmax; every element
+    within one quantization step of W' (stochastic rounding)."""
+    import comfy.sd
+    import comfy.utils
+
+    from ditkit.nodes.lokr import apply_lokr, report_text
+
+    path = tiny_ckpts / "diffusion_models" / "flux2_tiny.safetensors"
+    q = comfy.sd.load_diffusion_model_state_dict(_comfy_quant(load_file(path), fmt))
+    names = ("single_blocks.0.linear1", "double_blocks.1.txt_attn.qkv")
+    before = {n: comfy.utils.get_attr(q.model, f"diffusion_model.{n}.weight").dequantize().clone() for n in names}
+    m, plan = apply_lokr(q, str(lokr_path(tiny_ckpts, "flux2")), 1.0)
+    assert any("quantized layers" in n and fmt in n for n in plan.notes)
+    assert "requantize" in report_text(plan, "f", 1.0)
+    lsd = load_file(lokr_path(tiny_ckpts, "flux2"))
+    for name in names:
+        k, pre = f"diffusion_model.{name}.weight", f"diffusion_model.{name}"
+        w0q = comfy.utils.get_attr(q.model, k)
+        w0 = w0q.dequantize().double()
+        w2 = lsd[pre + ".lokr_w2_a"].double() @ lsd[pre + ".lokr_w2_b"].double()
+        d = kron64(lsd[pre + ".lokr_w1"], w2) * float(lsd[pre + ".alpha"]) / lsd[pre + ".lokr_w2_b"].shape[0]
+        wt = w0 + d
+        out = patched(m, k)
+        assert type(out).__name__ == "QuantizedTensor" and type(out._params) is type(w0q._params)
+        assert out.storage_dtype == w0q.storage_dtype
+        s = float(out._params.scale)
+        assert abs(s / (wt.abs().max().item() / qmax) - 1) < 1e-6
+        err = (out.dequantize().double() - wt).abs()
+        if fmt == "int8_tensorwise":
+            assert err.max().item() <= s * (1 + 1e-6)
+        else:  # e4m3: 3 mantissa bits -> one step is at most 2^-3 of the magnitude (or of the scale near 0)
+            assert (err / wt.abs().clamp_min(s)).max().item() <= 0.125 + 1e-6
+        assert torch.equal(comfy.utils.get_attr(q.model, k).dequantize(), before[name])  # input model untouched
 
 
 def test_node_execute_report(models, tiny_ckpts, comfy):
