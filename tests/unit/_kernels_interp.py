@@ -31,5 +31,31 @@ def ensure_interpreted():
     import ditkit.kernels  # noqa: F401
 
 
+def interpreter_ok() -> str | None:
+    """None when the Triton kernels can run here; else why not (for pytest.skip)."""
+    from ditkit.kernels import _triton
+
+    if not _triton.HAS_TRITON:
+        return "triton is not installed"
+    if ON_GPU:
+        return None
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(std.max, InterpretedFunction):
+        return ("triton was imported before TRITON_INTERPRET=1 was set in this process; run the kernel tests "
+                "in their own pytest process (e.g. pytest tests/unit/test_kernels_*.py)")
+    return None
+
+
+def need_triton(backend: str = "triton") -> None:
+    import pytest
+
+    if backend == "triton":
+        why = interpreter_ok()
+        if why:
+            pytest.skip(why)
+
+
 ensure_interpreted()
 DEVICE = "cuda" if ON_GPU else "cpu"

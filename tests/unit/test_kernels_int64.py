@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _kernels_interp import DEVICE, ensure_interpreted  # noqa: E402  (tests/unit on sys.path)
+from _kernels_interp import DEVICE, ensure_interpreted, need_triton  # noqa: E402  (tests/unit on sys.path)
 
 ensure_interpreted()
 
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton not insta
 
 @pytest.mark.parametrize("stride", [1_000_000_000, 2**28 + 3, 2**31 - 1])
 def test_offs64_does_not_wrap(stride):
+    need_triton()
     N = 16
     grid = 4
     out = torch.zeros(grid * N, dtype=torch.int64, device=DEVICE)
@@ -30,6 +31,7 @@ def test_offs64_does_not_wrap(stride):
 
 def test_unpromoted_form_wraps():
     """Negative control: without the promotion the interpreter (like the GPU) wraps at 2**31."""
+    need_triton()
     N = 16
     out = torch.zeros(4 * N, dtype=torch.int64, device=DEVICE)
     _triton._offs32_probe_kernel[(4,)](out, 1_000_000_000, N=N)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from _kernels_interp import DEVICE, ensure_interpreted  # noqa: E402  (tests/unit on sys.path)
+from _kernels_interp import DEVICE, ensure_interpreted, need_triton  # noqa: E402  (tests/unit on sys.path)
 
 ensure_interpreted()
 
@@ -77,6 +77,7 @@ def test_layout_guards_and_topk():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("prefix,video", SHAPES[:3])
 def test_pack_unpack_combine(backend, dtype, prefix, video):
+    need_triton(backend)
     lay = build_h3_layout(prefix, video)
     x = _rand((1, 2, lay.seq_len, 16), dtype, 0)
     pack = REGISTRY.resolve("vsa_pack", DEVICE, dtype, 16, backend).fn
@@ -140,6 +141,7 @@ def _oracle_bsa(q, k, v, idx, num, vbs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("D,T,sizes", [(16, 3, (64, 17, 64, 5)), (32, 3, (64, 17, 64, 5)), (64, 2, (1, 64, 40))])
 def test_block_sparse_attn_vs_oracle(backend, dtype, D, T, sizes):
+    need_triton(backend)
     if backend == "flex" and dtype == torch.float16 and DEVICE == "cpu":
         pytest.skip("CPU FlexAttention has no fp16 kernel")
     B, H, Tk = 1, 2, len(sizes)
@@ -159,6 +161,7 @@ def test_block_sparse_attn_vs_oracle(backend, dtype, D, T, sizes):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_block_sparse_empty_rows(backend):
+    need_triton(backend)
     B, H, T, D = 1, 1, 2, 16
     q = _rand((B, H, T * 64, D), torch.float32, 6)
     k = _rand((B, H, T * 64, D), torch.float32, 7)
@@ -201,6 +204,7 @@ def _oracle_selection(q, k, lay, keep):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("with_gate", [False, True])
 def test_vsa_h3_vs_token_oracle(prefix, video, dtype, backend, with_gate):
+    need_triton(backend)
     if backend == "triton" and (prefix, video) != SHAPES[0] and with_gate:
         pytest.skip("interpreter time: triton+gate covered on the first shape")
     lay = build_h3_layout(prefix, video)
@@ -265,6 +269,7 @@ def test_video_sparse_attn_fastvideo_semantics():
 # ------------------------------------------------------------------------------------------------- torch.compile
 @pytest.mark.skipif(not block_sparse.HAS_TRITON, reason="triton not installed")
 def test_custom_ops_trace_under_torch_compile():
+    need_triton()
     from ditkit.kernels.vsa import CUSTOM_OPS
 
     lay = build_h3_layout((10,), (2, 4, 4))
