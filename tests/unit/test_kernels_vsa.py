@@ -243,8 +243,10 @@ def test_vsa_h3_keep_all_is_dense():
     assert st.density == 1.0
 
 
-def test_video_sparse_attn_fastvideo_semantics():
+@pytest.mark.parametrize("backend", ["reference", "triton", "flex"])
+def test_video_sparse_attn_fastvideo_semantics(backend):
     """fastvideo_kernel.video_sparse_attn, recomputed densely in float64 from its documented steps."""
+    need_triton(backend)
     B, H, T, D = 1, 2, 4, 16
     vbs = torch.tensor([64, 64, 30, 64], dtype=torch.int32)
     live = (torch.arange(64)[None] < vbs[:, None]).reshape(-1)
@@ -254,7 +256,7 @@ def test_video_sparse_attn_fastvideo_semantics():
     w = _rand((B, H, T * 64, D), torch.float32, 23)
     topk = 2
     for weight in (None, w):
-        out = vsa.video_sparse_attn(q, k, v, vbs, vbs, topk, compress_attn_weight=weight, backend="reference")
+        out = vsa.video_sparse_attn(q, k, v, vbs, vbs, topk, compress_attn_weight=weight, backend=backend)
         qd, kd, vd = (x.double().view(B, H, T, 64, D).sum(3) / vbs.double()[:, None] for x in (q, k, v))
         sc = qd @ kd.transpose(-1, -2) / math.sqrt(D)
         oc = (torch.softmax(sc, -1) @ vd).repeat_interleave(64, 2)
