@@ -325,3 +325,22 @@ def test_real_host_adaln_cache_workflow(comfy_server):
                         (str(steps_b * n_proj), "0", "1", "cold")], (tag, runs)
     # the text encoder streaming request is a reported no-op on the CPU host
     assert re.search(r"DitKitH3TextEncoderLoader #3 \w+: .*no-op", comfy_server.log_text())
+
+
+def test_te_loader_nodes_execute_and_report(plain_te, ckpts, monkeypatch):
+    import folder_paths
+
+    import ditkit.nodes.text_encoders as te
+
+    reps = _te_reports(monkeypatch)
+    folder_paths.add_model_folder_path("text_encoders", str(ckpts / "text_encoders"))
+    for node, fname, kind in ((te.DitKitH3TextEncoderLoader, "qwen3vl_tiny_minimax_h3.safetensors", "h3"),
+                              (te.DitKitLTXTextEncoderLoader, "gemma_tiny_ltx.safetensors", "ltx")):
+        schema = node.GET_SCHEMA()
+        assert all(getattr(i, "tooltip", None) for i in schema.inputs)
+        out = node.execute(fname, "layerwise", 1)
+        clip = out.args[0] if hasattr(out, "args") else out.result[0]
+        _cond_equal(_encode(clip), plain_te[kind][4])     # CPU host: streaming is a no-op, output unchanged
+        last = [r for r in reps if r["kind"] == "te_loader"][-1]
+        assert "no-op" in last["summary"] and last["data"]["streaming"] == "noop_cpu"
+        assert last["data"]["config"]["num_hidden_layers"] == (50 if kind == "h3" else 48)
