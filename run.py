@@ -578,6 +578,17 @@ class ComfyClient:
 
 # ------------------------------------------------------------------------------------------ the server
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the server gets SIGTERM if the process that started it dies (even by SIGKILL), so a killed
+    runner or test session never leaves an orphan ComfyUI behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort; stop() still stops it by pid
+        pass
+
+
 def stop_pid(proc: subprocess.Popen, grace: float = 15.0) -> int | None:
     """SIGTERM the process we started (by pid), SIGKILL it after ``grace`` seconds. Returns its exit status."""
     if proc.poll() is not None:
@@ -661,7 +672,8 @@ class ComfyServer:
         self._say(f"server log: {self.log_path}")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, cwd=str(self.comfyui), stdin=subprocess.DEVNULL,
-                                     stdout=self._log_fh, stderr=subprocess.STDOUT, env=env)
+                                     stdout=self._log_fh, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         self.client = ComfyClient(self.url, proc=self.proc, log_path=self.log_path)
         try:
             self.client.wait_ready(timeout)
@@ -682,10 +694,13 @@ class ComfyServer:
         return "\n".join(self.log_text().splitlines()[-n:])
 
     def stop(self, grace: float = 15.0) -> int | None:
+        """Stop the server by its pid and remove the temp dir (idempotent)."""
         rc = None
         if self.proc is not None:
+            already = self.proc.returncode is not None
             rc = stop_pid(self.proc, grace)
-            self._say(f"server pid {self.proc.pid} stopped (exit status {rc})")
+            if not already:
+                self._say(f"server pid {self.proc.pid} stopped (exit status {rc})")
         if getattr(self, "_log_fh", None) is not None:
             self._log_fh.close()
             self._log_fh = None
@@ -748,8 +763,14 @@ def report_success(entry: dict, graph: dict, files: list, stream=None) -> None:
         print("output files: none", file=stream)
 
 
+def _sigterm_to_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _sigterm_to_exit)  # so `finally` stops the server we started
     try:
         wf = load_workflow_file(a.workflow)
     except RunnerError as e:

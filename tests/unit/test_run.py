@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -485,3 +486,64 @@ def test_stop_pid_already_exited():
 def test_python_m_ditkit_run_help():
     r = subprocess.run([sys.executable, "-m", "ditkit.run", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--comfyui" in r.stdout and "--server" in r.stdout
+
+
+FAKE_MAIN = """
+import os, sys, time
+open(os.environ["FAKE_PID_FILE"], "w").write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals / PR_SET_PDEATHSIG are Linux here")
+@pytest.mark.parametrize("sig", ["TERM", "KILL"])
+def test_killed_runner_leaves_no_server_behind(tmp_path, sig):
+    """SIGTERM: the runner's `finally` stops the server by pid; SIGKILL: the server dies with its parent."""
+    import signal as _signal
+
+    comfy = tmp_path / "ComfyUI"
+    comfy.mkdir()
+    (comfy / "main.py").write_text(FAKE_MAIN)
+    wf = tmp_path / "w.json"
+    wf.write_text(json.dumps({"1": {"class_type": "X", "inputs": {}}}))
+    (tmp_path / "models").mkdir()
+    pid_file = tmp_path / "server.pid"
+    env = dict(os.environ, FAKE_PID_FILE=str(pid_file))
+    runner = subprocess.Popen([sys.executable, "-m", "ditkit.run", str(wf), "--comfyui", str(comfy), "--python",
+                               sys.executable, "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"),
+                               "--startup-timeout", "100"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server_pid = int(pid_file.read_text())
+        assert _pid_alive(server_pid)
+        runner.send_signal(getattr(_signal, f"SIG{sig}"))
+        rc = runner.wait(timeout=60)
+        deadline = time.monotonic() + 20
+        while _pid_alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _pid_alive(server_pid), f"server {server_pid} survived the runner's SIG{sig}"
+        assert rc == (128 + 15 if sig == "TERM" else -9), rc
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
+        out = runner.stdout.read().decode(errors="replace")
+        runner.stdout.close()
+        for tok in out.split():  # a SIGKILLed runner cannot remove its temp dir
+            if "/ditkit_run_" in tok and Path(tok).name.startswith("ditkit_run_"):
+                shutil.rmtree(tok, ignore_errors=True)
