@@ -344,3 +344,36 @@ def test_te_loader_nodes_execute_and_report(plain_te, ckpts, monkeypatch):
         last = [r for r in reps if r["kind"] == "te_loader"][-1]
         assert "no-op" in last["summary"] and last["data"]["streaming"] == "noop_cpu"
         assert last["data"]["config"]["num_hidden_layers"] == (50 if kind == "h3" else 48)
+
+
+@pytest.mark.parametrize("keyframes,cond_aug", [(1, None), (2, 0.98)])
+def test_adaln_cache_keyframe_variant_hits(comfy, ckpts, reports, keyframes, cond_aug):
+    """fl2va-style keyframe rows add the cond timestep max(t_v, aug) to each forward's unique timesteps: the
+    predicted tables must cover it (no misses) and stay bit-identical."""
+    import comfy.sample
+    import comfy.sd
+    from comfy_extras.nodes_minimax_h3 import _empty_av_latent
+
+    model = comfy.sd.load_diffusion_model(str(ckpts / "diffusion_models" / "h3_tiny_comfy.safetensors"))
+    latent, _ = _empty_av_latent(64, 64, 22)
+    lat = latent["samples"]
+    g = torch.Generator().manual_seed(7)
+    kfs = [{"latent": torch.randn(1, 24, 1, 4, 4, generator=g), "resolved_frame_index": 0 if i == 0 else 21}
+           for i in range(keyframes)]
+    extra = {"minimax_keyframes": kfs}
+    if cond_aug is not None:
+        extra["minimax_visual_cond_noise_aug"] = cond_aug
+    ctx = torch.randn(1, 6, 48, generator=g)
+    pos, neg = [[ctx, dict(extra)]], [[torch.randn(1, 4, 48, generator=g), dict(extra)]]
+    noise = comfy.sample.prepare_noise(lat, 1)
+
+    def run(m):
+        return comfy.sample.sample(m, noise, 4, 2.0, "euler", "simple", pos, neg, lat, seed=1, disable_pbar=True)
+
+    ref = run(model)
+    m, cache = _cached(comfy, model)
+    assert _equal(ref, run(m))
+    run_stats = [r["data"]["run"] for r in reports if "run" in r["data"]][-1]
+    assert run_stats["misses"] == 0 and run_stats["hits"] == 4 * 2 * 3
+    # the forwards really carried a third (cond) timestep row: t_v, t_a and max(t_v, aug)
+    assert max(v[0].shape[0] for v in cache.entries.values()) == 3  # M = 3 time-embedding rows per forward
