@@ -52,7 +52,11 @@ def _patch_fingerprint(patcher) -> str:
 
 
 def _hash_obj(h, t) -> None:
-    if isinstance(t, torch.Tensor):
+    if isinstance(t, torch.Tensor) and type(t.data) is not torch.Tensor:
+        # tensor subclasses (ComfyUI QuantizedTensor: int8/fp8/nvfp4 weights) are identified, not read: reading
+        # would dequantize the whole tensor. Their content changes only through patches (fingerprinted apart).
+        h.update(repr((type(t.data).__name__, t.dtype, tuple(t.shape), t.data_ptr())).encode())
+    elif isinstance(t, torch.Tensor):
         h.update(repr((t.dtype, tuple(t.shape))).encode())
         flat = t.detach().reshape(-1)
         step = max(1, flat.numel() // 4096)

@@ -184,8 +184,8 @@ class AdalnScheduleCache:
                 parked += n
                 continue
             self._parked.pop(id(p), None)
-            if not self.park_enabled or not self.on_accelerator(p):
-                continue
+            if not self.park_enabled or not self.on_accelerator(p) or type(p.data) is not torch.Tensor:
+                continue  # (tensor subclasses, e.g. quantized weights, are left where the host put them)
             self._park_one(p, p.device)
             parked += n
         self.stats.weight_bytes_total = total
