@@ -339,7 +339,7 @@ def _prompt_cases():
                                            "2": {"class_type": "DitKitH3VAEDecode",
                                                  "inputs": {"samples": ["1", 5], "vae": ["1", 0]}},
                                            "3": {"class_type": "PreviewImage", "inputs": {"images": ["2", 0]}}},
-         "validation", "2", "*", ["samples"]),
+         "validation", "2", "exception_during_inner_validation", ["Exception when validating inner node"]),
         ("prompt_sd_latent_into_h3_decode", {"1": vae,
                                              "2": {"class_type": "EmptyHunyuanLatentVideo",
                                                    "inputs": {"width": 32, "height": 32, "length": 1, "batch_size": 1}},
