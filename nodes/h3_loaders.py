@@ -61,6 +61,9 @@ def resolve(name: str) -> str:
                           f"(folders: {folder_paths.get_folder_paths(FOLDER)})")
 
 
+GATE_ATTACHMENT = "ditkit_h3_gate_compress"
+
+
 def model_options(weight_dtype: str) -> dict:
     import torch
 
@@ -89,6 +92,10 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
         bar(done, total)
 
     sd, report = core.load_h3_state_dict(path, progress=cb)
+    # ComfyUI 0.33 has no module for FastH3's trained VSA gates and drops them as unexpected keys; keep them
+    # as an attachment that DitKitSparseAttention reads (nodes/sparse_attention.py GATE_ATTACHMENT).
+    gates = {int(k.split(".")[1]): sd.pop(k) for k in [k for k in sd if k.startswith("blocks.")
+                                                       and k.endswith(".attn.to_gate_compress.weight")]}
     try:
         model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts, metadata=core.comfy_metadata(path))
     finally:
@@ -99,6 +106,9 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
     image_model = model.model.model_config.unet_config.get("image_model")
     if image_model != "minimax_h3":
         raise CheckpointError(f"{NODE_ID}: ComfyUI detected {image_model!r} for '{path}', expected 'minimax_h3'")
+    if gates:
+        model.set_attachments(GATE_ATTACHMENT, gates)
+        report.converted["to_gate_compress -> sparse-attention attachment"] = len(gates)
     return model, report
 
 

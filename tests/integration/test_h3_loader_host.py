@@ -233,3 +233,20 @@ def test_int8_repack_passes_through_and_samples_like_stock(dm, tmp_path):
     ref = _sample(_stock(p))
     got = _sample(model)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_fasth3_gates_reach_sparse_attention_as_attachment(dm):
+    """0.33 drops to_gate_compress at load; the loader keeps the file's exact gate tensors as an attachment."""
+    from ditkit.loaders.safetensors_io import load_file
+    from ditkit.nodes.sparse_attention import GATE_ATTACHMENT
+
+    model, summary, _ = _ditkit("h3_tiny_fasth3.safetensors")
+    raw = load_file(dm / "h3_tiny_fasth3.safetensors")
+    want = {int(k.split(".")[1]): v for k, v in raw.items() if k.endswith("attn.to_gate_compress.weight")}
+    got = model.get_attachment(GATE_ATTACHMENT)
+    assert want and sorted(got) == sorted(want)
+    for i, w in want.items():
+        assert torch.equal(got[i], w)
+    assert "to_gate_compress" in summary
+    plain, _, _ = _ditkit("h3_tiny_comfy.safetensors")
+    assert plain.get_attachment(GATE_ATTACHMENT) is None
