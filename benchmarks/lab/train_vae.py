@@ -51,21 +51,27 @@ def main(argv=None):
     ap.add_argument("--steps-b", type=int, default=1800)
     ap.add_argument("--clips-b", type=int, default=160, help="clips cached for the decoder-only phase")
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--lr-b", type=float, default=1e-3)
     ap.add_argument("--crop-h", type=int, default=32)
     ap.add_argument("--crop-w", type=int, default=48)
     ap.add_argument("--minutes", type=float, default=22.0, help="wall-clock budget for both phases")
     ap.add_argument("--out", default=str(L.VAE_FILE))
     ap.add_argument("--stage-out", default="", help="also save the model after phase A (encoder final)")
+    ap.add_argument("--resume", default="", help="continue phase B (decoder only) from this file; phase A is "
+                    "skipped, the encoder and whitening stay as they are")
     ap.add_argument("--probe", action="store_true", help="time 3 steps of each phase and exit")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     L.import_comfy()
-    vae = L.build_vae(a.seed)
+    vae = L.load_vae(a.resume).train() if a.resume else L.build_vae(a.seed)
     print(f"VAE params {L.count_params(vae):,} (encoder {L.count_params(vae.encoder):,}, "
           f"decoder {L.count_params(vae.decoder):,})", flush=True)
     t_start = time.time()
     budget = a.minutes * 60
-    log = {"seed": a.seed, "phase_a": [], "phase_b": []}
+    log = {"seed": a.seed, "phase_a": [], "phase_b": [], "resumed_from": a.resume or None}
+    prev_log = Path(a.resume).with_name("h3lab_vae_log.json") if a.resume else None
+    if prev_log is not None and prev_log.is_file():
+        log["previous_runs"] = [json.loads(prev_log.read_text())]
     clip_seed = 10_000 * (a.seed + 1)
 
     def batch(i, n):
@@ -83,8 +89,9 @@ def main(argv=None):
     with L.training_mode():
         # ---------------- phase A: joint encoder + decoder
         opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
-        steps_a = 3 if a.probe else a.steps_a
+        steps_a = 0 if a.resume else 3 if a.probe else a.steps_a
         t0 = time.time()
+        step = -1
         for step in range(steps_a):
             for g in opt.param_groups:
                 g["lr"] = L.cosine_lr(step, steps_a, 2e-3, warmup=30)
@@ -115,15 +122,18 @@ def main(argv=None):
         with torch.no_grad():
             cache_v, cache_z = [], []
             for i in range(n_cache):
-                v = make_clip(clip_seed + 500_000 + i, FRAMES, H, W).video[None]
+                v = make_clip(clip_seed + 500_000 + (20_000 if a.resume else 0) + i, FRAMES, H, W).video[None]
                 cache_v.append(((v + 1) / 2).half())
                 cache_z.append(encode_window(vae, v))
             zs = torch.cat(cache_z)
-        mean = zs.mean(dim=(0, 2, 3, 4))
-        std = zs.std(dim=(0, 2, 3, 4)).clamp(min=1e-3)
-        vae.latents_mean.copy_(mean)
-        vae.latents_std.copy_(std)
-        if a.stage_out and not a.probe:
+        if a.resume:
+            std = vae.latents_std.clone()
+        else:
+            mean = zs.mean(dim=(0, 2, 3, 4))
+            std = zs.std(dim=(0, 2, 3, 4)).clamp(min=1e-3)
+            vae.latents_mean.copy_(mean)
+            vae.latents_std.copy_(std)
+        if a.stage_out and not a.probe and not a.resume:
             # encoder and whitening are final from here: downstream latent caching may start now
             L.save_state(vae, a.stage_out, {"ditkit_lab": "h3lab_video_vae_stage_a"})
         print(f"cached {n_cache} clips in {time.time() - t1:.0f}s; latent std range "
@@ -133,13 +143,14 @@ def main(argv=None):
         params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters())
         for p in params:
             p.requires_grad_(True)
-        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+        lr_b = a.lr_b
+        opt = torch.optim.AdamW(params, lr=lr_b, weight_decay=0.0)
         steps_b = 3 if a.probe else a.steps_b
         t0 = time.time()
-        gen = torch.Generator().manual_seed(a.seed + 99)
+        gen = torch.Generator().manual_seed(a.seed + (199 if a.resume else 99))
         for step in range(steps_b):
             for g in opt.param_groups:
-                g["lr"] = L.cosine_lr(step, steps_b, 1e-3, warmup=30)
+                g["lr"] = L.cosine_lr(step, steps_b, lr_b, warmup=30)
             idx = torch.randint(n_cache, (4,), generator=gen)
             z = torch.cat([cache_z[i] for i in idx])
             tgt = torch.cat([cache_v[i] for i in idx]).float()
