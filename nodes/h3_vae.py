@@ -23,12 +23,14 @@ import comfy.sd
 import folder_paths
 
 from ..errors import CheckpointError, DitKitError, UnsupportedModelError
-from ..loaders.safetensors_io import load_file, read_header
+from ..loaders.read_progress import load_with_progress
+from ..loaders.safetensors_io import read_header
 from ..vae.h3_layout import (H3_VIDEO_KEYS, STOCK_VIDEO_CONFIG, classify_vae_keys, detect_video_config,
                              video_vae_plan)
 from ..vae.metadata import check_whitening_matches, validate_image_vae_metadata
 from ..vae.t1_decode import direct_decode_t1, repeat_decode_t1
-from ._common import send_report, ui_report
+from ._bars import lazy_bar
+from ._common import progress, send_report, ui_report
 
 FLOAT_DTYPES = {"F16", "BF16", "F32"}
 AUDIO_LATENT_FPS = 40
@@ -93,10 +95,11 @@ def _build_scaled_vae(sd: dict, cfg, metadata: dict) -> comfy.sd.VAE:
     return vae
 
 
-def load_h3_vae(path: str) -> tuple[comfy.sd.VAE, dict]:
+def load_h3_vae(path: str, progress=None) -> tuple[comfy.sd.VAE, dict]:
+    """``progress(done, total)``: optional, called after each tensor read (total = tensors in the file)."""
     facts = inspect_h3_vae_file(path)
     cfg, info, header = facts["config"], facts["image"], facts["header"]
-    sd = load_file(path)
+    sd, _ = load_with_progress(path, progress)
     if info is not None:
         check_whitening_matches(info, sd["latents_mean"], sd["latents_std"], facts["where"])
     if cfg.is_stock:
@@ -136,7 +139,7 @@ class DitKitH3VAELoader(io.ComfyNode):
     @classmethod
     def execute(cls, vae_name) -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise("vae", vae_name)
-        vae, data = load_h3_vae(path)
+        vae, data = load_h3_vae(path, progress=lazy_bar(cls.hidden.unique_id))
         summary = (f"{data['kind']} VAE {data['file']}: {data['config']}"
                    + (f", T=1 direct, output slice {data['t1_output_slice']}" if data["kind"] == "image" else ""))
         payload = send_report(cls.hidden.unique_id, "DitKitH3VAELoader", "vae_load", summary, data)
@@ -160,8 +163,9 @@ def _require_h3(vae):
     return m
 
 
-def h3_decode(vae, latent: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """IMAGE [N, H, W, 3] + report data."""
+def h3_decode(vae, latent: torch.Tensor, progress=None) -> tuple[torch.Tensor, dict]:
+    """IMAGE [N, H, W, 3] + report data. ``progress(done, total)`` (optional) follows the T=1 tile loop (tiles x
+    batch); T > 1 is ComfyUI's own decode, which drives no bar for this VAE."""
     m = _require_h3(vae)
     if latent.ndim != 5:
         raise DitKitError(f"H3 video latent must be 5-D [B, 24, T, H, W]; got shape {tuple(latent.shape)}")
@@ -187,9 +191,9 @@ def h3_decode(vae, latent: torch.Tensor) -> tuple[torch.Tensor, dict]:
     z = latent.to(device=vae.device, dtype=vae.vae_dtype)
     with torch.inference_mode():
         if kind == "image":
-            out, rep = direct_decode_t1(m, z, int(info["t1_output_slice"]))
+            out, rep = direct_decode_t1(m, z, int(info["t1_output_slice"]), progress)
         else:
-            out, rep = repeat_decode_t1(m, z)
+            out, rep = repeat_decode_t1(m, z, progress)
     images = out.to(device=vae.output_device, dtype=vae.vae_output_dtype()).movedim(1, -1)
     data = dict(rep.as_dict(), vae_kind=kind, vae_file=info.get("file"), vae_source=source, summary=rep.summary())
     return images.reshape(-1, *images.shape[-3:]), data
@@ -218,7 +222,7 @@ class DitKitH3VAEDecode(io.ComfyNode):
     @classmethod
     def execute(cls, samples, vae) -> io.NodeOutput:
         latent = _video_part(samples["samples"])
-        images, data = h3_decode(vae, latent)
+        images, data = h3_decode(vae, latent, progress=lazy_bar(cls.hidden.unique_id))
         summary = data.get("summary") or f"T={latent.shape[2]}: native decode, {images.shape[0]} frames"
         payload = send_report(cls.hidden.unique_id, "DitKitH3VAEDecode", "vae_decode", summary, data)
         return io.NodeOutput(images, ui=ui_report(payload))
@@ -290,7 +294,12 @@ class DitKitH3EncodeImage(io.ComfyNode):
     @classmethod
     def execute(cls, image, vae, layout) -> io.NodeOutput:
         _require_h3(vae)
-        outs = [vae.encode(image[i:i + 1, :, :, :3]) for i in range(image.shape[0])]
+        n = image.shape[0]
+        bar = progress(n, cls.hidden.unique_id)
+        outs = []
+        for i in range(n):   # one T=1 latent per image (ComfyUI's encode drives no bar for this VAE)
+            outs.append(vae.encode(image[i:i + 1, :, :, :3]))
+            bar(i + 1, n)
         video = torch.cat(outs, dim=0)
         if video.ndim != 5 or video.shape[2] != 1:
             raise DitKitError(f"encoding one image gave latent shape {tuple(video.shape)}, expected T=1")

@@ -11,7 +11,8 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..errors import UnsupportedModelError
-from ..loaders.safetensors_io import load_file
+from ..loaders.read_progress import load_with_progress
+from ._bars import lazy_bar
 from ._common import send_report, ui_report
 
 NODE_ID = "DitKitZImageLoader"
@@ -39,14 +40,15 @@ def _zimage_config(sd: dict, path: str) -> dict:
     return cfg
 
 
-def load_zimage(path: str):
+def load_zimage(path: str, progress=None):
+    """-> (model patcher, config, load path). ``progress(done, total)``: optional, after each tensor read."""
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.sd
     import comfy.supported_models
     import comfy.utils
 
-    sd = load_file(path)
+    sd, _ = load_with_progress(path, progress)
     cfg = _zimage_config(sd, path)
     if cfg["dim"] == 3840:
         return comfy.sd.load_diffusion_model_state_dict(sd), cfg, "stock"
@@ -86,7 +88,7 @@ class DitKitZImageLoader(io.ComfyNode):
     @classmethod
     def execute(cls, unet_name: str) -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        model, cfg, how = load_zimage(path)
+        model, cfg, how = load_zimage(path, progress=lazy_bar(cls.hidden.unique_id if cls.hidden is not None else None))
         summary = (f"Z-Image dim {cfg['dim']}, {cfg['n_layers']} layers, {cfg.get('n_heads')} heads, "
                    f"loaded via {how}")
         payload = send_report(cls.hidden.unique_id if cls.hidden is not None else None, NODE_ID, "load", summary,

@@ -20,8 +20,10 @@ import torch
 from comfy_api.latest import io
 
 from ..errors import CheckpointError, DitKitError
-from ..loaders.safetensors_io import load_with_metadata, read_header
+from ..loaders.read_progress import load_with_progress
+from ..loaders.safetensors_io import read_header
 from ..offload.streamer import HostEmbedding, LayerwiseStreamer, StreamedLayer, find_layer_stacks
+from ._bars import lazy_bar, offset_bar
 from ._common import send_report, ui_report
 
 log = logging.getLogger("ditkit")
@@ -119,10 +121,10 @@ def _detect(tensors):
 
 
 # -- building the stock CLIP ------------------------------------------------------------------------------------
-def _read(path):
+def _read(path, progress=None):
     import comfy.utils
 
-    sd, meta = load_with_metadata(path)
+    sd, meta = load_with_progress(path, progress)
     sd, meta = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=meta)
     return sd
 
@@ -137,13 +139,14 @@ def build_h3_clip(path, streaming: bool = False, prefetch: int = 1, force: bool 
     opts = {"qwen3vl_32b_model_config": cfg}
     if streaming:
         opts["initial_device"] = mm.text_encoder_offload_device()
-    sd = _read(path)
+    bar = lazy_bar(node_id)   # phase 1: tensors read; phase 2 (streaming): layers packed
+    sd = _read(path, bar)
     clip = comfy.sd.load_text_encoder_state_dicts([sd], embedding_directory=folder_paths.get_folder_paths("embeddings"),
                                                   clip_type=comfy.sd.CLIPType.MINIMAX, model_options=opts,
                                                   disable_dynamic=disable_dynamic)
     del sd
     clip.patcher.cached_patcher_init = (_reload_patcher, ("h3", str(path), streaming, prefetch, force))
-    info = install_streaming(clip, prefetch, force, node_id, H3_NODE) if streaming else {"streaming": "off"}
+    info = install_streaming(clip, prefetch, force, node_id, H3_NODE, bar) if streaming else {"streaming": "off"}
     return clip, cfg, info
 
 
@@ -159,7 +162,8 @@ def build_ltx_clip(path, streaming: bool = False, prefetch: int = 1, force: bool
         opts = {"model_name": "gemma3_12b", "gemma3_12b_model_config": cfg}
     if streaming:
         opts["initial_device"] = mm.text_encoder_offload_device()
-    sd = _read(path)
+    bar = lazy_bar(node_id)   # phase 1: tensors read; phase 2 (streaming): layers packed
+    sd = _read(path, bar)
     dicts = [sd]
     proj = {k: v for k, v in sd.items() if k.startswith("text_embedding_projection.")}
     if family == "gemma3":
@@ -175,7 +179,7 @@ def build_ltx_clip(path, streaming: bool = False, prefetch: int = 1, force: bool
                                                   disable_dynamic=disable_dynamic)
     del sd, dicts, proj
     clip.patcher.cached_patcher_init = (_reload_patcher, ("ltx", str(path), streaming, prefetch, force))
-    info = install_streaming(clip, prefetch, force, node_id, LTX_NODE) if streaming else {"streaming": "off"}
+    info = install_streaming(clip, prefetch, force, node_id, LTX_NODE, bar) if streaming else {"streaming": "off"}
     return clip, (cfg or {"family": family}), info
 
 
@@ -194,9 +198,12 @@ class _StreamState:
         self.streamers: list[LayerwiseStreamer] = []
 
 
-def install_streaming(clip, prefetch: int, force: bool = False, node_id=None, node_type=H3_NODE) -> dict:
+def install_streaming(clip, prefetch: int, force: bool = False, node_id=None, node_type=H3_NODE,
+                      progress=None) -> dict:
     """Object-patch the CLIP's patcher so its decoder layers stream. ``force`` streams even when the load device
-    is the CPU (cpu -> cpu copies; used by tests and benchmarks), otherwise that case is a reported no-op."""
+    is the CPU (cpu -> cpu copies; used by tests and benchmarks), otherwise that case is a reported no-op.
+    ``progress(done, total)``: optional, after each layer packed into host memory (total = layers of all stacks).
+    During each encode a per-layer bar is shown on the node running the encode (e.g. CLIPTextEncode)."""
     import comfy.patcher_extension as pe
 
     patcher = clip.patcher
@@ -217,9 +224,14 @@ def install_streaming(clip, prefetch: int, force: bool = False, node_id=None, no
                     raise StreamingError(f"{node_type}: layer {i} tensor {name!r} is a {type(t.data).__name__} "
                                          "(quantized weights); layerwise streaming supports plain-dtype weights "
                                          "only. Load with streaming off.")
+    n_layers = sum(len(mod.layers) for _, mod in stacks)
+    packed = 0
     for path, mod in stacks:
-        st = LayerwiseStreamer(list(mod.layers), device, prefetch=prefetch, wrap=False, name=path)
+        part = offset_bar(progress, packed, n_layers) if progress is not None else None
+        st = LayerwiseStreamer(list(mod.layers), device, prefetch=prefetch, wrap=False, name=path, progress=part)
+        packed += len(mod.layers)
         st.on_pass_end = _pass_reporter(state, st)
+        st.on_layer_done = lazy_bar(None)   # None: the bar belongs to the node executing the encode
         state.streamers.append(st)
 
         def guard(i, _path=path):

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+ProgressFn = Callable[[int, int], None]
 
 ALIGN = 256  # bytes; >= the 32 B fused kernels need, and the CUDA allocator's own granularity
 
@@ -221,10 +224,13 @@ class LayerwiseStreamer:
     The peak of device-resident streamed weights is at most ``(1 + prefetch)`` layers. Wrap-around: after the
     last layer the first ``prefetch`` layers of the next pass are queued (``wrap=True``), which suits a DiT run
     every step; text encoders run once per prompt and keep ``wrap=False``.
+
+    ``progress(done, total)`` (optional) is called after each layer is packed in ``__init__`` (1..n layers); the
+    optional attribute ``on_layer_done(done, total)`` is called after each layer ran (``done`` = index + 1).
     """
 
     def __init__(self, layers, device, prefetch: int = 1, pin: bool | None = None, wrap: bool = False,
-                 name: str = "layers"):
+                 name: str = "layers", progress: ProgressFn | None = None):
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.device = torch.device(device)
@@ -234,7 +240,11 @@ class LayerwiseStreamer:
         self.name = name
         cuda = self.device.type == "cuda"
         self.pin = (cuda and torch.cuda.is_available()) if pin is None else bool(pin)
-        self.packs = [pack_layer(i, layer, self.pin) for i, layer in enumerate(self.layers)]
+        self.packs = []
+        for i, layer in enumerate(self.layers):   # packing a large encoder takes long: report each layer
+            self.packs.append(pack_layer(i, layer, self.pin))
+            if progress is not None:
+                progress(i + 1, len(self.layers))
         self.copier = _CudaCopier(self.device) if cuda else _Copier(self.device)
         self.stats = StreamStats()
         self._inflight: dict[int, tuple[dict, object]] = {}   # issued, not yet acquired
@@ -243,6 +253,7 @@ class LayerwiseStreamer:
         self.events: list[tuple[str, int]] = []                # ("copy"/"acquire"/"release", index): test trace
         self.trace = False
         self.on_pass_end = None                                # callable() after the last layer of a pass
+        self.on_layer_done = None                              # callable(done, total) after each layer ran
         self.last_pass: dict | None = None                     # stats snapshot taken at the end of each pass
 
     # -- sizes ---------------------------------------------------------------------------------------------
@@ -329,6 +340,12 @@ class LayerwiseStreamer:
             self.drop_all()
             raise
         self.release(i)
+        if self.on_layer_done is not None:
+            try:
+                self.on_layer_done(i + 1, len(self.packs))
+            except BaseException:   # e.g. the host's interrupt, raised from its progress hook
+                self.drop_all()
+                raise
         if i == len(self.packs) - 1:
             if not self.wrap:
                 self.drop_all()

@@ -17,6 +17,7 @@ own ``_decode_pixels`` (post_quant_conv + ViT decoder), ``split_tiles``, ``blend
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -67,9 +68,17 @@ def unwhiten(model, z: torch.Tensor) -> torch.Tensor:
     return z * std + mean
 
 
-def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeReport | None = None) -> torch.Tensor:
+ProgressFn = Callable[[int, int], None]
+
+
+def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeReport | None = None,
+                       progress: ProgressFn | None = None) -> torch.Tensor:
     """Decode raw latents ``z`` [B, C, t, h, w] with the VAE's spatial tiling, keeping only decoder frame ``frame``
-    of every tile before blending. Returns raw decoder pixels [B, 3, 1, H, W] (not yet de-normalised)."""
+    of every tile before blending. Returns raw decoder pixels [B, 3, 1, H, W] (not yet de-normalised).
+
+    ``progress(done, total)`` is called after each tile is decoded and placed, in units of tile x batch item (one
+    decoder call decodes one tile of every batch item): ``total`` = tiles x B, ``done`` = B, 2B, ..., total."""
+    b = int(z.shape[0])
     if not getattr(model, "tiling", True):
         out = model._decode_pixels(z)
         if report is not None:
@@ -79,11 +88,15 @@ def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeRepor
         out = out[:, :, frame:frame + 1].clone()
         if report is not None:
             report.canvas_bytes = out.numel() * out.element_size()
+        if progress is not None:
+            progress(b, b)
         return out
     r = int(model.vae_ratio)
     height, width = z.shape[-2] * r, z.shape[-1] * r
     y_idx, y_len, y_ov = model.split_tiles(height)
     x_idx, x_len, x_ov = model.split_tiles(width)
+    total = len(y_idx) * len(x_idx) * b
+    done = 0
     canvas = None
     above: list[torch.Tensor] = []  # bottom strips of the previous row's raw tiles
     oy = 0
@@ -118,6 +131,9 @@ def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeRepor
                     report.canvas_bytes = canvas.numel() * canvas.element_size()
             canvas[..., oy:oy + tile.shape[-2], ox:ox + tile.shape[-1]].copy_(tile)
             ox += tile.shape[-1]
+            done += b
+            if progress is not None:
+                progress(done, total)
         above = below
         oy += tile.shape[-2]
     return canvas
@@ -132,23 +148,24 @@ def repeat_clip_tokens(model) -> tuple[int, int]:
     return tokens, int(model.frame_pre_padding)
 
 
-def repeat_decode_t1(model, z: torch.Tensor) -> tuple[torch.Tensor, T1DecodeReport]:
+def repeat_decode_t1(model, z: torch.Tensor, progress: ProgressFn | None = None) -> tuple[torch.Tensor, T1DecodeReport]:
     """Stock video VAE, T = 1: float32 pixels [B, 3, 1, H, W] in [0, 1] equal to frame 0 of the native decode of
     the latent duplicated to T = 2."""
     _check_latent(model, z)
     tokens, kept = repeat_clip_tokens(model)
     rep = T1DecodeReport("repeat_decode", z.shape[0], (z.shape[-2], z.shape[-1]), tokens, kept)
     raw = unwhiten(model, z).repeat(1, 1, tokens, 1, 1)
-    pix = tiled_decode_frame(model, raw, kept, rep)
+    pix = tiled_decode_frame(model, raw, kept, rep, progress)
     return model._finalize_pixels(pix), rep
 
 
-def direct_decode_t1(model, z: torch.Tensor, output_slice: int) -> tuple[torch.Tensor, T1DecodeReport]:
+def direct_decode_t1(model, z: torch.Tensor, output_slice: int,
+                     progress: ProgressFn | None = None) -> tuple[torch.Tensor, T1DecodeReport]:
     """Image VAE, T = 1: decode the single token directly and keep decoder frame ``output_slice``."""
     _check_latent(model, z)
     pt = int(getattr(getattr(model, "decoder", None), "patch_size_t", 4))
     if not 0 <= int(output_slice) < pt:
         raise DitKitError(f"h3_t1_output_slice {output_slice} is outside the {pt} frames one token decodes to")
     rep = T1DecodeReport("direct_image_vae", z.shape[0], (z.shape[-2], z.shape[-1]), 1, int(output_slice))
-    pix = tiled_decode_frame(model, unwhiten(model, z), int(output_slice), rep)
+    pix = tiled_decode_frame(model, unwhiten(model, z), int(output_slice), rep, progress)
     return model._finalize_pixels(pix), rep

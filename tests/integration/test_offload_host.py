@@ -269,7 +269,7 @@ def test_te_bad_files(comfy, ckpts, monkeypatch):
     def no_read(*a, **k):
         raise AssertionError("weights were read before the family check")
 
-    monkeypatch.setattr(te, "load_with_metadata", no_read)
+    monkeypatch.setattr(te, "load_with_progress", no_read)
     with pytest.raises(CheckpointError, match="not a MiniMax H3.*Gemma"):
         te.build_h3_clip(ckpts / "text_encoders" / "gemma_tiny_ltx.safetensors")
     with pytest.raises(CheckpointError, match="not a MiniMax H3.*diffusion model"):
