@@ -78,15 +78,16 @@ def _reset(module: torch.nn.Module) -> None:
                 torch.nn.init.ones_(m.weight)
 
 
-def build_vae(seed: int = 0):
+def build_vae(seed: int = 0, decoder_layers: int | None = None):
     """ComfyUI's ``MiniMaxH3VideoVAE`` at lab width, freshly initialised (fp32, CPU)."""
+    dec = dict(VAE_DECODER, num_layers=decoder_layers or VAE_DECODER["num_layers"])
     import_comfy()
     V = comfy.ldm.minimax.vae
     # the stock constructor always builds the 36x2048 decoder: build on meta, swap in the lab-width one
     with torch.device("meta"):
         vae = V.MiniMaxH3VideoVAE(**VAE_CONFIG)
         vae.decoder = V.ViT3DDecoder(patch_size=vae.vae_ratio, patch_size_t=vae.vae_ratio_t, in_channels=24,
-                                     out_channels=3, **VAE_DECODER)
+                                     out_channels=3, **dec)
     vae = vae.to_empty(device="cpu")
     torch.manual_seed(seed)
     _reset(vae)
@@ -100,7 +101,7 @@ def build_vae(seed: int = 0):
     vae.pixel_mean.copy_(torch.tensor(V.IMAGENET_MEAN).view(1, 3, 1, 1, 1))
     vae.pixel_std.copy_(torch.tensor(V.IMAGENET_STD).view(1, 3, 1, 1, 1))
     vae.decoder.pos_embed.inv_freq = 1 / vae.decoder.pos_embed.inv_freq.new_tensor(100.0) ** torch.arange(
-        0, 1, 2 * 3 / int(VAE_DECODER["dim_head"] * 0.75), dtype=torch.float32)
+        0, 1, 2 * 3 / int(dec["dim_head"] * 0.75), dtype=torch.float32)
     return vae
 
 
@@ -108,8 +109,9 @@ def load_vae(path=VAE_FILE):
     """Build the lab VAE and load ``path`` (ComfyUI key layout) strictly."""
     from ditkit.loaders.safetensors_io import load_file
 
-    vae = build_vae()
     sd = load_file(str(path))
+    layers = len({k.split(".")[2] for k in sd if k.startswith("decoder.transformer_blocks.")})
+    vae = build_vae(decoder_layers=layers)
     missing, unexpected = vae.load_state_dict(sd, strict=True), None
     del missing, unexpected
     return vae.eval()

@@ -58,6 +58,7 @@ def main(argv=None):
     ap.add_argument("--cache", default="/tmp/h3lab_dit_cache.safetensors",
                     help="latent cache (rebuilt when missing or when --rebuild-cache)")
     ap.add_argument("--rebuild-cache", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="continue from the saved DiT + text embedding")
     ap.add_argument("--probe", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -83,13 +84,22 @@ def main(argv=None):
     torch.manual_seed(a.seed + 1)
     embed = torch.nn.Embedding(len(D.VOCAB), L.DIT_CONFIG["text_dim"])
     torch.nn.init.normal_(embed.weight, std=1.0)
+    prev = None
+    if a.resume:
+        model.load_state_dict(load_file(str(L.DIT_FILE)), strict=True)
+        with torch.no_grad():
+            embed.weight.copy_(load_file(str(L.TEXT_FILE))["embed.weight"])
+        prev_log = Path(L.DIT_FILE).with_name("h3lab_dit_log.json")
+        prev = json.loads(prev_log.read_text()) if prev_log.is_file() else None
     params = list(model.parameters()) + list(embed.parameters())
     print(f"DiT params {L.count_params(model):,}; text embed {embed.weight.numel()}", flush=True)
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01, betas=(0.9, 0.99))
     ema = [p.detach().clone() for p in params]
-    gen = torch.Generator().manual_seed(a.seed + 7)
+    gen = torch.Generator().manual_seed(a.seed + (17 if a.resume else 7))
     steps = 5 if a.probe else a.steps
-    log = {"seed": a.seed, "clips": int(vids.shape[0]), "curve": []}
+    log = {"seed": a.seed, "clips": int(vids.shape[0]), "curve": [], "resumed": bool(a.resume)}
+    if prev is not None:
+        log["previous_runs"] = [prev]
     layout = L.comfy.ldm.minimax.model.PackedLayout(toks.shape[1], *vids.shape[2:], auds.shape[-1])
     payload = {"layout": layout}
     t0 = time.time()

@@ -59,11 +59,17 @@ def main(argv=None):
     ap.add_argument("--stage-out", default="", help="also save the model after phase A (encoder final)")
     ap.add_argument("--resume", default="", help="continue phase B (decoder only) from this file; phase A is "
                     "skipped, the encoder and whitening stay as they are")
+    ap.add_argument("--new-decoder-layers", type=int, default=0, help="with --resume: fresh decoder of this depth")
     ap.add_argument("--probe", action="store_true", help="time 3 steps of each phase and exit")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     L.import_comfy()
     vae = L.load_vae(a.resume).train() if a.resume else L.build_vae(a.seed)
+    if a.new_decoder_layers:
+        # keep the trained encoder + whitening, start a fresh decoder of another depth
+        fresh = L.build_vae(a.seed + 1, decoder_layers=a.new_decoder_layers)
+        vae.decoder = fresh.decoder
+        vae.post_quant_conv = fresh.post_quant_conv
     print(f"VAE params {L.count_params(vae):,} (encoder {L.count_params(vae.encoder):,}, "
           f"decoder {L.count_params(vae.decoder):,})", flush=True)
     t_start = time.time()
@@ -178,7 +184,7 @@ def main(argv=None):
     log["minutes"] = (time.time() - t_start) / 60
     log["params"] = L.count_params(vae)
     meta = {"ditkit_lab": "h3lab_video_vae", "seed": str(a.seed),
-            "lab_config": json.dumps({"vae": L.VAE_CONFIG, "decoder": L.VAE_DECODER, "frames": FRAMES,
+            "lab_config": json.dumps({"vae": L.VAE_CONFIG, "decoder": dict(L.VAE_DECODER, num_layers=len(vae.decoder.transformer_blocks)), "frames": FRAMES,
                                       "height": H, "width": W})}
     L.save_state(vae, a.out, meta)
     Path(a.out).with_name("h3lab_vae_log.json").write_text(json.dumps(log, indent=1))
