@@ -25,10 +25,12 @@ TILE = 64
 # references
 def pack_reference(x: torch.Tensor, tile_src: torch.Tensor) -> torch.Tensor:
     src = tile_src.to(device=x.device, dtype=torch.long)
-    # pad slots read an appended zero row: one index_select, pads exactly zero
-    zero = x.new_zeros(*x.shape[:-2], 1, x.shape[-1])
-    xz = torch.cat([x, zero], dim=-2)
-    return xz.index_select(-2, torch.where(src >= 0, src, x.shape[-2]))
+    # one index_select (pad slots read row 0), then the few pad slots are zeroed: no full-size concat copy
+    out = x.index_select(-2, src.clamp(min=0))
+    pad = torch.nonzero(src < 0).view(-1)
+    if pad.numel():
+        out.index_fill_(-2, pad, 0)
+    return out
 
 
 def unpack_combine_reference(fine: torch.Tensor, untile_index: torch.Tensor, coarse: Optional[torch.Tensor] = None,

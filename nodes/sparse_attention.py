@@ -28,7 +28,7 @@ KEY = "ditkit_vsa_h3"
 CTX_KEY = "ditkit_vsa"
 GATE_KEY = "ditkit_vsa_gate"
 GATE_ATTACHMENT = "ditkit_h3_gate_compress"
-BACKENDS = ["auto", "triton", "flex", "reference", "flashinfer", "comfy_kitchen"]
+BACKENDS = ["auto", "triton", "flex", "cpu_batched", "reference", "flashinfer", "comfy_kitchen"]
 GATE_CHOICES = ["auto", "none"]
 RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 20%)": 20.0, "custom": None}
 log = logging.getLogger("ditkit")
@@ -107,7 +107,7 @@ class DitKitSparseAttention(io.ComfyNode):
                                tooltip="Steps after this fraction of the schedule run dense."),
                 io.Combo.Input("backend", options=BACKENDS, default="auto",
                                tooltip=("Fine-stage kernel. auto = fastest exact backend that can run here "
-                                        "(triton on sm80+, reference gather+SDPA on CPU). An explicit choice "
+                                        "(triton on sm80+, cpu_batched on CPU). An explicit choice "
                                         "that cannot run raises instead of falling back.")),
                 io.Int.Input("min_tokens", default=0, min=0, max=1 << 20, step=64,
                              tooltip="Packed sequences shorter than this run dense (sparse overhead dominates)."),

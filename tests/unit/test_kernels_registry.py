@@ -30,10 +30,10 @@ def gpu(monkeypatch):
     REGISTRY.clear_cache()
 
 
-def test_cpu_auto_is_reference_and_reasons_are_recorded():
+def test_cpu_auto_is_cpu_batched_and_reasons_are_recorded():
     REGISTRY.clear_cache()
     sel = REGISTRY.resolve(OP, "cpu", torch.float32, 128)
-    assert sel.backend == "reference"
+    assert sel.backend == "cpu_batched" and sel.exact
     rej = dict(sel.rejected)
     assert set(rej) == {"flashinfer", "triton", "flex", "comfy_kitchen"}
     assert "CUDA" in rej["flashinfer"] and "explicit" in rej["flex"]
@@ -52,6 +52,7 @@ def test_turing_falls_to_reference_with_reasons(gpu):
     sel = REGISTRY.resolve(OP, "cuda:0", torch.float16, 128)
     assert sel.backend == "reference"
     assert "sm80" in dict(sel.rejected)["triton"] and "sm80" in dict(sel.rejected)["flex"]
+    assert "CPU only" in dict(sel.rejected)["cpu_batched"]
 
 
 @pytest.mark.parametrize("cap,dtype,D,ok", [((10, 0), torch.bfloat16, 128, True), ((10, 0), torch.float16, 128, False),

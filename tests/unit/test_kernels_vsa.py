@@ -23,6 +23,11 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 SHAPES = [((70, 0, 100), (5, 6, 10)), ((10, 14), (2, 4, 6)), ((64, 3), (4, 4, 8)), ((1,), (3, 5, 7))]
 
 
+def need_cpu(backend):
+    if backend == "cpu_batched" and DEVICE != "cpu":
+        pytest.skip("cpu_batched runs on CPU only")
+
+
 def _rand(shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g, dtype=torch.float32).to(device=DEVICE, dtype=dtype)
@@ -137,11 +142,12 @@ def _oracle_bsa(q, k, v, idx, num, vbs):
     return o, lse / math.log(2)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton", "flex"])
+@pytest.mark.parametrize("backend", ["reference", "cpu_batched", "triton", "flex"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("D,T,sizes", [(16, 3, (64, 17, 64, 5)), (32, 3, (64, 17, 64, 5)), (64, 2, (1, 64, 40))])
 def test_block_sparse_attn_vs_oracle(backend, dtype, D, T, sizes):
     need_triton(backend)
+    need_cpu(backend)
     if backend == "flex" and dtype == torch.float16 and DEVICE == "cpu":
         pytest.skip("CPU FlexAttention has no fp16 kernel")
     B, H, Tk = 1, 2, len(sizes)
@@ -159,9 +165,10 @@ def test_block_sparse_attn_vs_oracle(backend, dtype, D, T, sizes):
     torch.testing.assert_close(lse.double().cpu(), lse_ref, atol=TOL[dtype] * 10, rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "cpu_batched", "triton"])
 def test_block_sparse_empty_rows(backend):
     need_triton(backend)
+    need_cpu(backend)
     B, H, T, D = 1, 1, 2, 16
     q = _rand((B, H, T * 64, D), torch.float32, 6)
     k = _rand((B, H, T * 64, D), torch.float32, 7)
@@ -171,6 +178,47 @@ def test_block_sparse_empty_rows(backend):
     out, lse = vsa.block_sparse_attn(q, k, k, idx, num, vbs, backend=backend)
     assert bool((out[:, :, :64] == 0).all()) and bool(torch.isinf(lse[:, :, :64]).all())
     assert bool(torch.isfinite(out[:, :, 64:]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cpu_batched_dense_common_rest_parts(dtype):
+    """Every path of cpu_batched at once: dense rows, key tiles common to all other rows (some ragged), per-row
+    rest tiles of different counts (some ragged), rows with only the common tiles, an empty row, scattered rows,
+    B=2 with different selections per (b, h); vs the float64 token-level oracle."""
+    need_cpu("cpu_batched")
+    sizes = (64, 17, 64, 64, 5, 64, 33)
+    B, H, T, Tk, D = 2, 2, 6, len(sizes), 32
+    vbs = torch.tensor(sizes, dtype=torch.int32)
+    q = _rand((B, H, T * 64, D), dtype, 20)
+    k = _rand((B, H, Tk * 64, D), dtype, 21)
+    v = _rand((B, H, Tk * 64, D), dtype, 22)
+    keylive = (torch.arange(64)[None] < vbs[:, None]).reshape(-1)
+    k[:, :, ~keylive] = 0
+    v[:, :, ~keylive] = 0
+    g = torch.Generator().manual_seed(23)
+    idx = torch.zeros(B, H, T, Tk, dtype=torch.int32)
+    num = torch.zeros(B, H, T, dtype=torch.int32)
+    for b in range(B):
+        for h in range(H):
+            common = [1, 3] if (b + h) % 2 == 0 else [0]
+            for t in range(T):
+                if t == 2:
+                    sel = list(range(Tk))                                   # dense row (in the middle)
+                elif t == 4 and b == 0:
+                    sel = []                                                # empty row
+                elif t == 5:
+                    sel = list(common)                                      # common tiles only
+                else:
+                    others = [j for j in torch.randperm(Tk, generator=g).tolist() if j not in common]
+                    sel = common + others[: 1 + (t + h) % 3]
+                perm = torch.tensor(sel, dtype=torch.int32)[torch.randperm(len(sel), generator=g)]
+                idx[b, h, t, : len(sel)] = perm
+                num[b, h, t] = len(sel)
+    out, lse = vsa.block_sparse_attn(q, k, v, idx, num, vbs, backend="cpu_batched")
+    o_ref, lse_ref = _oracle_bsa(q, k, v, idx, num, vbs)
+    torch.testing.assert_close(out.double(), o_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(lse.double(), lse_ref, atol=TOL[dtype] * 10, rtol=TOL[dtype])
+    assert bool((out[0, :, 4 * 64:5 * 64] == 0).all()) and bool(torch.isinf(lse[0, :, 4 * 64:5 * 64]).all())
 
 
 # ------------------------------------------------------------------------------------------------- VSA-H3
@@ -201,10 +249,11 @@ def _oracle_selection(q, k, lay, keep):
 
 @pytest.mark.parametrize("prefix,video", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "cpu_batched", "triton"])
 @pytest.mark.parametrize("with_gate", [False, True])
 def test_vsa_h3_vs_token_oracle(prefix, video, dtype, backend, with_gate):
     need_triton(backend)
+    need_cpu(backend)
     if backend == "triton" and (prefix, video) != SHAPES[0] and with_gate:
         pytest.skip("interpreter time: triton+gate covered on the first shape")
     lay = build_h3_layout(prefix, video)

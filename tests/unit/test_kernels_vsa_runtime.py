@@ -37,8 +37,8 @@ def test_counters_density_and_summary():
     assert rt.k_video == 2 and rt.n_tiles == 11
     assert abs(rt.density - (3 * 11 + 8 * 5) / 121) < 1e-12
     s = rt.summary()
-    assert "backend reference" in s and "steps sparse 1 / dense 0" in s and "token refiner / non-packed: 1" in s
+    assert "backend cpu_batched" in s and "steps sparse 1 / dense 0" in s and "token refiner / non-packed: 1" in s
     d = rt.as_dict()
-    assert d["calls"] == {"sparse": 1, "token refiner / non-packed": 1} and d["backends_used"] == {"reference": 1}
+    assert d["calls"] == {"sparse": 1, "token refiner / non-packed": 1} and d["backends_used"] == {"cpu_batched": 1}
     rt.reset()
     assert rt.as_dict()["calls"] == {} and rt.density is None

@@ -1,0 +1,192 @@
+"""``cpu_batched``: exact block-sparse attention for CPU built from few large fused-attention calls.
+
+Same contract as :func:`.block_sparse.block_sparse_attn_reference` (tile-ordered ``[B, H, S, D]``, 64-row tiles,
+ragged key tiles masked, ``(out, lse_log2)``). Per (b, h) it splits the selection into three exact parts:
+
+* **dense query tiles** (every key tile selected, e.g. H3 prefix rows): ONE attention call of all those query
+  rows over the live keys (pad key rows dropped once, so no mask);
+* **common key tiles** of the remaining query tiles (tiles every one of them selects, e.g. H3 prefix keys that
+  every video query sees): ONE attention call of all remaining query rows over those live keys;
+* **the rest** (per-query-tile key tiles, e.g. the top-k video tiles): K/V tiles gathered into reused
+  ``[n, count*64, D]`` buffers, one batched attention call per chunk (ragged tiles via an additive mask);
+
+and merges the common and rest parts per row with their log-sum-exps (``m = logaddexp(m_c, m_r)``,
+``o = o_c e^(m_c-m) + o_r e^(m_r-m)``, in fp32), which is the softmax over the union exactly. The attention
+calls are ATen's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``), which returns the
+log-sum-exp the merge needs. CPU only; picked by ``auto`` on CPU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .block_sparse import LOG2E, OP, TILE, _allowed_tiles
+from .registry import REGISTRY, Impl, Query
+
+NAME = "cpu_batched"
+
+
+def _flash_op():
+    try:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_FLASH = _flash_op()
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]`` as a view when ``rows`` is a contiguous ascending range (no copy), else a gather."""
+    n = rows.numel()
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((rows[1:] > rows[:-1]).all())):
+        a = int(rows[0])
+        return x[a:a + n]
+    return x[rows]
+
+
+def _live_rows(tiles: torch.Tensor, key_live: torch.Tensor) -> Optional[torch.Tensor]:
+    """Flat key positions of the live rows of ``tiles`` (None when they are all whole and contiguous)."""
+    pos = (tiles[:, None] * TILE + torch.arange(TILE, device=tiles.device)[None, :])
+    live = key_live[tiles]
+    if bool(live.all()) and int(tiles[-1]) - int(tiles[0]) == tiles.numel() - 1:
+        return None
+    return pos[live]
+
+
+def _keys(kbh: torch.Tensor, vbh: torch.Tensor, tiles: torch.Tensor, key_live: torch.Tensor):
+    pos = _live_rows(tiles, key_live)
+    if pos is None:
+        a, b = int(tiles[0]) * TILE, (int(tiles[-1]) + 1) * TILE
+        return kbh[a:b], vbh[a:b]
+    return kbh.index_select(0, pos), vbh.index_select(0, pos)
+
+
+def block_sparse_attn_cpu(q, k, v, q2k_index, q2k_num, variable_block_sizes, need_lse: bool = True,
+                          max_chunk_elems: int = 1 << 19):
+    B, H, S, D = q.shape
+    T, Tk = S // TILE, k.shape[2] // TILE
+    scale = D ** -0.5
+    dev = q.device
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    allowed = _allowed_tiles(q2k_index.to(dev), q2k_num.to(dev), Tk)             # [B,H,T,Tk] bool
+    vbs = variable_block_sizes.to(device=dev, dtype=torch.long)
+    key_live = torch.arange(TILE, device=dev)[None, :] < vbs[:, None]          # [Tk, 64]
+    ragged_tile = ~key_live.all(dim=-1)                                          # [Tk]
+    out = torch.zeros_like(q)
+    lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=dev)
+    ot = out.view(B, H, T, TILE, D)
+    lt = lse.view(B, H, T, TILE)
+    all_tiles = torch.arange(Tk, device=dev)
+    neg_inf = float("-inf")
+
+    def flash(qq, kk, vv, mask=None):
+        """qq [N, M, D], kk/vv [N, L, D] -> (out [N, M, D], natural lse [N, M] fp32)."""
+        o, m = _FLASH(qq[:, None], kk[:, None], vv[:, None], attn_mask=mask, scale=scale)
+        return o[:, 0], m[:, 0].float()
+
+    for b in range(B):
+        for h in range(H):
+            A = allowed[b, h]
+            cnt = A.sum(dim=-1)
+            qbh = q[b, h].view(T, TILE, D)
+            kbh, vbh = k[b, h], v[b, h]
+            dense = cnt == Tk
+            if bool(dense.any()):
+                rows = torch.nonzero(dense).view(-1)
+                kc, vc = _keys(kbh, vbh, all_tiles, key_live)
+                o, m = flash(_take(qbh, rows).reshape(1, -1, D), kc[None], vc[None])
+                ot[b, h, rows] = o.view(-1, TILE, D)
+                lt[b, h, rows] = m.view(-1, TILE)
+            rest = (cnt > 0) & ~dense
+            if not bool(rest.any()):
+                continue
+            rows = torch.nonzero(rest).view(-1)
+            n = rows.numel()
+            qr = _take(qbh, rows)                                                  # [n, 64, D]
+            Ar = A[rows]
+            common = Ar.all(dim=0)
+            oc = mc = None
+            if bool(common.any()):
+                kc, vc = _keys(kbh, vbh, torch.nonzero(common).view(-1), key_live)
+                oc, mc = flash(qr.reshape(1, -1, D), kc[None], vc[None])
+                oc, mc = oc.view(n, TILE, D), mc.view(n, TILE)
+            R = Ar & ~common
+            rc = R.sum(dim=-1)
+            if oc is None or bool(rc.any()):
+                o_r = q.new_zeros(n, TILE, D)
+                m_r = torch.full((n, TILE), neg_inf, dtype=torch.float32, device=dev)
+                # ascending selected tiles first: sort key = tile id if selected else Tk + tile id
+                order = torch.where(R, all_tiles, all_tiles + Tk).sort(dim=-1).values
+                kf = kbh.view(Tk, TILE * D)
+                vf = vbh.view(Tk, TILE * D)
+                for count in torch.unique(rc).tolist():
+                    if count <= 0:
+                        continue
+                    sel = torch.nonzero(rc == count).view(-1)
+                    tiles_all = order[sel, :count]                                  # [ns, count]
+                    step = max(1, min(sel.numel(), max_chunk_elems // (count * TILE * D)))
+                    kbuf = k.new_empty(step * count, TILE * D)
+                    vbuf = v.new_empty(step * count, TILE * D)
+                    whole = sel.numel() == n
+                    for s0 in range(0, sel.numel(), step):
+                        tl_ = tiles_all[s0:s0 + step]
+                        flat = tl_.reshape(-1)
+                        nf = flat.numel()
+                        kk = torch.index_select(kf, 0, flat, out=kbuf[:nf]).view(-1, count * TILE, D)
+                        vv = torch.index_select(vf, 0, flat, out=vbuf[:nf]).view(-1, count * TILE, D)
+                        mask = None
+                        if bool(ragged_tile[flat].any()):
+                            live = key_live[tl_].reshape(-1, 1, 1, count * TILE)
+                            mask = torch.zeros(live.shape, dtype=q.dtype, device=dev).masked_fill_(~live, neg_inf)
+                        if whole:
+                            qq = qr[s0:s0 + step]
+                            o, m = flash(qq, kk, vv, mask)
+                            o_r[s0:s0 + step] = o
+                            m_r[s0:s0 + step] = m
+                        else:
+                            si = sel[s0:s0 + step]
+                            o, m = flash(qr[si], kk, vv, mask)
+                            o_r[si] = o
+                            m_r[si] = m
+                if oc is None:
+                    oc, mc = o_r, m_r
+                else:
+                    m = torch.logaddexp(mc, m_r)
+                    wc = torch.exp(mc - m)[..., None]
+                    wr = torch.exp(m_r - m)[..., None]
+                    if oc.dtype == torch.float32:
+                        oc = oc.mul_(wc).add_(o_r.mul_(wr))
+                    else:
+                        oc = (oc.float() * wc + o_r.float() * wr).to(q.dtype)
+                    mc = m
+            _put(ot[b, h], rows, oc)
+            _put(lt[b, h], rows, mc)
+    if need_lse:
+        lse.mul_(LOG2E)
+        return out, lse
+    return out, None
+
+
+def _put(dst: torch.Tensor, rows: torch.Tensor, val: torch.Tensor) -> None:
+    n = rows.numel()
+    if n and int(rows[-1]) - int(rows[0]) == n - 1:
+        a = int(rows[0])
+        dst[a:a + n] = val
+    else:
+        dst[rows] = val
+
+
+def _cpu_check(q: Query, explicit: bool) -> Optional[str]:
+    if q.device_type != "cpu":
+        return f"CPU only (got {q.device_type})"
+    if _FLASH is None:
+        return "this torch has no aten._scaled_dot_product_flash_attention_for_cpu"
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} not supported"
+    return None
+
+
+REGISTRY.impl(OP, Impl(NAME, block_sparse_attn_cpu, _cpu_check, priority=40,
+                       note="CPU: dense rows / common key tiles / gathered rest as few flash calls, LSE merge"))
