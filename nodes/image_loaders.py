@@ -88,10 +88,11 @@ class DitKitZImageLoader(io.ComfyNode):
     @classmethod
     def execute(cls, unet_name: str) -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        model, cfg, how = load_zimage(path, progress=lazy_bar(cls.hidden.unique_id if cls.hidden is not None else None))
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        model, cfg, how = load_zimage(path, progress=lazy_bar(node_id))
         summary = (f"Z-Image dim {cfg['dim']}, {cfg['n_layers']} layers, {cfg.get('n_heads')} heads, "
                    f"loaded via {how}")
-        payload = send_report(cls.hidden.unique_id if cls.hidden is not None else None, NODE_ID, "load", summary,
+        payload = send_report(node_id, NODE_ID, "load", summary,
                               {"file": unet_name, "config": cfg, "path": how})
         return io.NodeOutput(model, summary, ui=ui_report(payload))
 
