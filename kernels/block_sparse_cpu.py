@@ -38,12 +38,9 @@ _FLASH = _flash_op()
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``x[rows]`` as a view when ``rows`` is a contiguous ascending range (no copy), else a gather."""
-    n = rows.numel()
-    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((rows[1:] > rows[:-1]).all())):
-        a = int(rows[0])
-        return x[a:a + n]
-    return x[rows]
+    """``x[rows]`` for ascending ``rows`` (from nonzero): a view for a contiguous range, else a gather."""
+    view = _view(x, rows)
+    return view if view is not None else x[rows]
 
 
 def _live_rows(tiles: torch.Tensor, key_live: torch.Tensor) -> Optional[torch.Tensor]:
@@ -74,7 +71,7 @@ def block_sparse_attn_cpu(q, k, v, q2k_index, q2k_num, variable_block_sizes, nee
     vbs = variable_block_sizes.to(device=dev, dtype=torch.long)
     key_live = torch.arange(TILE, device=dev)[None, :] < vbs[:, None]          # [Tk, 64]
     ragged_tile = ~key_live.all(dim=-1)                                          # [Tk]
-    out = torch.zeros_like(q)
+    out = torch.empty_like(q)                 # every tile row is written below (empty query tiles: zeros)
     lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=dev)
     ot = out.view(B, H, T, TILE, D)
     lt = lse.view(B, H, T, TILE)
@@ -90,6 +87,9 @@ def block_sparse_attn_cpu(q, k, v, q2k_index, q2k_num, variable_block_sizes, nee
         for h in range(H):
             A = allowed[b, h]
             cnt = A.sum(dim=-1)
+            empty = torch.nonzero(cnt == 0).view(-1)
+            if empty.numel():
+                ot[b, h, empty] = 0
             qbh = q[b, h].view(T, TILE, D)
             kbh, vbh = k[b, h], v[b, h]
             dense = cnt == Tk
@@ -130,6 +130,7 @@ def block_sparse_attn_cpu(q, k, v, q2k_index, q2k_num, variable_block_sizes, nee
                     kbuf = k.new_empty(step * count, TILE * D)
                     vbuf = v.new_empty(step * count, TILE * D)
                     whole = sel.numel() == n
+                    any_ragged = bool(ragged_tile[tiles_all].any())
                     for s0 in range(0, sel.numel(), step):
                         tl_ = tiles_all[s0:s0 + step]
                         flat = tl_.reshape(-1)
@@ -137,7 +138,7 @@ def block_sparse_attn_cpu(q, k, v, q2k_index, q2k_num, variable_block_sizes, nee
                         kk = torch.index_select(kf, 0, flat, out=kbuf[:nf]).view(-1, count * TILE, D)
                         vv = torch.index_select(vf, 0, flat, out=vbuf[:nf]).view(-1, count * TILE, D)
                         mask = None
-                        if bool(ragged_tile[flat].any()):
+                        if any_ragged and bool(ragged_tile[flat].any()):
                             live = key_live[tl_].reshape(-1, 1, 1, count * TILE)
                             mask = torch.zeros(live.shape, dtype=q.dtype, device=dev).masked_fill_(~live, neg_inf)
                         if whole:
@@ -156,10 +157,13 @@ def block_sparse_attn_cpu(q, k, v, q2k_index, q2k_num, variable_block_sizes, nee
                     m = torch.logaddexp(mc, m_r)
                     wc = torch.exp(mc - m)[..., None]
                     wr = torch.exp(m_r - m)[..., None]
-                    if oc.dtype == torch.float32:
-                        oc = oc.mul_(wc).add_(o_r.mul_(wr))
-                    else:
-                        oc = (oc.float() * wc + o_r.float() * wr).to(q.dtype)
+                    dst = _view(ot[b, h], rows)
+                    if oc.dtype == torch.float32 and dst is not None:
+                        torch.mul(oc, wc, out=dst)                  # merge straight into the output rows
+                        dst.add_(o_r.mul_(wr))
+                        _put(lt[b, h], rows, m)
+                        continue
+                    oc = (oc.float() * wc + o_r.float() * wr).to(q.dtype)
                     mc = m
             _put(ot[b, h], rows, oc)
             _put(lt[b, h], rows, mc)
@@ -169,11 +173,18 @@ def block_sparse_attn_cpu(q, k, v, q2k_index, q2k_num, variable_block_sizes, nee
     return out, None
 
 
-def _put(dst: torch.Tensor, rows: torch.Tensor, val: torch.Tensor) -> None:
+def _view(x: torch.Tensor, rows: torch.Tensor) -> Optional[torch.Tensor]:
+    """``x[rows]`` as a view when ``rows`` (ascending) is a contiguous range, else None."""
     n = rows.numel()
     if n and int(rows[-1]) - int(rows[0]) == n - 1:
-        a = int(rows[0])
-        dst[a:a + n] = val
+        return x[int(rows[0]):int(rows[0]) + n]
+    return None
+
+
+def _put(dst: torch.Tensor, rows: torch.Tensor, val: torch.Tensor) -> None:
+    view = _view(dst, rows)
+    if view is not None:
+        view.copy_(val)
     else:
         dst[rows] = val
 
