@@ -115,7 +115,8 @@ def _triton_here(request) -> bool:
     return False
 
 
-@pytest.mark.parametrize("with_gate,backend", [(False, "reference"), (True, "reference"), (False, "triton")])
+@pytest.mark.parametrize("with_gate,backend", [(False, "reference"), (True, "reference"), (False, "cpu_batched"),
+                                               (True, "cpu_batched"), (False, "triton")])
 def test_sparse_sampling_equals_oracle(request, env, caplog, with_gate, backend):
     from ditkit.loaders.safetensors_io import load_file
     from ditkit.nodes.sparse_attention import GATE_ATTACHMENT, DitKitSparseAttention
@@ -212,6 +213,6 @@ def test_example_workflow_reports_backend(comfy_server):
     log = comfy_server.log_text()
     runs = [ln for ln in log.splitlines() if "DitKitSparseAttention" in ln and " run: " in ln]
     assert runs, "no VSA-H3 run report in the server log"
-    assert "VSA-H3 backend reference" in runs[-1] and "steps sparse 4 / dense 0" in runs[-1]
+    assert "VSA-H3 backend cpu_batched" in runs[-1] and "steps sparse 4 / dense 0" in runs[-1]
     installs = [ln for ln in log.splitlines() if "DitKitSparseAttention" in ln and " install: " in ln]
     assert installs and "keep 25%" in installs[-1]
