@@ -61,9 +61,13 @@ def _keys(kbh: torch.Tensor, vbh: torch.Tensor, tiles: torch.Tensor, key_live: t
 
 
 def block_sparse_attn_cpu(q, k, v, q2k_index, q2k_num, variable_block_sizes, need_lse: bool = True,
-                          max_chunk_elems: int = 1 << 19):
+                          max_chunk_elems: Optional[int] = None):
     B, H, S, D = q.shape
     T, Tk = S // TILE, k.shape[2] // TILE
+    if max_chunk_elems is None:
+        # ~2 MiB fp32 K gather per chunk and thread: small enough to stay in cache, enough query tiles per call
+        # (the CPU flash kernel splits work by query block) to keep every thread busy
+        max_chunk_elems = (1 << 19) * max(1, torch.get_num_threads())
     scale = D ** -0.5
     dev = q.device
     q, k, v = (x.contiguous() for x in (q, k, v))
