@@ -21,7 +21,7 @@ WEIGHTS = [LAB / "weights" / n for n in ("h3lab_video_vae.safetensors", "h3lab_d
 
 def _row(out: str, label: str) -> list[str]:
     for line in out.splitlines():
-        if line.startswith(label):
+        if line.startswith(label) and " | " in line:
             return [c.strip() for c in line.split("|")]
     raise AssertionError(f"row {label!r} missing from the harness table:\n{out}")
 
