@@ -206,7 +206,6 @@ def test_parking_bookkeeping_hits_miss_rebuild():
     cache.build(("A",), [e1])
     assert cache.stats.weight_bytes_parked == total == cache.stats.weight_bytes_total
     assert cache.park_events == n_params and cache.unpark_events == 0
-    ptrs = {id(p): p.data_ptr() for o in origs for p in o.linear.parameters()}
     # hits never touch the weights
     for w in wrapped:
         w(e1.clone())
@@ -228,9 +227,12 @@ def test_parking_bookkeeping_hits_miss_rebuild():
             assert torch.equal(a, b)
     # host reload: if the framework replaces a parked tensor (moves it back), the next park catches it
     p0 = origs[0].linear.weight
+    before = p0.detach().clone()
     p0.data = p0.data.clone()
     assert cache.park() == total and cache.park_events == 2 * n_params + per_mod + 1
-    assert all(p.data_ptr() != ptrs[id(p)] for o in origs for p in o.linear.parameters())
+    # only the replaced tensor was parked again, and with its values intact (data_ptr comparisons are
+    # allocator-dependent: a freed block can come back at the same address, so they are not used here)
+    assert torch.equal(origs[0].linear.weight.detach(), before)
 
 
 def test_parking_disabled_moves_nothing():
