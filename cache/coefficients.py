@@ -15,7 +15,8 @@ A coefficient file is a small versioned JSON document (``format`` ``ditkit.teaca
      "provenance": {"source": "..", "kind": "calibrated" | "borrowed", "created": "..", "note": ".."}}
 
 Everything here is plain Python/torch. Paths are resolved by the nodes; this module takes paths.
-Bad files raise :class:`~ditkit.errors.CoefficientError` naming the file, the key and the value.
+Bad files raise :class:`~ditkit.errors.CoefficientError` naming the file, the key and what was expected (numbers
+are echoed, strings/lists/objects only by type: a file that fails validation may be any JSON the server can read).
 """
 from __future__ import annotations
 
@@ -106,40 +107,54 @@ def _err(where: str, key: str, msg: str) -> CoefficientError:
     return CoefficientError(f"TeaCache coefficient file {where}: {key}: {msg}")
 
 
+def _shown(v: Any, known: Iterable[str] = ()) -> str:
+    """What an error may say about a value read from a file that failed validation: numbers and null are echoed,
+    ditkit's own names (``known``, e.g. the family names) are echoed too, anything else only by its JSON type (a crafted path could otherwise make ditkit print string fields of any
+    JSON the server can read)."""
+    if v is None or isinstance(v, bool) or _finite(v) or (isinstance(v, str) and v in known):
+        return repr(v)
+    if isinstance(v, float):
+        return repr(v)
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(v), f"a {type(v).__name__}")
+
+
 def parse(obj: Any, where: str) -> CoefficientFile:
     """Validate a parsed JSON document and build a :class:`CoefficientFile`."""
     if not isinstance(obj, dict):
         raise _err(where, "<root>", f"expected a JSON object, got {type(obj).__name__}")
     fmt = obj.get("format")
     if fmt != FORMAT:
-        raise _err(where, "format", f"is {fmt!r}, expected {FORMAT!r} (not a ditkit TeaCache coefficient file)")
+        raise _err(where, "format", f"is {_shown(fmt)}, expected {FORMAT!r} (not a ditkit TeaCache coefficient file)")
     ver = obj.get("version")
     if ver != VERSION:
-        raise _err(where, "version", f"is {ver!r}; this ditkit reads version {VERSION} only "
+        raise _err(where, "version", f"is {_shown(ver)}; this ditkit reads version {VERSION} only "
                    "(re-run DitKitTeaCacheCalibrate or `python -m ditkit.cache.calibrate` to rewrite it)")
     family = obj.get("family")
-    if family not in FAMILY_STREAMS:
-        raise _err(where, "family", f"is {family!r}, expected one of {sorted(FAMILY_STREAMS)}")
+    if not isinstance(family, str) or family not in FAMILY_STREAMS:
+        raise _err(where, "family", f"is {_shown(family)}, expected one of {sorted(FAMILY_STREAMS)}")
     streams_obj = obj.get("streams")
     if not isinstance(streams_obj, dict) or not streams_obj:
         raise _err(where, "streams", "must be a non-empty object mapping stream name -> coefficients")
     streams: dict[str, StreamCoefficients] = {}
     for name, s in streams_obj.items():
         if name not in FAMILY_STREAMS[family]:
-            raise _err(where, f"streams.{name}", f"is not a stream of family {family!r} (expected {list(FAMILY_STREAMS[family])})")
+            shown = f"streams.{name}" if name in {n for v in FAMILY_STREAMS.values() for n in v} else "streams"
+            raise _err(where, shown, f"is not a stream of family {family!r} (expected {list(FAMILY_STREAMS[family])})")
         if not isinstance(s, dict):
             raise _err(where, f"streams.{name}", "must be an object")
         coeffs = s.get("coefficients")
         if not isinstance(coeffs, list) or not (1 <= len(coeffs) <= MAX_DEGREE + 1):
-            raise _err(where, f"streams.{name}.coefficients", f"must be a list of 1..{MAX_DEGREE + 1} numbers, got {coeffs!r}")
+            raise _err(where, f"streams.{name}.coefficients", f"must be a list of 1..{MAX_DEGREE + 1} numbers, got "
+                       + (f"a list of {len(coeffs)}" if isinstance(coeffs, list) else _shown(coeffs)))
         for i, c in enumerate(coeffs):
             if not _finite(c):
-                raise _err(where, f"streams.{name}.coefficients[{i}]", f"is {c!r}; coefficients must be finite numbers")
+                raise _err(where, f"streams.{name}.coefficients[{i}]", f"is {_shown(c)}; coefficients must be finite numbers")
         xr = s.get("x_range")
         x_range = None
         if xr is not None:
             if not (isinstance(xr, list) and len(xr) == 2 and all(_finite(v) for v in xr) and xr[0] <= xr[1] and xr[0] >= 0):
-                raise _err(where, f"streams.{name}.x_range", f"must be null or [lo, hi] with 0 <= lo <= hi finite, got {xr!r}")
+                raise _err(where, f"streams.{name}.x_range", "must be null or [lo, hi] with 0 <= lo <= hi finite, got "
+                           + (f"[{', '.join(_shown(v) for v in xr)}]" if isinstance(xr, list) and len(xr) <= 4 else _shown(xr)))
             x_range = (float(xr[0]), float(xr[1]))
         fit = s.get("fit")
         if fit is not None and not isinstance(fit, dict):
@@ -151,15 +166,33 @@ def parse(obj: Any, where: str) -> CoefficientFile:
     if not isinstance(fp, dict):
         raise _err(where, "fingerprint", "must be an object")
     if fp.get("family") != family:
-        raise _err(where, "fingerprint.family", f"is {fp.get('family')!r} but the file's family is {family!r}")
+        raise _err(where, "fingerprint.family", f"is {_shown(fp.get('family'), FAMILY_STREAMS)} but the file's family is {family!r}")
     sig = fp.get("sigmas")
     if sig is not None and not (isinstance(sig, list) and all(_finite(v) for v in sig)):
         raise _err(where, "fingerprint.sigmas", "must be null or a list of finite numbers")
+    model = fp.get("model")
+    if model is not None:
+        if not isinstance(model, dict):
+            raise _err(where, "fingerprint.model", f"must be null or an object (weights_sha256, class...), got {_shown(model)}")
+        sha = model.get("weights_sha256")
+        if sha is not None and not isinstance(sha, str):
+            raise _err(where, "fingerprint.model.weights_sha256", f"must be null or a hex string, got {_shown(sha)}")
+    shifts = fp.get("shifts")
+    if shifts is not None:
+        if not isinstance(shifts, dict):
+            raise _err(where, "fingerprint.shifts", f"must be null or an object of name -> number, got {_shown(shifts)}")
+        for k, v in shifts.items():
+            if v is not None and not _finite(v):
+                raise _err(where, "fingerprint.shifts", f"value of one entry is {_shown(v)}; shifts must be finite numbers or null")
+    for key in ("steps", "cfg", "guidance"):
+        v = fp.get(key)
+        if v is not None and not _finite(v):
+            raise _err(where, f"fingerprint.{key}", f"must be null or a finite number, got {_shown(v)}")
     prov = obj.get("provenance")
     if not isinstance(prov, dict) or not isinstance(prov.get("source"), str) or not prov.get("source"):
         raise _err(where, "provenance.source", "every coefficient file must state where its coefficients come from")
     if prov.get("kind", "calibrated") not in ("calibrated", "borrowed"):
-        raise _err(where, "provenance.kind", f"is {prov.get('kind')!r}, expected 'calibrated' or 'borrowed'")
+        raise _err(where, "provenance.kind", f"is {_shown(prov.get('kind'))}, expected 'calibrated' or 'borrowed'")
     cal = obj.get("calibration")
     if cal is not None and not isinstance(cal, dict):
         raise _err(where, "calibration", "must be null or an object")

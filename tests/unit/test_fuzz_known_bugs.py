@@ -81,23 +81,46 @@ def _doc(**over):
     return d
 
 
-@_bug("cache/coefficients.py parse: 'family' a JSON list/object -> TypeError unhashable type in `family not in FAMILY_STREAMS`")
-def test_coefficients_unhashable_family():
-    with pytest.raises(DitKitError):
-        coef.parse(_doc(family=[]), "'bad.json'")
+# fixed: cache/coefficients.py parse checked `family not in FAMILY_STREAMS` on an unhashable list/object (TypeError)
+@pytest.mark.parametrize("family", [[], {}, ["h3"], {"h3": 1}])
+def test_coefficients_unhashable_family(family):
+    with pytest.raises(coef.CoefficientError, match="family: is an? (list|object), expected one of"):
+        coef.parse(_doc(family=family), "'bad.json'")
 
 
-@_bug("cache/coefficients.py: parse accepts fingerprint.model 'abc' (a string); check_model then raises AttributeError "
-      "('str' object has no attribute 'get') at DitKitTeaCache execution")
-def test_coefficients_fingerprint_model_not_object():
-    cf = coef.parse(_doc(fingerprint={"family": "h3", "model": "abc"}), "'bad.json'")
-    with pytest.raises(DitKitError):
-        coef.check_model(cf, "h3", None)
+# fixed: parse accepted fingerprint.model 'abc'; check_model then raised AttributeError at DitKitTeaCache execution
+@pytest.mark.parametrize("model, key", [("abc", "fingerprint.model"), ([1], "fingerprint.model"),
+                                        ({"weights_sha256": 5}, "fingerprint.model.weights_sha256")])
+def test_coefficients_fingerprint_model_not_object(model, key):
+    with pytest.raises(coef.CoefficientError, match=key.replace(".", r"\.")) as ei:
+        coef.parse(_doc(fingerprint={"family": "h3", "model": model}), "'bad.json'")
+    assert "abc" not in str(ei.value)
 
 
-@_bug("cache/coefficients.py: parse accepts fingerprint.shifts {'a': 'x'}; check_run then raises a bare ValueError "
-      "(float('x')) at sampling start")
-def test_coefficients_fingerprint_shifts_not_numbers():
-    cf = coef.parse(_doc(fingerprint={"family": "h3", "shifts": {"a": "x"}}), "'bad.json'")
-    with pytest.raises(DitKitError):
-        coef.check_run(cf, {"shifts": {"a": 1.0}})
+# fixed: parse accepted fingerprint.shifts {'a': 'x'}; check_run then raised a bare ValueError at sampling start
+@pytest.mark.parametrize("shifts", [{"a": "x"}, {"a": [1.0]}, "x", [1.0]])
+def test_coefficients_fingerprint_shifts_not_numbers(shifts):
+    with pytest.raises(coef.CoefficientError, match=r"fingerprint\.shifts"):
+        coef.parse(_doc(fingerprint={"family": "h3", "shifts": shifts}), "'bad.json'")
+
+
+def test_coefficients_valid_fingerprint_still_accepted():
+    fp = {"family": "h3", "model": {"weights_sha256": "ab" * 32, "class": "X"}, "shifts": {"a": 1.0, "b": None},
+          "steps": 8, "cfg": 1.0, "guidance": None, "sampler": "euler"}
+    cf = coef.parse(_doc(fingerprint=fp), "'ok.json'")
+    assert coef.check_run(cf, {"steps": 8, "shifts": {"a": 2.0}}).warnings() == ["shifts.a: file has 1.0, this run has 2.0"]
+
+
+@pytest.mark.parametrize("field, value", [("format", "TOPSECRET-1"), ("version", "TOPSECRET-2"),
+                                          ("family", "TOPSECRET-3"), ("provenance", {"source": "s", "kind": "TOPSECRET-4"}),
+                                          ("streams", {"video": {"coefficients": "TOPSECRET-5"}}),
+                                          ("streams", {"video": {"coefficients": [1.0, "TOPSECRET-6"]}}),
+                                          ("streams", {"video": {"coefficients": [1.0], "x_range": ["TOPSECRET-7", 1]}}),
+                                          ("streams", {"TOPSECRET-8": {"coefficients": [1.0]}}),
+                                          ("fingerprint", {"family": "TOPSECRET-9"}),
+                                          ("fingerprint", {"family": "h3", "steps": "TOPSECRET-10"})])
+def test_coefficient_errors_do_not_echo_string_values(field, value):
+    """A file that fails validation is not echoed (a crafted path could be any JSON the server can read)."""
+    with pytest.raises(coef.CoefficientError) as ei:
+        coef.parse(_doc(**{field: value}), "'bad.json'")
+    assert "TOPSECRET" not in str(ei.value), str(ei.value)
