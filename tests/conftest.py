@@ -15,6 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels are tested through the Triton interpreter. The flag must be set before
+# triton is first imported, so it is set here (pytest imports this file before any test module).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
