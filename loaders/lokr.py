@@ -22,14 +22,14 @@ Three steps, all pure functions:
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import AdapterError, UnsupportedModelError
+from ..errors import AdapterError, CheckpointError, UnsupportedModelError
 from .lokr_math import delta_weight
+from .safetensors_io import strict_json_loads
 
 FACTOR_KEYS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 AUX_KEYS = ("alpha", "dora_scale", "scalar", "lokr_t1", "lokr_factor")
@@ -107,16 +107,22 @@ def peft_config_from_metadata(metadata: dict | None) -> dict | None:
     raw = metadata.get("lora_adapter_metadata")
     if raw is None:
         return None
+    if not isinstance(raw, str):
+        raise AdapterError("LoKr metadata 'lora_adapter_metadata' must be a JSON string")
     try:
-        cfg = json.loads(raw)
-    except ValueError as e:
-        raise AdapterError(f"LoKr metadata 'lora_adapter_metadata' is not valid JSON ({e})") from None
+        cfg = strict_json_loads(raw, "LoKr metadata 'lora_adapter_metadata'")
+    except CheckpointError as e:
+        raise AdapterError(f"{e} (re-export the adapter, or remove the metadata key and put the PEFT config in "
+                           "adapter_config.json next to the file)") from None
     return cfg if isinstance(cfg, dict) else None
 
 
-def _pattern_lookup(pattern: dict | None, name: str):
+def _pattern_lookup(pattern, name: str, key: str, source: str):
     if not pattern:
         return None
+    if not isinstance(pattern, dict):
+        raise AdapterError(f"{source}: PEFT config '{key}' must be an object mapping module name -> value, got a "
+                           f"{type(pattern).__name__}")
     for pat, val in pattern.items():
         if name == pat or name.endswith("." + pat) or name.endswith(pat):
             return val
@@ -143,9 +149,15 @@ def parse_lokr(sd: dict[str, torch.Tensor], peft_config: dict | None = None, sou
     if is_peft and peft_config is None:
         notes.append("PEFT file without adapter config: alpha/r unknown, assumed alpha == r (scale 1.0)")
     elif is_peft:
-        notes.append(f"PEFT scaling alpha/r from the adapter config (r={peft_config.get('r')}, "
-                     f"alpha={peft_config.get('alpha')}, rank_pattern/alpha_pattern: "
-                     f"{len(peft_config.get('rank_pattern') or {})}/{len(peft_config.get('alpha_pattern') or {})} entries)")
+        def _n(v) -> str:
+            return str(len(v)) if isinstance(v, dict) else ("0" if not v else "?")
+
+        def _v(v) -> str:
+            return repr(v) if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) else f"<{type(v).__name__}>"
+
+        notes.append(f"PEFT scaling alpha/r from the adapter config (r={_v(peft_config.get('r'))}, "
+                     f"alpha={_v(peft_config.get('alpha'))}, rank_pattern/alpha_pattern: "
+                     f"{_n(peft_config.get('rank_pattern'))}/{_n(peft_config.get('alpha_pattern'))} entries)")
     elif peft_config is not None:
         notes.append("an adapter config was found but the file has per-module alpha keys: LyCORIS scaling used")
     for prefix, parts in groups.items():
@@ -161,7 +173,15 @@ def parse_lokr(sd: dict[str, torch.Tensor], peft_config: dict | None = None, sou
                 raise AdapterError(f"{source}: key '{parts['alpha']}' must be a scalar alpha, got shape {tuple(a.shape)}")
             m.alpha = float(a.float().item())
         if "scalar" in parts:
-            m.scalar = float(sd[parts["scalar"]].float().reshape(-1)[0].item())
+            sc = sd[parts["scalar"]]
+            if sc.numel() != 1:
+                raise AdapterError(f"{source}: key '{parts['scalar']}' must be a single value (LyCORIS scalar), got "
+                                   f"shape {tuple(sc.shape)}")
+            if not sc.is_floating_point():
+                raise AdapterError(f"{source}: key '{parts['scalar']}' has non-float dtype {sc.dtype}")
+            m.scalar = float(sc.float().item())
+            if not math.isfinite(m.scalar):
+                raise AdapterError(f"{source}: key '{parts['scalar']}' is {m.scalar!r}; the LyCORIS scalar must be finite")
         if "dora_scale" in parts:
             m.unsupported = f"DoRA ('{parts['dora_scale']}'): weight-decomposed LoKr is not supported"
         if "lokr_t1" in parts:
@@ -171,33 +191,58 @@ def parse_lokr(sd: dict[str, torch.Tensor], peft_config: dict | None = None, sou
     return ParsedLoKr(modules=modules, unused=unused, writer=writer, notes=notes)
 
 
+def _dim0(t: torch.Tensor | None) -> int | None:
+    return int(t.shape[0]) if t is not None and t.dim() >= 1 else None
+
+
+def _peft_number(v, what: str, name: str, source: str, integer: bool) -> float:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)) and float(v) > 0
+    if ok and integer and float(v) != int(v):
+        ok = False
+    if not ok:
+        shown = repr(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else f"a {type(v).__name__}"
+        raise AdapterError(f"{source}: PEFT config {what} for '{name}' is {shown}; it must be a "
+                           + ("positive integer" if integer else "finite number > 0")
+                           + " (fix 'r'/'alpha'/'rank_pattern'/'alpha_pattern' in adapter_config.json or the "
+                           "'lora_adapter_metadata')")
+    return float(v)
+
+
 def _set_scale(m: LoKrModule, is_peft: bool, peft_config: dict | None, source: str) -> None:
+    """Scale of one module. Never raises on factor shapes (a module that maps to no target is only reported);
+    a module whose rank cannot be read gets scale NaN with the reason in ``scale_rule`` and :func:`validate_module`
+    refuses it if it is used."""
     f = m.factors
-    if "lokr_w2_b" in f:
-        m.rank = int(f["lokr_w2_b"].shape[0])
-    elif "lokr_w1_b" in f:
-        m.rank = int(f["lokr_w1_b"].shape[0])
+    m.rank = _dim0(f.get("lokr_w2_b")) if "lokr_w2_b" in f else _dim0(f.get("lokr_w1_b"))
     if m.alpha is not None and (not math.isfinite(m.alpha) or m.alpha == 0.0):
         raise AdapterError(f"{source}: key '{m.prefix}.alpha' is {m.alpha!r}; alpha must be finite and non-zero "
                            "(LyCORIS would silently read 0 as 'alpha = rank'; re-export the adapter with its real alpha)")
     if is_peft:
         cfg = peft_config or {}
         name = m.prefix.removeprefix("base_model.model.").removeprefix("transformer.")
-        r = _pattern_lookup(cfg.get("rank_pattern"), name) or cfg.get("r")
-        alpha = _pattern_lookup(cfg.get("alpha_pattern"), name) or cfg.get("alpha")
+        r = _pattern_lookup(cfg.get("rank_pattern"), name, "rank_pattern", source)
+        r = cfg.get("r") if r is None else r
+        alpha = _pattern_lookup(cfg.get("alpha_pattern"), name, "alpha_pattern", source)
+        alpha = cfg.get("alpha") if alpha is None else alpha
         if r is None or alpha is None:
             m.scale, m.scale_rule = 1.0, "peft: alpha/r unknown -> 1.0"
         else:
-            if float(alpha) == 0.0:
-                raise AdapterError(f"{source}: PEFT config alpha for '{name}' is 0")
-            m.scale, m.scale_rule = float(alpha) / float(r), f"peft alpha/r = {alpha}/{r}"
+            rf = _peft_number(r, "r", name, source, integer=True)
+            af = _peft_number(alpha, "alpha", name, source, integer=False)
+            m.scale, m.scale_rule = af / rf, f"peft alpha/r = {af:g}/{rf:g}"
     elif m.decomposed:
+        if m.rank is None or m.rank == 0:
+            m.scale, m.scale_rule = float("nan"), "decomposed factor without a usable rank (lokr_w1_b/lokr_w2_b)"
+            return
         alpha = m.alpha if m.alpha is not None else float(m.rank)
         m.scale = alpha / float(m.rank)
         m.scale_rule = f"alpha/rank = {alpha:g}/{m.rank}"
     else:
         m.scale, m.scale_rule = 1.0, "full-rank factors -> 1.0 (saved alpha ignored)"
     m.scale *= m.scalar
+    if not math.isfinite(m.scale):
+        raise AdapterError(f"{source}: module '{m.prefix}' has a non-finite scale ({m.scale_rule}, scalar "
+                           f"{m.scalar:g}); the adapter's alpha/rank/scalar values are unusable")
 
 
 # ---------------------------------------------------------------------------------------------- targets
@@ -393,6 +438,13 @@ def validate_module(m: LoKrModule, source: str) -> None:
     if not (has_w1 and has_w2):
         raise AdapterError(f"{source}: module '{m.prefix}' is incomplete (has {sorted(f)}; needs lokr_w1 or "
                            "lokr_w1_a+lokr_w1_b, and lokr_w2 or lokr_w2_a+lokr_w2_b)")
+    for s, t in f.items():
+        want = None if s in ("lokr_w2", "lokr_t2") else 2  # conv-shaped w2/t2 keep their kernel dims
+        if (want is not None and t.dim() != want) or (want is None and t.dim() < 2):
+            raise AdapterError(f"{source}: '{m.prefix}.{s}' must be " + ("2-D" if want else "at least 2-D")
+                               + f", got shape {tuple(t.shape)} (corrupt or non-LoKr tensor)")
+        if t.numel() == 0:
+            raise AdapterError(f"{source}: '{m.prefix}.{s}' is empty (shape {tuple(t.shape)}; rank 0?)")
     if "lokr_w1" not in f and f["lokr_w1_a"].shape[1] != f["lokr_w1_b"].shape[0]:
         raise AdapterError(f"{source}: '{m.prefix}.lokr_w1_a' {tuple(f['lokr_w1_a'].shape)} and '.lokr_w1_b' "
                            f"{tuple(f['lokr_w1_b'].shape)} have different ranks")
@@ -406,9 +458,8 @@ def validate_module(m: LoKrModule, source: str) -> None:
         if not ok:
             raise AdapterError(f"{source}: '{m.prefix}' w2 factors do not fit: lokr_w2_a {tuple(a.shape)}, lokr_w2_b "
                                f"{tuple(b.shape)}" + (f", lokr_t2 {tuple(f['lokr_t2'].shape)}" if "lokr_t2" in f else ""))
-    w1 = f.get("lokr_w1")
-    if w1 is not None and w1.dim() != 2:
-        raise AdapterError(f"{source}: '{m.prefix}.lokr_w1' must be 2-D, got {tuple(w1.shape)}")
+    if not math.isfinite(m.scale):
+        raise AdapterError(f"{source}: module '{m.prefix}' has no usable scale ({m.scale_rule})")
 
 
 def plan(parsed: ParsedLoKr, shapes: dict[str, tuple[int, ...]], source: str = "adapter") -> LoKrPlan:

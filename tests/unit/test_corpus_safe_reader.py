@@ -20,8 +20,7 @@ FORBIDDEN_FROM_IMPORTS = {("safetensors", "safe_open"), ("safetensors.torch", "l
                           ("safetensors.torch", "load"), ("comfy.utils", "load_torch_file"), ("torch", "load")}
 JSON_CALLS = {"json.load", "json.loads"}
 # known violations (strict xfail until fixed by their owner)
-KNOWN = {"loaders/lokr.py": "peft_config_from_metadata parses the adapter's 'lora_adapter_metadata' with json.loads "
-                            "(NaN accepted, RecursionError escapes); use safetensors_io.strict_json_loads"}
+KNOWN: dict[str, str] = {}
 
 FILES = [p for p in pack_python_files() if str(p.relative_to(PACK_ROOT)) != SAFE_READER]
 IDS = [str(p.relative_to(PACK_ROOT)) for p in FILES]

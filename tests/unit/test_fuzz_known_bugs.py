@@ -1,14 +1,13 @@
-"""Inputs found by fuzzing/probing (test_fuzz.py) on which a parser raises a non-ditkit exception (IndexError,
-TypeError, ZeroDivisionError, RecursionError...) or accepts a non-finite value. Each is marked strict xfail: when
-the owning module is fixed the test XPASSes, fails, and the marker must be removed (and the matching
-``hypothesis.assume`` in test_fuzz.py dropped)."""
+"""Inputs found by fuzzing/probing (test_fuzz.py) on which a parser raised a non-ditkit exception (IndexError,
+TypeError, ZeroDivisionError, RecursionError...) or accepted a non-finite value. A bug still open is marked strict
+xfail (``_bug``): when the owning module is fixed the test XPASSes, fails, and the marker must be removed (and the
+matching ``hypothesis.assume`` in test_fuzz.py dropped). Fixed ones stay here as regression tests."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from ditkit.cache import coefficients as coef
-from ditkit.errors import DitKitError
 from ditkit.loaders import lokr
 
 T = "diffusion_model.double_blocks.0.img_attn.proj"
@@ -28,49 +27,68 @@ def _bug(reason):
     return pytest.mark.xfail(strict=True, reason=reason)
 
 
+# Each was a non-ditkit exception (or a NaN scale) before the fix; the words name the key and the problem.
 LOKR_BUGS = [
     ("w1_a_without_rank", {f"{T}.lokr_w1_a": torch.ones(8, 8), f"{T}.lokr_w2": torch.ones(16, 16)}, None, None,
-     "loaders/lokr.py _set_scale: decomposed module without lokr_w1_b/lokr_w2_b -> m.rank None -> TypeError float(None)"),
+     "is incomplete"),  # was TypeError float(None) in _set_scale
     ("w1_a_1d", {f"{T}.lokr_w1_a": torch.ones(8), f"{T}.lokr_w1_b": torch.ones(8), f"{T}.lokr_w2": torch.ones(16, 16)},
-     None, None, "loaders/lokr.py _set_scale/validate_module: 1-D lokr_w1_b/lokr_w1_a -> IndexError on shape[1]"),
+     None, None, "lokr_w1_a' must be 2-D, got shape (8,)"),  # was IndexError
     ("w2_0d", {f"{T}.lokr_w1": torch.ones(8, 8), f"{T}.lokr_w2": torch.tensor(1.0)}, None, None,
-     "loaders/lokr.py LoKrModule.shape: 0-D lokr_w2 -> IndexError (validate_module checks only lokr_w1 is 2-D)"),
+     "lokr_w2' must be at least 2-D, got shape ()"),  # was IndexError in LoKrModule.shape
     ("w2_1d", {f"{T}.lokr_w1": torch.ones(8, 8), f"{T}.lokr_w2": torch.ones(16)}, None, None,
-     "loaders/lokr.py LoKrModule.shape: 1-D lokr_w2 -> IndexError"),
+     "lokr_w2' must be at least 2-D, got shape (16,)"),
     ("w2_b_0d", {f"{T}.lokr_w1": torch.ones(8, 8), f"{T}.lokr_w2_a": torch.ones(16, 4), f"{T}.lokr_w2_b": torch.tensor(1.0)},
-     None, None, "loaders/lokr.py _set_scale: 0-D lokr_w2_b -> IndexError on shape[0]"),
+     None, None, "lokr_w2_b' must be 2-D, got shape ()"),  # was IndexError in _set_scale
     ("rank_0", {f"{T}.lokr_w1": torch.ones(8, 8), f"{T}.lokr_w2_a": torch.ones(16, 0), f"{T}.lokr_w2_b": torch.ones(0, 16)},
-     None, None, "loaders/lokr.py _set_scale: rank-0 lokr_w2_a/lokr_w2_b -> ZeroDivisionError alpha / rank"),
+     None, None, "is empty (shape (16, 0); rank 0?)"),  # was ZeroDivisionError
     ("empty_scalar", {f"{T}.lokr_w1": torch.ones(8, 8), f"{T}.lokr_w2": torch.ones(16, 16), f"{T}.scalar": torch.ones(0)},
-     None, None, "loaders/lokr.py parse_lokr: empty '.scalar' tensor -> IndexError reshape(-1)[0]"),
+     None, None, "scalar' must be a single value"),  # was IndexError reshape(-1)[0]
+    ("nan_scalar", {f"{T}.lokr_w1": torch.ones(8, 8), f"{T}.lokr_w2": torch.ones(16, 16),
+                    f"{T}.scalar": torch.tensor(float("nan"))}, None, None, "the LyCORIS scalar must be finite"),
     ("metadata_deep_json", {f"{T}.lokr_w1": torch.ones(8, 8), f"{T}.lokr_w2": torch.ones(16, 16)}, None,
-     {"lora_adapter_metadata": "[" * 100000 + "]" * 100000},
-     "loaders/lokr.py peft_config_from_metadata: json.loads (not strict_json_loads) -> RecursionError escapes"),
+     {"lora_adapter_metadata": "[" * 100000 + "]" * 100000}, "'lora_adapter_metadata': invalid JSON"),  # RecursionError
+    ("metadata_nan", {f"{P}.lokr_w1": torch.ones(8, 8), f"{P}.lokr_w2": torch.ones(16, 16)}, None,
+     {"lora_adapter_metadata": '{"r": NaN, "alpha": 4}'}, "non-finite JSON constant NaN"),  # was a NaN scale
     ("peft_r_zero", {f"{P}.lokr_w1": torch.ones(8, 8), f"{P}.lokr_w2": torch.ones(16, 16)}, {"r": 0, "alpha": 4}, None,
-     "loaders/lokr.py _set_scale: PEFT config r=0 -> ZeroDivisionError"),
+     "PEFT config r for 'double_blocks.0.img_attn.proj' is 0; it must be a positive integer"),  # ZeroDivisionError
+    ("peft_r_fraction", {f"{P}.lokr_w1": torch.ones(8, 8), f"{P}.lokr_w2": torch.ones(16, 16)}, {"r": 1e-320, "alpha": 4},
+     None, "PEFT config r for"),  # would give an Inf scale
+    ("peft_alpha_negative", {f"{P}.lokr_w1": torch.ones(8, 8), f"{P}.lokr_w2": torch.ones(16, 16)}, {"r": 4, "alpha": -4},
+     None, "alpha for 'double_blocks.0.img_attn.proj' is -4; it must be a finite number > 0"),
     ("peft_alpha_string", {f"{P}.lokr_w1": torch.ones(8, 8), f"{P}.lokr_w2": torch.ones(16, 16)}, {"r": 4, "alpha": "x"},
-     None, "loaders/lokr.py _set_scale: PEFT config alpha 'x' -> bare ValueError from float()"),
+     None, "PEFT config alpha for 'double_blocks.0.img_attn.proj' is a str"),  # bare ValueError from float()
     ("peft_alpha_list", {f"{P}.lokr_w1": torch.ones(8, 8), f"{P}.lokr_w2": torch.ones(16, 16)}, {"r": 4, "alpha": [1]},
-     None, "loaders/lokr.py _set_scale: PEFT config alpha [1] -> TypeError from float()"),
+     None, "PEFT config alpha for 'double_blocks.0.img_attn.proj' is a list"),  # TypeError from float()
+    ("peft_r_bool", {f"{P}.lokr_w1": torch.ones(8, 8), f"{P}.lokr_w2": torch.ones(16, 16)}, {"r": True, "alpha": 1},
+     None, "PEFT config r for 'double_blocks.0.img_attn.proj' is a bool"),
     ("peft_rank_pattern_list", {f"{P}.lokr_w1": torch.ones(8, 8), f"{P}.lokr_w2": torch.ones(16, 16)},
      {"r": 4, "alpha": 4, "rank_pattern": [1]}, None,
-     "loaders/lokr.py _pattern_lookup: rank_pattern a list -> AttributeError .items()"),
+     "PEFT config 'rank_pattern' must be an object"),  # AttributeError .items()
+    ("peft_alpha_pattern_zero", {f"{P}.lokr_w1": torch.ones(8, 8), f"{P}.lokr_w2": torch.ones(16, 16)},
+     {"r": 4, "alpha": 4, "alpha_pattern": {"img_attn.proj": 0}}, None, "alpha for 'double_blocks.0.img_attn.proj' is 0"),
 ]
 
 
-@pytest.mark.parametrize("sd, cfg, meta", [pytest.param(sd, cfg, meta, id=i, marks=_bug(why))
-                                           for i, sd, cfg, meta, why in LOKR_BUGS])
-def test_lokr_bad_input_raises_a_ditkit_error(sd, cfg, meta):
-    with pytest.raises(DitKitError):
+@pytest.mark.parametrize("sd, cfg, meta, words", [pytest.param(sd, cfg, meta, w, id=i) for i, sd, cfg, meta, w in LOKR_BUGS])
+def test_lokr_bad_input_raises_a_ditkit_error(sd, cfg, meta, words):
+    with pytest.raises(lokr.AdapterError) as ei:
         _lokr(sd, cfg, meta)
+    assert words in str(ei.value), str(ei.value)
 
 
-@_bug("loaders/lokr.py peft_config_from_metadata: json.loads accepts NaN; r=NaN gives a NaN scale that plan() "
-      "accepts (the patch would write NaN weights)")
-def test_lokr_peft_nan_rank_is_refused():
+def test_lokr_bad_factor_in_an_unmapped_module_is_only_reported():
+    """Shape problems are checked where a module is used: one that maps to no weight stays a reported unused key."""
+    sd = {f"{T}.lokr_w1": torch.ones(8, 8), f"{T}.lokr_w2": torch.ones(16, 16),
+          "x.y.lokr_w1_a": torch.ones(8), "x.y.lokr_w2": torch.tensor(1.0)}
+    p = _lokr(sd)
+    assert [it.module.prefix for it in p.items] == [T]
+    assert set(p.unused) == {"x.y.lokr_w1_a", "x.y.lokr_w2"}
+
+
+def test_lokr_valid_peft_scale_from_metadata():
     sd = {f"{P}.lokr_w1": torch.ones(8, 8), f"{P}.lokr_w2": torch.ones(16, 16)}
-    with pytest.raises(DitKitError):
-        _lokr(sd, meta={"lora_adapter_metadata": '{"r": NaN, "alpha": 4}'})
+    p = _lokr(sd, meta={"lora_adapter_metadata": '{"r": 4, "alpha": 2, "rank_pattern": {"img_attn.proj": 8}}'})
+    assert p.items[0].module.scale == 2 / 8  # rank_pattern overrides r, as in PEFT
 
 
 def _doc(**over):
