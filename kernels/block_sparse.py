@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAS_TRITON, tl, triton
-from .registry import REGISTRY, Impl, Query, need_cuda, package_available, triton_interpreter
+from .registry import REGISTRY, Impl, Query, need_cuda, package_available, triton_check
 
 TILE = 64
 LOG2E = 1.4426950408889634
@@ -184,17 +184,8 @@ def block_sparse_attn_triton(q, k, v, q2k_index, q2k_num, variable_block_sizes, 
 
 
 def _triton_check(q: Query, explicit: bool):
-    if not HAS_TRITON:
-        return "triton is not installed"
-    if q.head_dim not in (16, 32, 64, 128, 256):
-        return f"head_dim must be one of 16/32/64/128/256 (got {q.head_dim})"
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"dtype {q.dtype} not supported"
-    if q.device_type == "cpu":
-        if triton_interpreter() and explicit:
-            return None
-        return "CPU runs Triton only under TRITON_INTERPRET=1 and on explicit request (tests)"
-    return need_cuda(q, (8, 0))
+    bad_hd = None if q.head_dim in (16, 32, 64, 128, 256) else f"head_dim must be one of 16/32/64/128/256 (got {q.head_dim})"
+    return triton_check(q, explicit, HAS_TRITON, bad_hd)
 
 
 # ---------------------------------------------------------------------------------------------------------

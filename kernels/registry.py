@@ -206,6 +206,22 @@ REGISTRY = Registry()
 
 
 # -- common capability helpers ---------------------------------------------------------------------------
+def triton_check(q: Query, explicit: bool, has_triton: bool, head_dim_error: Optional[str]) -> Optional[str]:
+    """Shared capability rule of every Triton impl: installed, head dim/dtype supported, sm80+ CUDA, or CPU only
+    under ``TRITON_INTERPRET=1`` on explicit request (tests). ``head_dim_error`` is the op's own head-dim verdict."""
+    if not has_triton:
+        return "triton is not installed"
+    if head_dim_error:
+        return head_dim_error
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} not supported"
+    if q.device_type == "cpu":
+        if triton_interpreter() and explicit:
+            return None
+        return "CPU runs Triton only under TRITON_INTERPRET=1 and on explicit request (tests)"
+    return need_cuda(q, (8, 0))
+
+
 def need_cuda(q: Query, min_cc: tuple[int, int] = (8, 0)) -> Optional[str]:
     if q.device_type != "cuda":
         return f"needs a CUDA device (got {q.device_type})"

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ._triton import HAS_TRITON, tl, triton
-from .registry import REGISTRY, Impl, need_cuda, triton_interpreter
+from .registry import REGISTRY, Impl, triton_check
 
 TILE = 64
 
@@ -133,17 +133,9 @@ def unpack_combine_triton(fine: torch.Tensor, untile_index: torch.Tensor, coarse
 
 
 def _triton_check(q, explicit: bool):
-    if not HAS_TRITON:
-        return "triton is not installed"
-    if q.head_dim < 16 or q.head_dim & (q.head_dim - 1):
-        return f"head_dim must be a power of two >= 16 (got {q.head_dim})"
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"dtype {q.dtype} not supported"
-    if q.device_type == "cpu":
-        if triton_interpreter() and explicit:
-            return None
-        return "CPU runs Triton only under TRITON_INTERPRET=1 and on explicit request (tests)"
-    return need_cuda(q, (8, 0))
+    hd = q.head_dim
+    bad_hd = None if hd >= 16 and not hd & (hd - 1) else f"head_dim must be a power of two >= 16 (got {hd})"
+    return triton_check(q, explicit, HAS_TRITON, bad_hd)
 
 
 REGISTRY.op("vsa_pack", pack_reference)
