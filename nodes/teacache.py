@@ -141,9 +141,19 @@ def run_fingerprint(guider, sampler, sigmas, family: str) -> dict:
             "cfg": float(cfg) if isinstance(cfg, (int, float)) else None, "guidance": guidance}
 
 
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([root, path]) == root
+
+
 def resolve_coefficients(spec: str) -> str:
+    """Path of a coefficient file. Only files inside ditkit's TeaCache folders are read: ``<output>/ditkit/teacache``
+    (a name relative to it, or an absolute path inside it) and the shipped ``cache/defaults`` (``shipped:<name>``
+    or its absolute path). Symlinks are resolved before the check, so neither ``..`` nor a link can leave them:
+    whoever can queue a prompt must not make the server open (and report on) arbitrary files."""
     spec = (spec or "").strip()
     base = teacache_dir()
+    where = (f"coefficient files must live in {base} (give a file name relative to it, as written by "
+             f"{NODE_CALIBRATE}) or be a shipped file ('shipped:<name>')")
     if not spec:
         raise CoefficientError(f"{NODE_TEACACHE}: no coefficient file given. {available_coefficients()}")
     if spec.startswith("shipped:"):
@@ -152,12 +162,23 @@ def resolve_coefficients(spec: str) -> str:
         if name not in shipped:
             raise CoefficientError(f"{NODE_TEACACHE}: no shipped coefficient file {name!r}. {available_coefficients()}")
         return str(shipped[name])
-    path = spec if os.path.isabs(spec) else os.path.normpath(os.path.join(base, spec))
-    if not os.path.isabs(spec) and os.path.commonpath([os.path.abspath(base), os.path.abspath(path)]) != os.path.abspath(base):
-        raise CoefficientError(f"{NODE_TEACACHE}: coefficient path {spec!r} leaves {base}")
+    roots = [os.path.realpath(base), os.path.realpath(coef.DEFAULTS_DIR)]
+    lexical_roots = [os.path.abspath(base), os.path.abspath(coef.DEFAULTS_DIR)]
+    if os.path.isabs(spec):
+        path = os.path.normpath(spec)
+        if not any(_inside(path, r) for r in lexical_roots + roots):
+            raise CoefficientError(f"{NODE_TEACACHE}: coefficient path {spec!r} is outside ditkit's TeaCache folders; {where}")
+    else:
+        path = os.path.normpath(os.path.join(base, spec))
+        if not _inside(os.path.abspath(path), os.path.abspath(base)):
+            raise CoefficientError(f"{NODE_TEACACHE}: coefficient path {spec!r} leaves {base}; {where}")
     if not path.endswith(".json") and os.path.isfile(path + ".json"):
         path += ".json"
-    if not os.path.isfile(path):
+    real = os.path.realpath(path)
+    if not any(_inside(real, r) for r in roots):
+        raise CoefficientError(f"{NODE_TEACACHE}: coefficient path {spec!r} resolves (through a symlink) outside "
+                               f"ditkit's TeaCache folders; {where}")
+    if not os.path.isfile(real):
         raise CoefficientError(f"{NODE_TEACACHE}: coefficient file '{path}' does not exist. {available_coefficients()}")
     return path
 
@@ -255,8 +276,9 @@ class DitKitTeaCache(io.ComfyNode):
                 io.Model.Input("model", tooltip="MiniMax H3, LTX-2 (audio-video), Z-Image or FLUX.2 model."),
                 io.String.Input("coefficients", default="", tooltip=(
                     "Coefficient file: a name in <output>/ditkit/teacache/ (as written by DitKitTeaCacheCalibrate, "
-                    "e.g. 'h3_mine.json'), an absolute path, or 'shipped:<name>' for a shipped borrowed file "
-                    "(shipped:flux2_borrowed_flux1_dev, shipped:zimage_borrowed_qwen_image).")),
+                    "e.g. 'h3_mine.json'; sub-folders allowed), or 'shipped:<name>' for a shipped borrowed file "
+                    "(shipped:flux2_borrowed_flux1_dev, shipped:zimage_borrowed_qwen_image). Files elsewhere are "
+                    "refused (also through '..' or symlinks): copy them into that folder.")),
                 io.Float.Input("threshold", default=0.2, min=0.0, max=5.0, step=0.01, tooltip=(
                     "Accumulated rescaled change below which the block stack is skipped (video / image stream). "
                     "Higher = more skips, lower quality. 0 disables skipping (every call computes).")),

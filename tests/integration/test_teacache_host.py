@@ -225,7 +225,8 @@ def test_bad_coefficient_files_leave_model_unchanged(env, tmp_path):
     to_before = dict(model.model_options["transformer_options"])
     with pytest.raises(CoefficientError, match="Z-Image.*MiniMax H3"):
         _teacache(model, "shipped:zimage_borrowed_qwen_image", 0.2)
-    bad = tmp_path / "bad.json"
+    bad = env["out"] / "ditkit" / "teacache" / "bad.json"  # coefficient files are read from this folder only
+    bad.parent.mkdir(parents=True, exist_ok=True)
     bad.write_text('{"format": "ditkit.teacache.coefficients", "version": 1, "family": "h3", "streams": {"video": '
                    '{"coefficients": [1.0, NaN]}}}')
     with pytest.raises(CoefficientError, match="NaN"):
@@ -234,7 +235,12 @@ def test_bad_coefficient_files_leave_model_unchanged(env, tmp_path):
     with pytest.raises(CoefficientError, match="version"):
         _teacache(model, str(bad), 0.2)
     with pytest.raises(CoefficientError, match="does not exist"):
-        _teacache(model, str(tmp_path / "missing.json"), 0.2)
+        _teacache(model, str(bad.parent / "missing.json"), 0.2)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(json.dumps({"format": "TOPSECRET"}))
+    with pytest.raises(CoefficientError, match="must live in") as ei:
+        _teacache(model, str(outside), 0.2)
+    assert "TOPSECRET" not in str(ei.value)
     with pytest.raises(CoefficientError, match="leaves"):
         _teacache(model, "../../etc/passwd", 0.2)
     assert dict(model.model_options["transformer_options"]) == to_before
