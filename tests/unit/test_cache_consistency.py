@@ -110,13 +110,19 @@ def test_adaln_cond_uncond_and_seed_changes(h3):
 
 # ---------------------------------------------------------------------------------------------- TeaCache state
 @pytest.fixture(scope="module")
-def coef_file(tmp_path_factory):
+def coef_file(comfy, tmp_path_factory):
+    import folder_paths
+
     from ditkit.cache import coefficients as coef
 
     cf = coef.CoefficientFile("h3", {"video": coef.StreamCoefficients("video", (1.0, 0.0)),
                                      "audio": coef.StreamCoefficients("audio", (1.0, 0.0))},
                               {"family": "h3"}, {"source": "cache consistency test", "kind": "calibrated"})
-    return coef.save(cf, tmp_path_factory.mktemp("tc") / "h3_test.json")
+    out = tmp_path_factory.mktemp("tc_out")  # DitKitTeaCache reads <output>/ditkit/teacache only
+    old = folder_paths.get_output_directory()
+    folder_paths.set_output_directory(str(out))
+    yield coef.save(cf, out / "ditkit" / "teacache" / "h3_test.json")
+    folder_paths.set_output_directory(old)
 
 
 def _teacache(model, path, threshold=0.5):
