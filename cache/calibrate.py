@@ -59,6 +59,10 @@ class CalibrationRecorder:
         self.calls = 0
         self._pending: tuple | None = None
         self._key_index: dict[Hashable, int] = {}
+        # optional ``on_step(pairs_so_far, step, steps)``, called once per sampling step after its outputs are
+        # recorded (the node uses it to show live progress; the core never talks to the UI itself)
+        self.on_step = None
+        self._notified_step = -1
 
     def begin(self, sigmas: Sequence[float]) -> None:
         self.sigmas = [float(s) for s in sigmas]
@@ -66,6 +70,7 @@ class CalibrationRecorder:
         self.pairs = {s: [] for s in FAMILY_STREAMS[self.family]}
         self.calls = 0
         self._key_index.clear()
+        self._notified_step = -1
 
     def add_prompt_id(self, pid: str) -> None:
         if pid not in self.prompt_ids:
@@ -107,6 +112,9 @@ class CalibrationRecorder:
                     y = rel_l1(cur, prev)
                     self.pairs.setdefault(s, []).append([p.x[s], y, step, round(sigma, 6), self._key_index[k]])
                 p.out[s] = cur.clone()
+        if self.on_step is not None and step != self._notified_step:
+            self._notified_step = step
+            self.on_step(self.n_pairs(), step + 1, max(len(self.sigmas) - 1, 1))
 
     def n_pairs(self) -> int:
         return sum(len(v) for v in self.pairs.values())

@@ -394,6 +394,15 @@ def calibrate_sample_wrapper(executor, *args, **kwargs):
         run_fp = run_fingerprint(guider, sampler, sigmas, holder.family)
         run_fp["model"] = info["model_fp"]
         holder.begin(sigmas.flatten().tolist())
+        if holder.recorder is not None:
+            node_id, name = info.get("node_id"), info.get("name")
+
+            def on_step(pairs: int, step: int, steps: int) -> None:
+                send_report(node_id, NODE_CALIBRATE, "teacache_calibration_progress",
+                            f"TeaCache calibration '{name}': recording, {pairs} pairs (step {step}/{steps})",
+                            {"pairs": pairs, "step": step, "steps": steps})
+
+            holder.recorder.on_step = on_step
         out = executor(*args, **kwargs)
         ok = True
         return out
@@ -423,7 +432,7 @@ def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
     pair_path = os.path.join(pair_dir, f"pairs_{stamp}_{int(time.time() * 1e6) % 1000000:06d}.json")
     write_pair_file(rec.to_pair_file(run_fp), pair_path)
     key = _fp_without_prompt(run_fp)
-    objs, ignored = [], []
+    objs, ignored, used = [], [], []
     for f in sorted(os.listdir(pair_dir)):
         if not (f.startswith("pairs_") and f.endswith(".json")):
             continue
@@ -434,11 +443,12 @@ def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
             continue
         if o["family"] == holder.family and _fp_without_prompt(o["fingerprint"]) == key:
             objs.append(o)
+            used.append(os.path.join(pair_dir, f))
         else:
             ignored.append(f"{f} (other model/schedule/sampler)")
     prompts = {p for o in objs for p in (o.get("prompt_ids") or [])}
     data = {"pair_file": pair_path, "pairs_this_run": rec.n_pairs(), "runs": len(objs), "prompts": len(prompts),
-            "min_prompts": info["min_prompts"], "ignored_pair_files": ignored}
+            "min_prompts": info["min_prompts"], "ignored_pair_files": ignored, "pair_files": used}
     if len(prompts) < info["min_prompts"]:
         summary = (f"TeaCache calibration '{name}': recorded {rec.n_pairs()} pairs ({len(prompts)}/{info['min_prompts']} "
                    f"distinct prompts so far; run more prompts with the same model/sampler/steps to fit)")

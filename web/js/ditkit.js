@@ -305,16 +305,20 @@ async function loadCalibrationPlot(p) {
   const ci = coefPath.lastIndexOf(marker);
   if (ci < 0) throw new Error(`coefficient file ${coefPath} is not under <output>${marker}`);
   const coef = await fetchJson(outputUrl("ditkit/teacache", coefPath.slice(ci + marker.length)));
-  let pairs = null;
-  const pi = pairPath.lastIndexOf(marker);
-  if (pi >= 0) {
-    const rel = pairPath.slice(pi + marker.length);
+  // every pooled run used in the fit (pair_files), else this run's file only
+  const files = (Array.isArray(d.pair_files) && d.pair_files.length ? d.pair_files : [pairPath]).map(norm);
+  const pooled = {};
+  for (const f of files) {
+    const pi = f.lastIndexOf(marker);
+    if (pi < 0) continue;
+    const rel = f.slice(pi + marker.length);
     const cut = rel.lastIndexOf("/");
-    pairs = await fetchJson(outputUrl("ditkit/teacache/" + rel.slice(0, cut), rel.slice(cut + 1)));
+    const one = await fetchJson(outputUrl("ditkit/teacache/" + rel.slice(0, cut), rel.slice(cut + 1)));
+    for (const [stream, rows] of Object.entries(one?.pairs || {})) (pooled[stream] ||= []).push(...rows);
   }
   const series = {};
   for (const [stream, st] of Object.entries(coef.streams || {})) {
-    const rows = (pairs?.pairs || {})[stream] || [];
+    const rows = pooled[stream] || [];
     const [lo, hi] = st.x_range || [-Infinity, Infinity];
     const points = rows.map((r) => [polyval(st.coefficients, Math.min(Math.max(r[0], lo), hi)), r[1]])
                        .filter(([a, b]) => Number.isFinite(a) && Number.isFinite(b));
