@@ -34,13 +34,18 @@ class ForwardCtx:
     sigma: Optional[float]
 
 
+def _step_key(sigma: Optional[float]):
+    return round(float(sigma), 6) if sigma is not None else None
+
+
 @dataclass
 class VSAH3Runtime:
     cfg: VSAH3Config
     gate_source: str = "none"
     calls: Counter = field(default_factory=Counter)          # "sparse" / dense reasons
-    steps_sparse: set = field(default_factory=set)
-    steps_dense: set = field(default_factory=set)
+    steps_sparse: set = field(default_factory=set)      # steps (sigma) with at least one sparse attention call
+    steps_dense: set = field(default_factory=set)       # steps dense by rule (min_tokens, start/end percent)
+    steps_seen: set = field(default_factory=set)        # every step whose forward reached the DiT
     backends: Counter = field(default_factory=Counter)
     block_pairs: int = 0
     block_pairs_dense: int = 0
@@ -54,6 +59,7 @@ class VSAH3Runtime:
             self.calls.clear()
             self.steps_sparse.clear()
             self.steps_dense.clear()
+            self.steps_seen.clear()
             self.backends.clear()
             self.block_pairs = self.block_pairs_dense = 0
             self.layouts.clear()
@@ -70,14 +76,20 @@ class VSAH3Runtime:
             # relative slack: the sampler's fp32 sigma vs the fp64 percent_to_sigma boundary
             reason = "outside start/end percent"
         sparse = not reason
-        key = round(float(sigma), 6) if sigma is not None else None
-        (self.steps_sparse if sparse else self.steps_dense).add(key)
+        key = _step_key(sigma)
+        with self._lock:
+            self.steps_seen.add(key)
+            if not sparse:
+                self.steps_dense.add(key)
         return ForwardCtx(layout, sparse, reason, sigma)
 
     # -- per attention call ----------------------------------------------------------------------------------
-    def dense_call(self, reason: str) -> None:
+    def dense_call(self, reason: str, ctx: Optional[ForwardCtx] = None) -> None:
+        """A call that ran dense. With ``ctx`` (a packed-sequence DiT call of that forward), its step counts dense."""
         with self._lock:
             self.calls[reason] += 1
+            if ctx is not None:
+                self.steps_dense.add(_step_key(ctx.sigma))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardCtx,
                   gate: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -85,6 +97,7 @@ class VSAH3Runtime:
                                    backend=self.cfg.backend)
         with self._lock:
             self.calls["sparse"] += 1
+            self.steps_sparse.add(_step_key(ctx.sigma))
             self.backends[st.backend] += 1
             self.block_pairs += st.block_pairs
             self.block_pairs_dense += st.block_pairs_dense
@@ -93,6 +106,11 @@ class VSAH3Runtime:
 
     # -- report ----------------------------------------------------------------------------------------------
     @property
+    def steps_idle(self) -> set:
+        """Steps whose forward ran no DiT attention at all (e.g. a TeaCache skip): neither sparse nor dense."""
+        return self.steps_seen - self.steps_sparse - self.steps_dense
+
+    @property
     def density(self) -> Optional[float]:
         return self.block_pairs / self.block_pairs_dense if self.block_pairs_dense else None
 
@@ -100,6 +118,7 @@ class VSAH3Runtime:
         return {"keep": self.cfg.keep, "backend_requested": self.cfg.backend or "auto",
                 "backends_used": dict(self.backends), "calls": dict(self.calls),
                 "steps_sparse": len(self.steps_sparse), "steps_dense": len(self.steps_dense),
+                "steps_without_attention": len(self.steps_idle),
                 "measured_density": self.density, "k_video": self.k_video, "n_tiles": self.n_tiles,
                 "gate": self.gate_source, "layouts": sorted(self.layouts)}
 
@@ -107,7 +126,9 @@ class VSAH3Runtime:
         used = ", ".join(f"{b}" for b in self.backends) or "none (no sparse call)"
         dense = {k: v for k, v in self.calls.items() if k != "sparse"}
         dens = f"{self.density:.3f}" if self.density is not None else "n/a"
-        return (f"VSA-H3 backend {used}; steps sparse {len(self.steps_sparse)} / dense {len(self.steps_dense)}; "
+        idle = len(self.steps_idle)
+        return (f"VSA-H3 backend {used}; steps sparse {len(self.steps_sparse)} / dense {len(self.steps_dense)}"
+                + (f" / {idle} without block attention (skipped by a step cache)" if idle else "") + "; "
                 f"attention calls sparse {self.calls.get('sparse', 0)}, dense {sum(dense.values())}"
                 + (f" ({', '.join(f'{k}: {v}' for k, v in dense.items())})" if dense else "")
                 + f"; measured block density {dens} (keep {self.cfg.keep:g}, k={self.k_video}); gate {self.gate_source}")

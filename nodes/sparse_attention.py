@@ -176,7 +176,9 @@ class DitKitSparseAttention(io.ComfyNode):
             elif not ctx.sparse:
                 reason = ctx.reason
             if reason is not None:
-                rt.dense_call(reason)
+                # a full packed-sequence call that went dense makes its step dense; refiner/foreign calls do not
+                packed = ctx is not None and reason not in ("token refiner / non-packed",)
+                rt.dense_call(reason, ctx if packed else None)
                 return dense(func, q, k, v, heads, *a, mask=mask, skip_reshape=skip_reshape,
                              transformer_options=transformer_options, **kw)
             out = rt.attention(q, k, v, ctx, gate=to.get(GATE_KEY))

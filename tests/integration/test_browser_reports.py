@@ -140,7 +140,9 @@ def _expected(server) -> dict:
     r2 = re.findall(r"(video|audio) R2 ([0-9.]+)", cal)
     assert m_run and m_tc and streams and r2, (run, tc, cal)
     assert "duplicated to a 7-token clip" in dec, dec
+    m_idle = re.search(r"/ (\d+) without block attention", run)
     return {"backend": m_run[1], "sparse": int(m_run[2]), "dense": int(m_run[3]), "density": float(m_run[4]),
+            "idle": int(m_idle[1]) if m_idle else 0,
             "computed": int(m_tc[1]), "calls": int(m_tc[2]), "skipped": int(m_tc[3]), "streams": streams, "r2": r2}
 
 
@@ -149,6 +151,10 @@ def _check_texts(texts: dict[str, list[str]], exp: dict) -> None:
     assert f"VSA {exp['backend']} ρ={exp['density']:.2f}" in sp, sp
     assert f"steps sparse {exp['sparse']} / dense {exp['dense']}" in sp, sp
     assert exp["sparse"] > 0
+    # two independent counters agree: steps where TeaCache skipped the block stack ran no sparse attention
+    assert exp["idle"] == exp["skipped"], (exp["idle"], exp["skipped"])
+    if exp["idle"]:
+        assert f"/ {exp['idle']} cache-skipped" in sp, sp
     assert f"TeaCache skipped {exp['skipped']}/{exp['calls']}" in tc, tc
     assert exp["skipped"] > 0 and exp["computed"] + exp["skipped"] == exp["calls"]
     for s, skipped, computed in exp["streams"]:

@@ -42,3 +42,24 @@ def test_counters_density_and_summary():
     assert d["calls"] == {"sparse": 1, "token refiner / non-packed": 1} and d["backends_used"] == {"cpu_batched": 1}
     rt.reset()
     assert rt.as_dict()["calls"] == {} and rt.density is None
+
+
+def test_steps_count_what_actually_ran():
+    """A forward whose blocks a step cache skipped runs no attention: it is neither a sparse nor a dense step.
+    A packed-sequence call that went dense makes its step dense; a refiner call does not."""
+    rt = VSAH3Runtime(VSAH3Config(keep=0.25, sigma_start=0.9, sigma_end=0.2))
+    q, k, v = _qkv()
+    c1 = rt.begin_forward(PREFIX, GRID, 0.8)          # sparse step, attention runs
+    rt.attention(q, k, v, c1)
+    rt.begin_forward(PREFIX, GRID, 0.6)               # sparse-eligible, but a cache skipped every block
+    c3 = rt.begin_forward(PREFIX, GRID, 0.4)          # a masked packed call went dense
+    rt.dense_call("masked call", c3)
+    c4 = rt.begin_forward(PREFIX, GRID, 0.95)         # dense by the sigma window
+    rt.dense_call(c4.reason, c4)
+    c5 = rt.begin_forward(PREFIX, GRID, 0.3)          # only a refiner-like call: no packed attention
+    rt.dense_call("token refiner / non-packed")
+    d = rt.as_dict()
+    assert (d["steps_sparse"], d["steps_dense"], d["steps_without_attention"]) == (1, 2, 2)
+    s = rt.summary()
+    assert "steps sparse 1 / dense 2 / 2 without block attention" in s
+    assert c5.sparse

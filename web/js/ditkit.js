@@ -44,7 +44,9 @@ export function badgeSpecs(p) {
       if (!sparse) return [{ text: `VSA: no sparse call (dense ${dense})`, color: BAD }];
       return [
         { text: `VSA ${used.join("+")} ρ=${num(d.measured_density)}`, color: OK },
-        { text: `steps sparse ${d.steps_sparse} / dense ${d.steps_dense}`, color: d.steps_dense ? WARN : OK },
+        { text: `steps sparse ${d.steps_sparse} / dense ${d.steps_dense}` +
+                (d.steps_without_attention ? ` / ${d.steps_without_attention} cache-skipped` : ""),
+          color: d.steps_dense ? WARN : OK },
       ];
     }
     case "install":
