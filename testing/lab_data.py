@@ -82,6 +82,7 @@ class ClipSpec:
     bg_freq: tuple = field(default=(2.0, 3.0))
     bg_phase: float = 0.0
     bg_drift: float = 0.0
+    bounce: bool = False  # reflect the centre off the frame edges (fast-motion clips stay in frame)
 
     @property
     def prompt(self) -> str:
@@ -152,6 +153,8 @@ def trajectory(spec: ClipSpec, times: torch.Tensor):
     dur = max(float(times.max()), 1e-6) if times.numel() else 1.0
     x = spec.x0 + dx * spec.speed * times
     y = spec.y0 + dy * spec.speed * times
+    if spec.bounce:
+        x, y = _reflect(x), _reflect(y)
     frac = (times / dur).clamp(0, 1)
     r = spec.size0 + (spec.size1 - spec.size0) * frac
     names = tuple(COLOURS)
@@ -160,6 +163,13 @@ def trajectory(spec: ClipSpec, times: torch.Tensor):
     w = (spec.hue_drift * frac)[..., None]
     col = c0 * (1 - w) + c1 * w
     return x, y, r, col
+
+
+def _reflect(p: torch.Tensor, lo: float = 0.15, hi: float = 0.85) -> torch.Tensor:
+    """Fold a coordinate into ``[lo, hi]`` as if it bounced off the edges (triangle wave)."""
+    span = hi - lo
+    q = torch.remainder(p - lo, 2 * span)
+    return lo + span - (q - span).abs()
 
 
 def _shape_mask(shape: str, xx, yy, cx, cy, r, soft: float):
@@ -233,12 +243,22 @@ class Clip:
     spec: ClipSpec
 
 
-def make_clip(seed: int, frames: int = 22, height: int = 64, width: int = 96, prompt: str | None = None) -> Clip:
-    """One deterministic clip. ``prompt`` (vocabulary words) pins colour/shape/direction."""
+def make_clip(seed: int, frames: int = 22, height: int = 64, width: int = 96, prompt: str | None = None,
+              speed_scale: float = 1.0, bounce: bool = False) -> Clip:
+    """One deterministic clip. ``prompt`` (vocabulary words) pins colour/shape/direction.
+
+    ``speed_scale`` multiplies the shape's speed (faster motion, e.g. for VAE training); ``bounce`` reflects the
+    shape off the frame edges so fast clips keep it in frame. The defaults (1.0, False) give exactly the clips
+    of earlier versions."""
     check_frames(frames)
     if height % 16 or width % 16:
         raise ValueError(f"height/width must be multiples of 16 (the VAE's spatial factor), got {height}x{width}")
+    if not (math.isfinite(speed_scale) and speed_scale > 0):
+        raise ValueError(f"speed_scale must be a finite number > 0, got {speed_scale!r}")
     spec = spec_for_prompt(prompt, seed) if prompt else random_spec(seed)
+    if speed_scale != 1.0:
+        spec.speed = spec.speed * speed_scale
+    spec.bounce = bool(bounce)
     return Clip(video=render_video(spec, frames, height, width), audio=render_audio(spec, frames),
                 tokens=tokenize(spec.prompt), prompt=spec.prompt, spec=spec)
 
