@@ -17,7 +17,7 @@ log-sum-exp the merge needs. CPU only; picked by ``auto`` on CPU.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -61,7 +61,9 @@ def _keys(kbh: torch.Tensor, vbh: torch.Tensor, tiles: torch.Tensor, key_live: t
 
 
 def block_sparse_attn_cpu(q, k, v, q2k_index, q2k_num, variable_block_sizes, need_lse: bool = True,
-                          max_chunk_elems: Optional[int] = None):
+                          max_chunk_elems: Optional[int] = None, rest_kernel: Optional[Callable] = None):
+    """``rest_kernel(q_tiles, k_tiles, v_tiles, sel, cnt, live, scale) -> (out, lse)`` replaces the gathered
+    per-query-tile part when given (``cpu_native``: one fused C++ pass per query tile); fp32 only."""
     B, H, S, D = q.shape
     T, Tk = S // TILE, k.shape[2] // TILE
     if max_chunk_elems is None:
@@ -125,7 +127,12 @@ def block_sparse_attn_cpu(q, k, v, q2k_index, q2k_num, variable_block_sizes, nee
                 order = torch.where(R, all_tiles, all_tiles + Tk).sort(dim=-1).values
                 kf = kbh.view(Tk, TILE * D)
                 vf = vbh.view(Tk, TILE * D)
-                for count in torch.unique(rc).tolist():
+                counts = torch.unique(rc).tolist()
+                if rest_kernel is not None:
+                    counts = []                        # one native call for every rest query tile
+                    o_r, m_r = rest_kernel(qr.contiguous(), kbh.view(Tk, TILE, D), vbh.view(Tk, TILE, D),
+                                           order[:, :max(1, int(rc.max()))].contiguous(), rc.long(), vbs, scale)
+                for count in counts:
                     if count <= 0:
                         continue
                     sel = torch.nonzero(rc == count).view(-1)

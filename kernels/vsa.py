@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DitKitError
-from . import block_sparse, block_sparse_cpu, tile_pack  # noqa: F401  (registers the ops)
+from . import block_sparse, block_sparse_cpu, block_sparse_cpu_native, tile_pack  # noqa: F401  (registers the ops)
 from ._triton import HAS_TRITON
 from .registry import REGISTRY, Selection
 from .vsa_layout import TILE, H3TileLayout, check_seq_len

@@ -28,7 +28,7 @@ KEY = "ditkit_vsa_h3"
 CTX_KEY = "ditkit_vsa"
 GATE_KEY = "ditkit_vsa_gate"
 GATE_ATTACHMENT = "ditkit_h3_gate_compress"
-BACKENDS = ["auto", "triton", "flex", "cpu_batched", "reference", "flashinfer", "comfy_kitchen"]
+BACKENDS = ["auto", "triton", "flex", "cpu_batched", "cpu_native", "reference", "flashinfer", "comfy_kitchen"]
 GATE_CHOICES = ["auto", "none"]
 RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 20%)": 20.0, "custom": None}
 log = logging.getLogger("ditkit")
@@ -107,7 +107,9 @@ class DitKitSparseAttention(io.ComfyNode):
                                tooltip="Steps after this fraction of the schedule run dense."),
                 io.Combo.Input("backend", options=BACKENDS, default="auto",
                                tooltip=("Fine-stage kernel. auto = fastest exact backend that can run here "
-                                        "(triton on sm80+, cpu_batched on CPU). An explicit choice "
+                                        "(triton on sm80+, cpu_batched on CPU). cpu_native (CPU, fp32, explicit "
+                                        "only) compiles a small C++ kernel on first use (about a minute, then "
+                                        "cached) and is faster than cpu_batched. An explicit choice "
                                         "that cannot run raises instead of falling back.")),
                 io.Int.Input("min_tokens", default=0, min=0, max=1 << 20, step=64,
                              tooltip="Packed sequences shorter than this run dense (sparse overhead dominates)."),
@@ -145,6 +147,15 @@ class DitKitSparseAttention(io.ComfyNode):
             dev = model.load_device
             REGISTRY.resolve("block_sparse_attn", dev, model.model.get_dtype_inference() if hasattr(
                 model.model, "get_dtype_inference") else torch.float32, dm.blocks[0].attn.head_dim, cfg.backend)
+            if cfg.backend == "cpu_native":
+                # build (first time) / load the C++ kernel now, so a missing compiler is an error here
+                from ..kernels.block_sparse_cpu_native import load_extension
+
+                try:
+                    load_extension()
+                except RuntimeError as e:
+                    raise BackendError(f"{NODE_ID}: backend 'cpu_native' cannot run here: {e}. Pick another "
+                                       "backend explicitly or use 'auto'.") from e
 
         m = model.clone()
         gates, gate_src = _find_gates(m, dm, gate)

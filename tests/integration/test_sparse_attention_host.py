@@ -116,13 +116,20 @@ def _triton_here(request) -> bool:
 
 
 @pytest.mark.parametrize("with_gate,backend", [(False, "reference"), (True, "reference"), (False, "cpu_batched"),
-                                               (True, "cpu_batched"), (False, "triton")])
+                                               (True, "cpu_batched"), (True, "cpu_native"), (False, "triton")])
 def test_sparse_sampling_equals_oracle(request, env, caplog, with_gate, backend):
     from ditkit.loaders.safetensors_io import load_file
     from ditkit.nodes.sparse_attention import GATE_ATTACHMENT, DitKitSparseAttention
 
     if backend == "triton" and not _triton_here(request):
         return  # verified in a fresh process above
+    if backend == "cpu_native":
+        from ditkit.kernels.block_sparse_cpu_native import load_extension
+
+        try:
+            load_extension()
+        except RuntimeError as e:
+            pytest.skip(f"cpu_native extension unavailable here: {e}")
 
     base = env.model
     if with_gate:

@@ -35,8 +35,9 @@ def test_cpu_auto_is_cpu_batched_and_reasons_are_recorded():
     sel = REGISTRY.resolve(OP, "cpu", torch.float32, 128)
     assert sel.backend == "cpu_batched" and sel.exact
     rej = dict(sel.rejected)
-    assert set(rej) == {"flashinfer", "triton", "flex", "comfy_kitchen"}
+    assert set(rej) == {"flashinfer", "triton", "flex", "comfy_kitchen", "cpu_native"}
     assert "CUDA" in rej["flashinfer"] and "explicit" in rej["flex"]
+    assert "explicit only" in rej["cpu_native"]              # builds a C++ extension: never picked by auto
     assert "block-sparse" in rej["comfy_kitchen"] or "not installed" in rej["comfy_kitchen"]
 
 

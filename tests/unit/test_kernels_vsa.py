@@ -23,9 +23,22 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 SHAPES = [((70, 0, 100), (5, 6, 10)), ((10, 14), (2, 4, 6)), ((64, 3), (4, 4, 8)), ((1,), (3, 5, 7))]
 
 
-def need_cpu(backend):
-    if backend == "cpu_batched" and DEVICE != "cpu":
-        pytest.skip("cpu_batched runs on CPU only")
+def need_cpu(backend, dtype=torch.float32):
+    if backend in ("cpu_batched", "cpu_native") and DEVICE != "cpu":
+        pytest.skip(f"{backend} runs on CPU only")
+    if backend == "cpu_native":
+        if dtype != torch.float32:
+            pytest.skip("cpu_native is fp32 only (refusal tested in test_kernels_cpu_native.py)")
+        need_native()
+
+
+def need_native():
+    from ditkit.kernels.block_sparse_cpu_native import load_extension
+
+    try:
+        load_extension()
+    except RuntimeError as e:
+        pytest.skip(f"cpu_native extension unavailable here: {e}")
 
 
 def _rand(shape, dtype, seed):
@@ -142,12 +155,12 @@ def _oracle_bsa(q, k, v, idx, num, vbs):
     return o, lse / math.log(2)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu_batched", "triton", "flex"])
+@pytest.mark.parametrize("backend", ["reference", "cpu_batched", "cpu_native", "triton", "flex"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("D,T,sizes", [(16, 3, (64, 17, 64, 5)), (32, 3, (64, 17, 64, 5)), (64, 2, (1, 64, 40))])
 def test_block_sparse_attn_vs_oracle(backend, dtype, D, T, sizes):
     need_triton(backend)
-    need_cpu(backend)
+    need_cpu(backend, dtype)
     if backend == "flex" and dtype == torch.float16 and DEVICE == "cpu":
         pytest.skip("CPU FlexAttention has no fp16 kernel")
     B, H, Tk = 1, 2, len(sizes)
@@ -165,7 +178,7 @@ def test_block_sparse_attn_vs_oracle(backend, dtype, D, T, sizes):
     torch.testing.assert_close(lse.double().cpu(), lse_ref, atol=TOL[dtype] * 10, rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu_batched", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "cpu_batched", "cpu_native", "triton"])
 def test_block_sparse_empty_rows(backend):
     need_triton(backend)
     need_cpu(backend)
@@ -180,12 +193,13 @@ def test_block_sparse_empty_rows(backend):
     assert bool(torch.isfinite(out[:, :, 64:]).all())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_cpu_batched_dense_common_rest_parts(dtype):
+@pytest.mark.parametrize("backend,dtype", [("cpu_batched", torch.float32), ("cpu_batched", torch.float16),
+                                           ("cpu_native", torch.float32)])
+def test_cpu_batched_dense_common_rest_parts(backend, dtype):
     """Every path of cpu_batched at once: dense rows, key tiles common to all other rows (some ragged), per-row
     rest tiles of different counts (some ragged), rows with only the common tiles, an empty row, scattered rows,
     B=2 with different selections per (b, h); vs the float64 token-level oracle."""
-    need_cpu("cpu_batched")
+    need_cpu(backend, dtype)
     sizes = (64, 17, 64, 64, 5, 64, 33)
     B, H, T, Tk, D = 2, 2, 6, len(sizes), 32
     vbs = torch.tensor(sizes, dtype=torch.int32)
@@ -214,7 +228,7 @@ def test_cpu_batched_dense_common_rest_parts(dtype):
                 perm = torch.tensor(sel, dtype=torch.int32)[torch.randperm(len(sel), generator=g)]
                 idx[b, h, t, : len(sel)] = perm
                 num[b, h, t] = len(sel)
-    out, lse = vsa.block_sparse_attn(q, k, v, idx, num, vbs, backend="cpu_batched")
+    out, lse = vsa.block_sparse_attn(q, k, v, idx, num, vbs, backend=backend)
     o_ref, lse_ref = _oracle_bsa(q, k, v, idx, num, vbs)
     torch.testing.assert_close(out.double(), o_ref, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(lse.double(), lse_ref, atol=TOL[dtype] * 10, rtol=TOL[dtype])
@@ -249,11 +263,11 @@ def _oracle_selection(q, k, lay, keep):
 
 @pytest.mark.parametrize("prefix,video", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("backend", ["reference", "cpu_batched", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "cpu_batched", "cpu_native", "triton"])
 @pytest.mark.parametrize("with_gate", [False, True])
 def test_vsa_h3_vs_token_oracle(prefix, video, dtype, backend, with_gate):
     need_triton(backend)
-    need_cpu(backend)
+    need_cpu(backend, dtype)
     if backend == "triton" and (prefix, video) != SHAPES[0] and with_gate:
         pytest.skip("interpreter time: triton+gate covered on the first shape")
     lay = build_h3_layout(prefix, video)

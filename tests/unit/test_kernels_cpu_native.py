@@ -1,0 +1,119 @@
+"""cpu_native: the fused C++ per-query-tile attention, against a float64 reference, and its dispatch rules.
+
+The whole block-sparse / VSA-H3 paths of ``cpu_native`` are checked against the token-level oracle in
+``test_kernels_vsa.py`` (parametrised with the other backends); here: the kernel contract itself (ragged tiles,
+empty selections, zero-live tiles, several head dims) and the registry rules (explicit only, fp32 only, a failed
+build is a stated rejection). Tests skip, with the reason, where the extension cannot be built (no compiler).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ditkit.errors import BackendError
+from ditkit.kernels import block_sparse_cpu_native as N
+from ditkit.kernels import registry, vsa  # noqa: F401  (vsa registers every backend)
+from ditkit.kernels.registry import REGISTRY
+
+OP = "block_sparse_attn"
+
+
+@pytest.fixture(scope="module")
+def ext():
+    try:
+        return N.load_extension()
+    except RuntimeError as e:
+        pytest.skip(f"cpu_native extension unavailable here: {e}")
+
+
+def _oracle(q, k, v, sel, cnt, live, scale):
+    """float64, written from the definition: softmax over the concatenated live rows of the selected tiles."""
+    n = q.shape[0]
+    outs, lses = [], []
+    for i in range(n):
+        rows = [(int(t), r) for t in sel[i, : int(cnt[i])].tolist() for r in range(int(live[t]))]
+        if not rows:
+            outs.append(torch.zeros(q.shape[1:], dtype=torch.float64))
+            lses.append(torch.full((q.shape[1],), float("-inf"), dtype=torch.float64))
+            continue
+        kk = torch.stack([k[t, r] for t, r in rows]).double()
+        vv = torch.stack([v[t, r] for t, r in rows]).double()
+        s = q[i].double() @ kk.T * scale
+        outs.append(torch.softmax(s, -1) @ vv)
+        lses.append(torch.logsumexp(s, -1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("D", [16, 64, 128])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tile_attn_vs_float64(ext, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    Tk, n, cmax = 9, 6, 5
+    k = torch.randn(Tk, 64, D, generator=g)
+    v = torch.randn(Tk, 64, D, generator=g)
+    q = torch.randn(n, 64, D, generator=g) * 2          # peaky softmax rows
+    live = torch.tensor([64, 17, 64, 1, 64, 0, 40, 64, 64])   # ragged, single-row and empty tiles
+    sel = torch.zeros(n, cmax, dtype=torch.long)
+    cnt = torch.tensor([5, 1, 0, 3, 2, 1])                 # an empty selection; a tile with 0 live rows alone
+    for i in range(n):
+        sel[i, : int(cnt[i])] = torch.randperm(Tk, generator=g)[: int(cnt[i])].sort().values
+    sel[5, 0] = 5
+    scale = D ** -0.5
+    out, lse = N.tile_attn(q, k, v, sel, cnt, live, scale)
+    o_ref, l_ref = _oracle(q, k, v, sel, cnt, live, scale)
+    torch.testing.assert_close(out.double(), o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), l_ref, atol=1e-5, rtol=1e-5)
+    assert bool((out[2] == 0).all()) and bool(torch.isinf(lse[2]).all()) and bool((lse[2] < 0).all())
+    assert bool((out[5] == 0).all()) and bool(torch.isinf(lse[5]).all())
+    # the pure-torch reference of the launcher contract agrees too (it is what the docs point readers to)
+    o2, l2 = N.tile_attn_reference(q, k, v, sel, cnt, live, scale)
+    torch.testing.assert_close(o2.double(), o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(l2.double(), l_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tile_attn_rejects_bad_input(ext):
+    q = torch.randn(2, 64, 16)
+    k = torch.randn(3, 64, 16)
+    sel = torch.tensor([[0, 1], [2, 0]])
+    cnt = torch.tensor([2, 1])
+    live = torch.tensor([64, 64, 64])
+    with pytest.raises(TypeError, match="fp32"):
+        N.tile_attn(q.half(), k.half(), k.half(), sel, cnt, live, 0.25)
+    with pytest.raises(RuntimeError, match="tile id out of range"):
+        N.tile_attn(q, k, k, torch.tensor([[0, 7], [2, 0]]), cnt, live, 0.25)
+    with pytest.raises(RuntimeError, match="live rows"):
+        N.tile_attn(q, k, k, sel, cnt, torch.tensor([64, 65, 64]), 0.25)
+
+
+def test_auto_never_picks_cpu_native_and_explicit_rules(monkeypatch):
+    REGISTRY.clear_cache()
+    try:
+        auto = REGISTRY.resolve(OP, "cpu", torch.float32, 128)
+        assert auto.backend == "cpu_batched"
+        assert "explicit only" in dict(auto.rejected)["cpu_native"]
+        with pytest.raises(BackendError, match="fp32 only"):
+            REGISTRY.resolve(OP, "cpu", torch.float16, 128, backend="cpu_native")
+        monkeypatch.setattr(registry, "device_capability", lambda dev: (9, 0) if dev.type == "cuda" else None)
+        with pytest.raises(BackendError, match="CPU only"):
+            REGISTRY.resolve(OP, "cuda", torch.float32, 128, backend="cpu_native")
+        # a failed build is remembered and stated, never swapped for another backend
+        monkeypatch.setitem(N._state, "error", "building the C++ extension failed: CalledProcessError: boom")
+        REGISTRY.clear_cache()
+        with pytest.raises(BackendError, match="boom"):
+            REGISTRY.resolve(OP, "cpu", torch.float32, 128, backend="cpu_native")
+        monkeypatch.delitem(N._state, "error")
+        monkeypatch.setattr(N, "_compiler_present", lambda: False)
+        REGISTRY.clear_cache()
+        with pytest.raises(BackendError, match="no C\\+\\+ compiler"):
+            REGISTRY.resolve(OP, "cpu", torch.float32, 128, backend="cpu_native")
+    finally:
+        REGISTRY.clear_cache()
+
+
+def test_explicit_cpu_native_resolves(ext):
+    REGISTRY.clear_cache()
+    try:
+        sel = REGISTRY.resolve(OP, "cpu", torch.float32, 64, backend="cpu_native")
+        assert sel.backend == "cpu_native" and sel.exact
+    finally:
+        REGISTRY.clear_cache()
