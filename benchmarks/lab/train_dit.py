@@ -46,6 +46,22 @@ def encode_dataset(vae, n, seed0):
     return torch.cat(vids), torch.cat(auds), torch.stack(toks)
 
 
+def save_snapshot(model, embed, ema, params, out_dir: Path, step: int) -> None:
+    """Write the current EMA weights (DiT + text embedding) to ``out_dir`` without touching the live ones."""
+    from ditkit.loaders.safetensors_io import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    live = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            p.copy_(e)
+        L.save_state(model, out_dir / f"dit_{step:06d}.safetensors")
+        save_file({"embed.weight": embed.weight.detach().clone()}, str(out_dir / f"text_{step:06d}.safetensors"))
+        for v, p in zip(live, params):
+            p.copy_(v)
+    print(f"snapshot {step} -> {out_dir}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
@@ -59,6 +75,16 @@ def main(argv=None):
                     help="latent cache (rebuilt when missing or when --rebuild-cache)")
     ap.add_argument("--rebuild-cache", action="store_true")
     ap.add_argument("--resume", action="store_true", help="continue from the saved DiT + text embedding")
+    ap.add_argument("--cond-drop", type=float, default=0.0,
+                    help="probability of replacing a clip's text context by zeros (the null prompt), so the model "
+                         "also learns the unconditional velocity and classifier-free guidance works")
+    ap.add_argument("--lr-by-time", action="store_true",
+                    help="advance the cosine schedule by max(step / steps, elapsed / minutes), so it anneals fully "
+                         "within the wall-clock budget whatever the machine load")
+    ap.add_argument("--warmup", type=int, default=100, help="linear lr warm-up steps")
+    ap.add_argument("--snapshot-every", type=int, default=0,
+                    help="every N steps write the EMA weights to --snapshot-dir (for evaluating a run in progress)")
+    ap.add_argument("--snapshot-dir", default="/tmp/h3lab_dit_snapshots")
     ap.add_argument("--probe", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -97,7 +123,9 @@ def main(argv=None):
     ema = [p.detach().clone() for p in params]
     gen = torch.Generator().manual_seed(a.seed + (17 if a.resume else 7))
     steps = 5 if a.probe else a.steps
-    log = {"seed": a.seed, "clips": int(vids.shape[0]), "curve": [], "resumed": bool(a.resume)}
+    log = {"seed": a.seed, "clips": int(vids.shape[0]), "curve": [], "resumed": bool(a.resume),
+           "lr": a.lr, "steps_planned": steps, "micro": a.micro, "cond_drop": a.cond_drop,
+           "lr_by_time": a.lr_by_time, "minutes_budget": a.minutes}
     if prev is not None:
         log["previous_runs"] = [prev]
     layout = L.comfy.ldm.minimax.model.PackedLayout(toks.shape[1], *vids.shape[2:], auds.shape[-1])
@@ -107,7 +135,10 @@ def main(argv=None):
     with L.training_mode():
         model.train()
         for step in range(steps):
-            lr = L.cosine_lr(step, steps, a.lr, warmup=100)
+            pos = step
+            if a.lr_by_time:
+                pos = max(step, int(steps * (time.time() - t0) / (a.minutes * 60)))
+            lr = L.cosine_lr(pos, steps, a.lr, warmup=a.warmup)
             for g in opt.param_groups:
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
@@ -122,6 +153,8 @@ def main(argv=None):
                 xv = (1 - sv) * x0v + sv * ev
                 xa = (1 - sa) * x0a + sa * ea
                 ctx = embed(toks[i])[None]
+                if a.cond_drop > 0 and float(torch.rand((), generator=gen)) < a.cond_drop:
+                    ctx = torch.zeros_like(ctx)  # null prompt: the negative the harness uses for CFG
                 out = model(x=[xv, xa], timestep=torch.tensor([1000.0 * sv]), context=ctx, minimax_payload=payload)
                 lv = torch.nn.functional.mse_loss(out[0], ev - x0v)
                 la = torch.nn.functional.mse_loss(out[1], ea - x0a)
@@ -141,6 +174,8 @@ def main(argv=None):
                                      "t": time.time() - t_start})
                 print(f"{step:6d} loss video {run_v:.4f} audio {run_a:.4f} lr {lr:.2e} {time.time() - t0:.0f}s",
                       flush=True)
+            if a.snapshot_every and step > 0 and step % a.snapshot_every == 0 and not a.probe:
+                save_snapshot(model, embed, ema, params, Path(a.snapshot_dir), step)
             if time.time() - t0 > a.minutes * 60:
                 print(f"stopping at step {step} (budget used)", flush=True)
                 break
