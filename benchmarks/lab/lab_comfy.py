@@ -112,6 +112,7 @@ def load_vae(path=VAE_FILE):
     sd = load_file(str(path))
     layers = len({k.split(".")[2] for k in sd if k.startswith("decoder.transformer_blocks.")})
     vae = build_vae(decoder_layers=layers)
+    sd = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}  # fp16 files run in fp32
     missing, unexpected = vae.load_state_dict(sd, strict=True), None
     del missing, unexpected
     return vae.eval()
@@ -301,10 +302,13 @@ def rope_check_ok() -> float:
                (b - _rope_split_half_torch(k, table)).abs().max().item())
 
 
-def save_state(module: torch.nn.Module, path, metadata: dict | None = None, prefix: str = "") -> None:
+def save_state(module: torch.nn.Module, path, metadata: dict | None = None, prefix: str = "",
+               dtype: torch.dtype | None = None) -> None:
+    """``module.state_dict()`` to ``path`` (floating tensors cast to ``dtype`` when given)."""
     from ditkit.loaders.safetensors_io import save_file
 
-    sd = {prefix + k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
+    sd = {prefix + k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype)
+          .contiguous().clone() for k, v in module.state_dict().items()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(path), metadata=metadata or {})
 
