@@ -1,10 +1,13 @@
 """Quality lab harness: speed and quality of ditkit / native features on the TRAINED tiny H3 lab models.
 
-    COMFYUI_PATH=/path/to/ComfyUI nice -n 10 python benchmarks/lab/harness.py [--smoke] [--features a,b]
+    COMFYUI_PATH=/path/to/ComfyUI nice -n 10 python benchmarks/lab/harness.py [--smoke] [--features a,b] [--cfg 3]
+        [--adherence-only --adherence-cfgs 1,2,3,4 --strip /tmp/strip.png]
 
 Everything runs in-process on ComfyUI (CPU): the lab DiT is loaded by the stock diffusion-model loader
 (``comfy.sd.load_diffusion_model_state_dict``, detected from shapes), sampled with ComfyUI's own KSampler
-(``euler`` / ``simple``, cfg 1, H3's video/audio shifts 12/3), on a fixed prompt set. Each feature node is
+(``euler`` / ``simple``, H3's video/audio shifts 12/3), on a fixed prompt set, with classifier-free guidance
+(``--cfg``, negative = the null prompt: an all-zero text context, which the DiT saw in training through
+conditioning dropout; cfg 1 = conditional only). Each feature node is
 applied to a clone of the model exactly as a workflow would (inputs = the node's schema defaults plus the
 overrides listed below) and compared with the exact path on the same seeds:
 
@@ -17,6 +20,10 @@ overrides listed below) and compared with the exact path on the same seeds:
 The T=1 rows encode single held-out frames (H3's T=1 encode) and compare decodes with the original frame:
 native single-token decode, repeat-decode (duplicate to T=2, decode, keep frame 0; lab reference code), and
 ditkit's ``DitKitH3VAEDecode`` path through ``DitKitH3VAELoader`` when that code exists.
+
+Prompt adherence: colour and direction read back from the decoded pixels of the exact-path samples
+(``lab_data.describe_video``), on ``ADHERENCE_PROMPTS`` (12 prompts: every colour and every direction 3 times,
+every shape 4 times) x ``--adherence-seeds`` seeds, for each guidance scale in ``--adherence-cfgs``.
 
 A feature whose code is missing prints a ``not available`` row; one that raises prints ``error: ...``.
 """
@@ -43,6 +50,13 @@ PROMPTS = ("red circle right", "blue square left", "green triangle up", "yellow 
            "blue triangle right", "red square up")
 CALIB_PROMPTS = ("green circle left", "yellow square right", "red triangle down", "blue circle up",
                  "green square down", "yellow triangle left")
+# 12 prompts: colour i % 4, shape i % 3, direction (i + i // 4) % 4 -> each colour meets 3 directions
+ADHERENCE_PROMPTS = tuple(f"{tuple(D.COLOURS)[i % 4]} {D.SHAPES[i % 3]} {D.DIRECTIONS[(i + i // 4) % 4]}"
+                          for i in range(12))
+# Guidance of the shipped lab DiT (run 3, conditioning dropout 0.15), 12 prompts x 4 seeds, colour / direction read
+# back: cfg 1 26/48 32/48, cfg 3 34/48 42/48, cfg 4 35/48 42/48, cfg 5 34/48 43/48 (real clips through the VAE:
+# 25/48 43/48). 3-5 tie within noise; 3 is the smallest, with the fewest over-saturation artifacts.
+DEFAULT_CFG = 3.0
 HELDOUT_SEED = 7_000_000  # never used by the training scripts (VAE: 10k.., 500k..; DiT: 900k..)
 FRAMES, H, W = 22, 64, 96
 
@@ -108,7 +122,7 @@ def apply_node(cls, model, overrides: dict):
 # ------------------------------------------------------------------------------------------------ the lab
 
 class Lab:
-    def __init__(self, steps: int, dit=L.DIT_FILE, vae=L.VAE_FILE, text=L.TEXT_FILE):
+    def __init__(self, steps: int, dit=L.DIT_FILE, vae=L.VAE_FILE, text=L.TEXT_FILE, cfg: float = DEFAULT_CFG):
         self.comfy = L.import_comfy()
         import comfy.sd
         import nodes as comfy_nodes  # ComfyUI's nodes.py (KSampler)
@@ -119,6 +133,7 @@ class Lab:
         self.nodes = comfy_nodes
         self.empty_latent = EmptyMiniMaxH3LatentAV
         self.steps = steps
+        self.cfg = float(cfg)
         self.vae_path = str(vae)
         self.dit = comfy.sd.load_diffusion_model_state_dict(load_file(str(dit)))
         self.embed = load_file(str(text))["embed.weight"]
@@ -128,16 +143,22 @@ class Lab:
         ctx = self.embed[D.tokenize(prompt)][None].clone()
         return [[ctx, {}]]
 
-    def sample(self, model, prompt: str, seed: int):
-        """(video latent, audio latent, seconds, transformer passes)."""
+    def null_conditioning(self):
+        """The null prompt (all-zero text context): the unconditional branch the DiT learned by dropout."""
+        return [[torch.zeros(1, D.PROMPT_LEN, self.embed.shape[1]), {}]]
+
+    def sample(self, model, prompt: str, seed: int, cfg: float | None = None):
+        """(video latent, audio latent, seconds, transformer passes); ``cfg`` defaults to the lab's."""
         latent = self.empty_latent.execute(W, H, FRAMES).args[0]
         dm = model.model.diffusion_model
         count = [0]
         hook = dm.blocks[0].register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
         pos = self.conditioning(prompt)
+        neg = self.null_conditioning()
+        cfg = self.cfg if cfg is None else float(cfg)
         try:
             t0 = time.perf_counter()
-            out = self.nodes.common_ksampler(model, seed, self.steps, 1.0, "euler", "simple", pos, pos, latent,
+            out = self.nodes.common_ksampler(model, seed, self.steps, cfg, "euler", "simple", pos, neg, latent,
                                              denoise=1.0)[0]
             dt = time.perf_counter() - t0
         finally:
@@ -283,6 +304,68 @@ def run_sampling(lab: Lab, prompts, seeds, features, rows: list, adherence: dict
             rows.append((feat.name, "-", "-", "-", "-", "-", "-", f"error: {type(e).__name__}: {e}"[:160]))
 
 
+def run_adherence(lab: Lab, prompts, seeds, cfgs, strip: str | None = None) -> list:
+    """Colour / direction read back from the exact-path samples of ``prompts`` x ``seeds`` at each guidance scale.
+    The first row is the ceiling the VAE allows: the same read-back on real clips of the same prompts, encoded
+    and decoded by the lab VAE. Returns rows ``(cfg, colour hits, direction hits, both, n, seconds)``; ``strip``
+    writes a PNG of every 3rd frame of the first 4 real clips and of the first 4 samples per cfg (one row
+    each), to look at the samples."""
+    out, strips = [], []
+    # ceiling: the same read-back on real clips of the same prompts passed through the lab VAE (encode + decode)
+    hits = {"colour": 0, "direction": 0, "both": 0}
+    n = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            words = p.split()
+            for s in seeds:
+                clip = D.make_clip(HELDOUT_SEED + 500 + 31 * i + s, FRAMES, H, W, prompt=p)
+                rec = lab.vae.decode(lab.vae.encode(clip.video[None]))[0]
+                colour, direction = D.describe_video(rec)
+                if strip and n < 4:
+                    strips.append(torch.cat(list(rec[:, ::3].unbind(1)), dim=2))
+                hits["colour"] += colour == words[0]
+                hits["direction"] += direction == words[2]
+                hits["both"] += colour == words[0] and direction == words[2]
+                n += 1
+    out.append(("real clips via VAE", hits["colour"], hits["direction"], hits["both"], n, time.perf_counter() - t0))
+    for cfg in cfgs:
+        hits = {"colour": 0, "direction": 0, "both": 0}
+        n = 0
+        t = 0.0
+        for p in prompts:
+            words = p.split()
+            for s in seeds:
+                v, a, dt, _ = lab.sample(lab.dit, p, 1000 + s, cfg=cfg)
+                frames, _ = lab.decode(v, a)
+                t += dt
+                colour, direction = D.describe_video(frames)
+                hits["colour"] += colour == words[0]
+                hits["direction"] += direction == words[2]
+                hits["both"] += colour == words[0] and direction == words[2]
+                n += 1
+                if strip and n <= 4:
+                    strips.append(torch.cat(list(frames[:, ::3].unbind(1)), dim=2))  # [3, H, W * k]
+        out.append((cfg, hits["colour"], hits["direction"], hits["both"], n, t))
+    if strip and strips:
+        from PIL import Image
+
+        img = torch.cat(strips, dim=1).clamp(0, 1).mul(255).round().byte().permute(1, 2, 0).numpy()
+        Image.fromarray(img).save(strip)
+        print(f"frame strip (every 3rd frame; rows: 4 real clips via the VAE, then 4 samples per cfg {cfgs}) "
+              f"-> {strip}")
+    return out
+
+
+def print_adherence(rows, prompts, seeds):
+    print(f"prompt adherence (read back from pixels, {len(prompts)} prompts x {len(seeds)} seeds, exact path):")
+    print("samples            | colour      | direction   | both")
+    for cfg, c, d, b, n, _ in rows:
+        label = cfg if isinstance(cfg, str) else f"DiT, cfg {cfg:g}"
+        print(f"{label:<18} | {c:>2}/{n} {100 * c / n:3.0f}% | {d:>2}/{n} {100 * d / n:3.0f}% | "
+              f"{b:>2}/{n} {100 * b / n:3.0f}%")
+
+
 HEAD = ("row", "speed", "skip", "video PSNR", "SSIM", "audio LSD", "audio SNR", "notes")
 
 
@@ -305,6 +388,14 @@ def main(argv=None) -> int:
     ap.add_argument("--vae", default=str(L.VAE_FILE))
     ap.add_argument("--text", default=str(L.TEXT_FILE))
     ap.add_argument("--features", default="", help="comma-separated substrings selecting feature rows")
+    ap.add_argument("--cfg", type=float, default=DEFAULT_CFG,
+                    help=f"guidance scale of every sampled row (negative = null prompt; 1 = conditional only; "
+                         f"default {DEFAULT_CFG:g})")
+    ap.add_argument("--adherence-cfgs", default=None,
+                    help="comma-separated guidance scales for the adherence table (default '1,<cfg>'; smoke: none)")
+    ap.add_argument("--adherence-seeds", type=int, default=2, help="seeds per adherence prompt")
+    ap.add_argument("--adherence-only", action="store_true", help="only the adherence table (no T=1 / feature rows)")
+    ap.add_argument("--strip", default=None, help="write a PNG frame strip of adherence samples here")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     steps = a.steps or (6 if a.smoke else 20)
@@ -323,8 +414,19 @@ def main(argv=None) -> int:
                 seen.add(fam)
                 keep.append(f)
         feats = keep
+    if a.adherence_cfgs is None:
+        adh_cfgs = [] if a.smoke else sorted({1.0, a.cfg})
+    else:
+        adh_cfgs = [float(c) for c in a.adherence_cfgs.split(",") if c.strip()]
+    adh_seeds = list(range(a.adherence_seeds))
     t0 = time.time()
-    lab = Lab(steps, a.dit, a.vae, a.text)
+    lab = Lab(steps, a.dit, a.vae, a.text, cfg=a.cfg)
+    if a.adherence_only:
+        adh = run_adherence(lab, ADHERENCE_PROMPTS, adh_seeds, adh_cfgs, a.strip)
+        print(f"H3 quality lab: {steps} euler steps, {FRAMES}x{H}x{W} px, CPU, torch threads 1")
+        print_adherence(adh, ADHERENCE_PROMPTS, adh_seeds)
+        print(f"total {time.time() - t0:.0f}s")
+        return 0
     rows: list = []
     run_t1(lab, a.t1_clips or (1 if a.smoke else 6), rows)
     import tempfile
@@ -345,12 +447,15 @@ def main(argv=None) -> int:
             print(f"TeaCache calibration failed: {type(e).__name__}: {e}")
     adherence: dict = {}
     run_sampling(lab, prompts, seeds, feats, rows, adherence)
+    adh = run_adherence(lab, ADHERENCE_PROMPTS, adh_seeds, adh_cfgs, a.strip) if adh_cfgs else []
     print()
-    print(f"H3 quality lab: {len(prompts)} prompt(s) x {len(seeds)} seed(s), {steps} euler steps, "
-          f"{FRAMES}x{H}x{W} px, CPU, torch threads 1")
+    print(f"H3 quality lab: {len(prompts)} prompt(s) x {len(seeds)} seed(s), {steps} euler steps, cfg {a.cfg:g} "
+          f"(negative: null prompt), {FRAMES}x{H}x{W} px, CPU, torch threads 1")
     print_table(rows)
     print(f"prompt adherence of exact samples (read back from pixels): colour {adherence['colour']}/"
           f"{adherence['n']}, direction {adherence['direction']}/{adherence['n']}")
+    if adh:
+        print_adherence(adh, ADHERENCE_PROMPTS, adh_seeds)
     print(f"total {time.time() - t0:.0f}s")
     import shutil
 

@@ -50,6 +50,13 @@ def test_lab_harness_smoke(comfyui_path):
         assert abs(_db(dk[3]) - _db(repeat[3])) < 0.05, (dk, repeat)
     exact = _row(out, "exact path (reference)")
     assert exact[3] == "inf"
+    # classifier-free guidance really runs: two transformer passes (prompt, null prompt) per step when cfg != 1
+    head = re.search(r"(\d+) prompt\(s\) x (\d+) seed\(s\), (\d+) euler steps, cfg ([\d.]+)", out)
+    assert head, f"harness header missing:\n{out}"
+    samples, steps, cfg = int(head.group(1)) * int(head.group(2)), int(head.group(3)), float(head.group(4))
+    passes = re.search(r"(\d+) samples, (\d+) steps, (\d+) passes", exact[-1])
+    assert passes and int(passes.group(1)) == samples and int(passes.group(2)) == steps, exact
+    assert int(passes.group(3)) == samples * steps * (1 if cfg == 1 else 2), (exact, cfg)
     for label in ("T=1 decode: DitKitH3VAEDecode", "TeaCache", "EasyCache", "Sparse attention"):
         row = _row(out, label)
         notes = row[-1]
