@@ -156,7 +156,12 @@ def borrowed_file(family, out_dir) -> str:
         {"family": family, "model": None},
         {"kind": "borrowed", "source": "ali-vilab/TeaCache TeaCache4FLUX/teacache_flux.py (FLUX.1-dev)",
          "note": "benchmark: borrowed FLUX.1 polynomial relabelled for this family"})
-    return coef.save(cf, os.path.join(out_dir, f"{family}_borrowed_flux1.json"))
+    # DitKitTeaCache only reads coefficient files inside <output>/ditkit/teacache: write it there, pass the name
+    name = f"{family}_borrowed_flux1.json"
+    folder = os.path.join(out_dir, "ditkit", "teacache")
+    os.makedirs(folder, exist_ok=True)
+    coef.save(cf, os.path.join(folder, name))
+    return name
 
 
 def bench_family(backend, steps_list, n_calib, n_eval, out_dir, rows):

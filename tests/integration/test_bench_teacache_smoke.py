@@ -1,0 +1,29 @@
+"""Smoke of ``benchmarks/bench_teacache.py`` on the tiny H3 checkpoint (needs COMFYUI_PATH).
+
+The benchmark produces the README's TeaCache figures; it broke unnoticed once (the coefficient-path confinement
+refused its borrowed file), so it runs here at the smallest settings: it must exit 0 and print a table with
+calibrated, borrowed and EasyCache rows whose block-evaluation counts add up.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bench_teacache_smoke(comfyui_path):
+    env = dict(os.environ, COMFYUI_PATH=str(comfyui_path))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_teacache.py"), "--families", "h3",
+                           "--steps", "8", "--calib-prompts", "2", "--eval-prompts", "1"], cwd=str(REPO), env=env,
+                          capture_output=True, text=True, timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 0, f"bench_teacache failed ({proc.returncode}):\n{out[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = re.findall(r"^\| (calibrated|borrowed|easycache) \| [\d.]+ \| (\d+)/(\d+) \|", out, flags=re.M)
+    kinds = {r[0] for r in rows}
+    assert kinds == {"calibrated", "borrowed", "easycache"}, out[-3000:]
+    totals = {int(r[2]) for r in rows}
+    assert len(totals) == 1, f"every row counts against the same uncached total: {totals}"
+    assert all(0 < int(r[1]) <= int(r[2]) for r in rows), rows
+    assert "matched skip ratio" in out
