@@ -22,6 +22,17 @@ the error is mostly a global colour offset). Options added for these runs, none 
 * ``--still-frac`` (stills as videos), ``--mix-tokens`` (window tokens swapped across clips), ``--mask-max``
   (masked-token training with a learned mask embedding), decoder-only from the committed file: val gaps
   +0.22/+0.03, +0.02 and -0.03 dB: a decoder made more robust decodes the lone token as well as the repeat.
+* Run to completion (16.5 min wall, 950 joint steps on 32x48 crops at speed x1..x4 with bounce, then 2500
+  decoder-only steps on 64 cached full-frame clips; final weights, no selection)::
+
+      train_vae.py --resume weights/h3lab_video_vae.safetensors --joint --crop-h 32 --crop-w 48 \
+          --speed-min 1 --speed-max 4 --bounce --data-seed 2000000 --lr-a 1e-3 --warmup-a 20 --steps-a 950 \
+          --a-frac 0.7 --minutes 20 --steps-b 2500 --clips-b 64 --lr-b 5e-4 --fp16 --out /tmp/vae_t1.safetensors
+
+  held-out 12 clips: in-clip 20.28 dB / SSIM 0.758 (committed: 19.14 / 0.482), native 16.75 / 0.497, repeat
+  16.08 / 0.522 (gap -0.67; halves -0.46 / -0.88); val: gap +0.93 (halves +2.04 / -0.19). The better decoder
+  leans on its temporal context, so a single-frame token decodes about 4 dB below in-clip either way: copies
+  of a first-frame code at 4-frame-token positions are as far off-distribution as the lone token. Not shipped.
 * ``--eval-every`` keeps the checkpoint with the largest val gap; ``--fp16`` stores fp16 weights.
 """
 from __future__ import annotations
