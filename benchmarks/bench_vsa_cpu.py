@@ -1,6 +1,7 @@
 """CPU: VSA-H3 sparse path vs dense SDPA at S ~ 16k, head_dim 128, keep 10 % (ratio measured in one run).
 
     nice -n 10 python benchmarks/bench_vsa_cpu.py [--heads 2] [--reps 2] [--threads 1] [--backends reference,auto,cpu_native]
+        [--small]
 
 Three sequences of about 16k tokens, video grid 12x24x52 latent-frame x height x width tokens (12 = 5*2+2 latent
 frames = 39 pixel frames, H3's 17k+5 rule):
@@ -16,6 +17,10 @@ unpack; ``auto`` = ``cpu_batched`` on CPU), their ratio, the block density and t
 reach (1 / density), and the quality numbers on the same inputs: max |sparse - exact masked attention| on sampled
 query tiles (float64 oracle; exactness of the kernel) and max/mean |sparse - dense| (the approximation itself,
 random inputs).
+
+``--small`` runs the same three cases on a ~1k-token geometry (video grid 7x8x16, 7 = 5*1+2 latent frames = 22 pixel
+frames, audio 37; video-only 8x8x16; prefix-heavy text 300 + audio 414) for a smoke test of the script: its ratios
+say nothing about S ~ 16k.
 """
 from __future__ import annotations
 
@@ -104,13 +109,15 @@ def main():
     ap.add_argument("--keep", type=float, default=0.10)
     ap.add_argument("--backends", default="reference,auto,cpu_native", help="comma-separated fine-stage backends to time")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--small", action="store_true",
+                    help="~1k-token geometry (smoke test of this script, not a benchmark)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
-    grid = (12, 24, 52)
+    grid, grid_video_only = ((7, 8, 16), (8, 8, 16)) if a.small else ((12, 24, 52), (12, 24, 56))
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     r1 = run_case("h3-t2va", (300, h3_audio_tokens(grid[0])), grid, a.heads, a.keep, a.reps, backends, dtype)
-    r2 = run_case("video-only", (), (12, 24, 56), a.heads, a.keep, a.reps, backends, dtype)
+    r2 = run_case("video-only", (), grid_video_only, a.heads, a.keep, a.reps, backends, dtype)
     r3 = run_case("prefix-heavy", (300, 414), grid, a.heads, a.keep, a.reps, backends, dtype)
     for b in r1:
         print(f"RATIO dense/sparse (CPU time) [{b}]: h3-t2va {r1[b]:.2f}x, video-only {r2.get(b, float('nan')):.2f}x "
