@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -62,7 +64,7 @@ def child(mode: str, t: int, hh: int, ww: int, out: str) -> dict:
 
     from ditkit.testing.checkpoints import generate_all
 
-    d = Path("/tmp/ditkit_bench_vae")
+    d = Path(out).parent      # the parent's private scratch folder
     generate_all(d, ["h3_video_vae_tiny"])
     vae, _ = h3.load_h3_vae(str(d / "vae" / "h3_video_vae_tiny.safetensors"))
     z = torch.randn(1, 24, t, hh, ww, generator=torch.Generator().manual_seed(0))
@@ -106,8 +108,9 @@ def main():
         print(json.dumps(child(a.child, a.latent_t, hh, ww, a.out)))
         return
     res = {}
+    work = tempfile.mkdtemp(prefix="ditkit_bench_vae_")   # private: concurrent runs never share files
     for mode in ("native", "ditkit"):
-        out = f"/tmp/ditkit_bench_vae/{mode}.mp4"
+        out = os.path.join(work, f"{mode}.mp4")
         p = subprocess.run([sys.executable, __file__, "--child", mode, "--latent-t", str(a.latent_t), "--hw", a.hw,
                             "--out", out], capture_output=True, text=True, env=os.environ)
         if p.returncode:
@@ -125,6 +128,7 @@ def main():
     fa, fb = decode_frames(n["file"]), decode_frames(d["file"])
     diff = int(abs(fa.astype(int) - fb.astype(int)).max()) if fa.shape == fb.shape else None
     print(f"decoded MP4 frames: shapes {fa.shape} / {fb.shape}, max abs diff {diff} LSB")
+    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,13 @@ h3lab_video_vae.safetensors`` when it exists) and a latent from encoding a proce
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,7 +72,8 @@ def main():
     h3 = importlib.import_module("ditkit.nodes.h3_vae")
     from ditkit.testing.checkpoints import generate_all
 
-    out = Path("/tmp/ditkit_bench_vae")
+    out = Path(tempfile.mkdtemp(prefix="ditkit_bench_vae_t1_"))
+    atexit.register(shutil.rmtree, out, True)
     generate_all(out, ["h3_video_vae_tiny"])
     files = [("tiny random", out / "vae" / "h3_video_vae_tiny.safetensors")]
     lab = REPO / "benchmarks" / "lab" / "weights" / "h3lab_video_vae.safetensors"
