@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import platform
 import shutil
 import threading
 from pathlib import Path
@@ -42,9 +43,26 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
+def _cpu_fingerprint() -> bytes:
+    """What ``-march=native`` compiled for: the machine and its CPU feature flags (Linux), so a build cached in a
+    home folder shared by different CPUs is never loaded on one that lacks its instructions."""
+    flags = b""
+    try:
+        for line in Path("/proc/cpuinfo").read_bytes().splitlines():
+            if line.startswith((b"flags", b"Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return platform.machine().encode() + b"|" + flags
+
+
 def extension_name() -> str:
-    """Module name of the compiled extension: changes with the source, so an edited kernel is rebuilt."""
-    return "ditkit_tile_attn_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    """Module name of the compiled extension: changes with the source and the CPU, so an edited kernel or another
+    CPU gets its own build."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(_cpu_fingerprint())
+    return "ditkit_tile_attn_" + h.hexdigest()[:12]
 
 
 def load_extension():
