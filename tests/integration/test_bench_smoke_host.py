@@ -17,10 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ditkit.testing.bench_output import NUM, one as _one, positive as _pos
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
 LAB_VAE = BENCH / "lab" / "weights" / "h3lab_video_vae.safetensors"
-NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|inf|nan))"
 
 
 def _run(comfyui_path: Path, script: str, *args: str, timeout: float = 600) -> str:
@@ -32,16 +33,6 @@ def _run(comfyui_path: Path, script: str, *args: str, timeout: float = 600) -> s
     return proc.stdout
 
 
-def _pos(x: str) -> float:
-    v = float(x)
-    assert math.isfinite(v) and v > 0, f"expected a positive finite number, got {x!r}"
-    return v
-
-
-def _one(pattern: str, out: str) -> re.Match:
-    m = re.search(pattern, out, flags=re.M)
-    assert m, f"line matching {pattern!r} missing from:\n{out[-3000:]}"
-    return m
 
 
 def test_bench_adaln_cache_smoke(comfyui_path):

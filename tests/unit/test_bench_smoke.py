@@ -12,7 +12,6 @@ and through its documented ``--device cpu`` smoke mode (CPU timings; nothing her
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
@@ -22,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from ditkit.testing.bench_output import NUM, one as _one, positive as _pos
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
-NUM = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|inf|nan))"
 
 
 def _run(script: str, *args: str, timeout: float = 300, expect_rc: int | None = 0) -> subprocess.CompletedProcess:
@@ -37,16 +37,6 @@ def _run(script: str, *args: str, timeout: float = 300, expect_rc: int | None = 
     return proc
 
 
-def _pos(x: str) -> float:
-    v = float(x)
-    assert math.isfinite(v) and v > 0, f"expected a positive finite number, got {x!r}"
-    return v
-
-
-def _one(pattern: str, out: str) -> re.Match:
-    m = re.search(pattern, out, flags=re.M)
-    assert m, f"line matching {pattern!r} missing from:\n{out[-3000:]}"
-    return m
 
 
 def test_bench_h3_loader_smoke():
