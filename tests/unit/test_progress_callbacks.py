@@ -3,7 +3,6 @@ end, ``total`` never changes and equals the work counted independently (decoder 
 header, layers); results are bit-identical with and without a callback."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -12,6 +11,8 @@ from ditkit.loaders.read_progress import load_with_progress
 from ditkit.loaders.safetensors_io import load_with_metadata, read_header, save_file
 from ditkit.offload.streamer import LayerwiseStreamer, StreamedLayer
 from ditkit.vae.t1_decode import direct_decode_t1, repeat_decode_t1, tiled_decode_frame, unwhiten
+
+from _fake_h3 import FakeH3 as _FakeH3  # noqa: E402  (tests/unit on sys.path)
 
 
 def check_calls(calls, total):
@@ -22,50 +23,16 @@ def check_calls(calls, total):
     assert dones[-1] == total and all(0 < d <= total for d in dones)
 
 
-class FakeH3:
-    """Duck-typed H3 VAE (as in test_vae_t1) counting its decoder calls."""
-    vae_ratio, tile_size, tile_overlap_min = 2, 8, 2
-    tokens_chunk_size, token_overlap, frame_pre_padding = 5, 2, 3
-    tiling = True
+class FakeH3(_FakeH3):
+    """The shared fake H3 VAE (tests/unit/_fake_h3.py), counting its decoder calls."""
 
     def __init__(self, c=24, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.latents_mean = torch.randn(c, generator=g)
-        self.latents_std = torch.rand(c, generator=g) + 0.5
-        self.w = torch.randn(3, c, generator=g) / c ** 0.5
-        self.decoder = type("D", (), {"patch_size_t": 4})()
+        super().__init__(c, seed)
         self.calls = 0
-
-    def _decode_temporal_chunks(self, t):
-        return (5, 1) if t == 2 else (0, 1)
 
     def _decode_pixels(self, z):
         self.calls += 1
-        b, c, t, h, w = z.shape
-        base = torch.einsum("bcthw,kc->bkthw", z, self.w)
-        out = torch.stack([torch.tanh(base * (p + 1) / 4 + base.mean()) for p in range(4)], dim=3)
-        out = out.reshape(b, 3, 4 * t, h, w)
-        return out.repeat_interleave(self.vae_ratio, -2).repeat_interleave(self.vae_ratio, -1)
-
-    def split_tiles(self, n):
-        if self.tile_size >= n:
-            return [0], [n], []
-        k = math.ceil((n - self.tile_overlap_min) / (self.tile_size - self.tile_overlap_min))
-        step = (n - self.tile_size) // (k - 1)
-        step -= step % self.vae_ratio
-        starts = [i * step for i in range(k - 1)] + [n - self.tile_size]
-        return starts, [self.tile_size] * k, [starts[i] + self.tile_size - starts[i + 1] for i in range(k - 1)]
-
-    def blend(self, a, b, e, dim):
-        e = min(a.shape[dim], b.shape[dim], e)
-        shape = [1] * a.ndim
-        shape[dim] = e
-        wgt = (torch.arange(e, dtype=b.dtype) / e).view(shape)
-        blended = a.narrow(dim, a.shape[dim] - e, e) * (1 - wgt) + b.narrow(dim, 0, e) * wgt
-        return torch.cat([blended, b.narrow(dim, e, b.shape[dim] - e)], dim=dim)
-
-    def _finalize_pixels(self, x):
-        return (x.float() * 0.5 + 0.5).clamp(0, 1)
+        return super()._decode_pixels(z)
 
 
 @pytest.mark.parametrize("hw", [(3, 3), (6, 5), (11, 7)])
