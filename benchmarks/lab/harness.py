@@ -1,15 +1,24 @@
 """Quality lab harness: speed and quality of ditkit / native features on the TRAINED tiny H3 lab models.
 
     COMFYUI_PATH=/path/to/ComfyUI nice -n 10 python benchmarks/lab/harness.py [--smoke] [--features a,b] [--cfg 3]
-        [--adherence-only --adherence-cfgs 1,2,3,4 --strip /tmp/strip.png]
+        [--engine comfy|ref] [--adherence-only --adherence-cfgs 1,2,3,4 --strip /tmp/strip.png]
 
-Everything runs in-process on ComfyUI (CPU): the lab DiT is loaded by the stock diffusion-model loader
-(``comfy.sd.load_diffusion_model_state_dict``, detected from shapes), sampled with ComfyUI's own KSampler
-(``euler`` / ``simple``, H3's video/audio shifts 12/3), on a fixed prompt set, with classifier-free guidance
-(``--cfg``, negative = the null prompt: an all-zero text context, which the DiT saw in training through
-conditioning dropout; cfg 1 = conditional only). Each feature node is
-applied to a clone of the model exactly as a workflow would (inputs = the node's schema defaults plus the
-overrides listed below) and compared with the exact path on the same seeds:
+Two engines (``--engine``; default ``comfy`` when ``COMFYUI_PATH`` is set, else ``ref``; the header names it):
+
+* ``comfy``: everything runs in-process on ComfyUI (CPU): the lab DiT is loaded by the stock diffusion-model loader
+  (``comfy.sd.load_diffusion_model_state_dict``, detected from shapes), sampled with ComfyUI's own KSampler
+  (``euler`` / ``simple``, H3's video/audio shifts 12/3), and each feature NODE is applied to a clone of the model
+  exactly as a workflow would (inputs = the node's schema defaults plus the overrides listed below). ComfyUI-side
+  code lives in ``lab_comfy.py`` and the ``ComfyLab`` class here.
+* ``ref``: no ComfyUI (CI): the pure-torch lab references ``ditkit.testing.lab_ref_dit`` / ``lab_ref_sample`` /
+  ``lab_ref_vae`` (proven equal to ComfyUI's DiT, KSampler and VAE by ``tests/integration/
+  test_lab_ref_equivalence_*.py``) and ditkit's feature CORES (TeaCache calibration + runtime, VSA-H3 runtime, T=1
+  repeat-decode) installed as the nodes install them (``lab_ref.py``). Native ComfyUI nodes (EasyCache) print
+  ``not available``. ``--smoke`` is the CI smoke (``tests/unit/test_lab_harness_ref.py``).
+
+Sampling is on a fixed prompt set, with classifier-free guidance (``--cfg``, negative = the null prompt: an all-zero
+text context, which the DiT saw in training through conditioning dropout; cfg 1 = conditional only). Each feature
+is compared with the exact path on the same seeds:
 
 * speed ratio = exact wall time / feature wall time (sampling only, same process, same run);
 * skip ratio = 1 - (transformer passes with the feature / passes on the exact path), counted by a forward
@@ -19,7 +28,8 @@ overrides listed below) and compared with the exact path on the same seeds:
 
 The T=1 rows encode single held-out frames (H3's T=1 encode) and compare decodes with the original frame:
 native single-token decode, repeat-decode (duplicate to T=2, decode, keep frame 0; lab reference code), and
-ditkit's ``DitKitH3VAEDecode`` path through ``DitKitH3VAELoader`` when that code exists.
+ditkit's path: ``DitKitH3VAEDecode`` through ``DitKitH3VAELoader`` (comfy engine, when that code exists) or
+ditkit's core ``vae.t1_decode.repeat_decode_t1`` called on the reference VAE (ref engine).
 
 Prompt adherence: colour and direction read back from the decoded pixels of the exact-path samples
 (``lab_data.describe_video``), on ``ADHERENCE_PROMPTS`` (12 prompts: every colour and every direction 3 times,
@@ -33,6 +43,7 @@ import argparse
 import dataclasses
 import importlib
 import math
+import os
 import sys
 import time
 import traceback
@@ -78,8 +89,9 @@ FEATURES = [
     Feature("EasyCache (native, reuse 0.4)", "comfy_extras.nodes_easycache", "EasyCache", {"reuse_threshold": 0.4}),
     Feature("Sparse attention (ditkit, defaults)", "ditkit.nodes.sparse_attention", "DitKitSparseAttention",
             group="sparse"),
+    # keep_percent is read only with recipe "custom" (the default recipe pins keep 10%)
     Feature("Sparse attention (ditkit, keep 50%)", "ditkit.nodes.sparse_attention", "DitKitSparseAttention",
-            {"keep_percent": 50.0}, group="sparse"),
+            {"recipe": "custom", "keep_percent": 50.0}, group="sparse"),
 ]
 
 
@@ -121,7 +133,12 @@ def apply_node(cls, model, overrides: dict):
 
 # ------------------------------------------------------------------------------------------------ the lab
 
-class Lab:
+class ComfyLab:
+    """The comfy engine: ComfyUI's DiT loader, KSampler and VAE; features through their nodes."""
+
+    engine = "comfy"
+    engine_desc = "comfy (ComfyUI in-process: KSampler, feature nodes)"
+
     def __init__(self, steps: int, dit=L.DIT_FILE, vae=L.VAE_FILE, text=L.TEXT_FILE, cfg: float = DEFAULT_CFG):
         self.comfy = L.import_comfy()
         import comfy.sd
@@ -138,6 +155,7 @@ class Lab:
         self.dit = comfy.sd.load_diffusion_model_state_dict(load_file(str(dit)))
         self.embed = load_file(str(text))["embed.weight"]
         self.vae = L.load_vae(vae)
+        self.scratch = None
 
     def conditioning(self, prompt: str):
         ctx = self.embed[D.tokenize(prompt)][None].clone()
@@ -171,6 +189,67 @@ class Lab:
             frames = self.vae.decode(video.float())[0]  # [3, F, H, W] in [0, 1]
         return frames, D.audio_decode(audio.float())
 
+    def t1_ditkit(self):
+        """(row label, decode(z) -> [3, H, W] in [0, 1] or None, why not): DitKitH3VAEDecode's path."""
+        label = "T=1 decode: DitKitH3VAEDecode"
+        try:
+            from ditkit.nodes.h3_vae import h3_decode, load_h3_vae
+
+            ditkit_vae, _ = load_h3_vae(self.vae_path)
+        except ModuleNotFoundError as e:
+            return label, None, f"not available ({e.name} missing)"
+        except Exception as e:  # noqa: BLE001
+            return label, None, f"error: {type(e).__name__}: {e}"
+
+        def decode(z):
+            img, _ = h3_decode(ditkit_vae, z)
+            return img[0].movedim(-1, 0).float()
+
+        return label, decode, ""
+
+    def prepare_features(self, feats, smoke: bool, calib_prompts) -> None:
+        import tempfile
+
+        import folder_paths
+
+        # calibration/coefficient files go to a scratch output directory, not the host's
+        self.scratch = tempfile.mkdtemp(prefix="h3lab_out_")
+        folder_paths.set_output_directory(self.scratch)
+        if any("ditkit.nodes.teacache" == f.module for f in feats):
+            try:
+                spec = calibrate_teacache(self, calib_prompts)
+                for f in feats:
+                    if f.module == "ditkit.nodes.teacache":
+                        f.overrides.setdefault("coefficients", spec)
+                print(f"TeaCache calibrated on the lab model -> {spec} (in {self.scratch})")
+            except Exception as e:  # noqa: BLE001
+                print(f"TeaCache calibration failed: {type(e).__name__}: {e}")
+
+    def feature_unavailable(self, feat) -> str:
+        """Why ``feat`` cannot run here ('' when it can)."""
+        return find_node(feat.module, feat.node_id)[1]
+
+    def feature_model(self, feat, base):
+        """A clone of ``base`` with the feature node applied (schema defaults + the row's overrides)."""
+        cls, why = find_node(feat.module, feat.node_id)
+        if cls is None:
+            raise RuntimeError(why)
+        return apply_node(cls, base.clone(), feat.overrides)
+
+    def close(self) -> None:
+        import shutil
+
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def make_lab(engine: str, steps: int, dit, vae, text, cfg: float):
+    if engine == "comfy":
+        return ComfyLab(steps, dit, vae, text, cfg=cfg)
+    import lab_ref
+
+    return lab_ref.RefLab(steps, dit, vae, text, cfg=cfg, frames=FRAMES, height=H, width=W)
+
 
 def fmt(x, unit="", nd=2):
     if x is None:
@@ -180,21 +259,13 @@ def fmt(x, unit="", nd=2):
     return f"{x:.{nd}f}{unit}"
 
 
-def run_t1(lab: Lab, n_clips: int, rows: list):
+def run_t1(lab, n_clips: int, rows: list):
     """Native single-token decode vs repeat-decode on held-out frames."""
     V = lab.vae
     frame_ids = (0, 8, 16)
     res = {"native": [], "repeat": [], "clip": [], "ditkit": [], "native_ssim": [], "repeat_ssim": [],
            "ditkit_ssim": [], "clip_ssim": []}
-    ditkit_vae, why = None, ""
-    try:
-        from ditkit.nodes.h3_vae import h3_decode, load_h3_vae
-
-        ditkit_vae, _ = load_h3_vae(lab.vae_path)
-    except ModuleNotFoundError as e:
-        why = f"not available ({e.name} missing)"
-    except Exception as e:  # noqa: BLE001
-        why = f"error: {type(e).__name__}: {e}"
+    dk_label, dk_decode, why = lab.t1_ditkit()
     with torch.inference_mode():
         for i in range(n_clips):
             clip = D.make_clip(HELDOUT_SEED + i, FRAMES, H, W)
@@ -210,15 +281,14 @@ def run_t1(lab: Lab, n_clips: int, rows: list):
                 res["native_ssim"].append(ssim(ref, native))
                 res["repeat_ssim"].append(ssim(ref, rep))
                 res["clip_ssim"].append(ssim(ref, full[:, f]))
-                if ditkit_vae is not None:
+                if dk_decode is not None:
                     try:
-                        img, _ = h3_decode(ditkit_vae, z)
-                        dk = img[0].movedim(-1, 0).float()
+                        dk = dk_decode(z)
                         res["ditkit"].append(psnr(ref, dk))
                         res["ditkit_ssim"].append(ssim(ref, dk))
                     except Exception as e:  # noqa: BLE001
                         why = f"error: {type(e).__name__}: {e}"
-                        ditkit_vae = None
+                        dk_decode = None
     n = len(res["native"])
 
     def mean(k):
@@ -231,17 +301,17 @@ def run_t1(lab: Lab, n_clips: int, rows: list):
                  fmt(mean("repeat_ssim"), nd=3), "-", "-",
                  f"gain {mean('repeat') - mean('native'):+.2f} dB vs native"))
     if res["ditkit"]:
-        rows.append(("T=1 decode: DitKitH3VAEDecode", "-", "-", fmt(mean("ditkit"), " dB"),
+        rows.append((dk_label, "-", "-", fmt(mean("ditkit"), " dB"),
                      fmt(mean("ditkit_ssim"), nd=3), "-", "-",
                      f"gain {mean('ditkit') - mean('native'):+.2f} dB vs native"))
     else:
-        rows.append(("T=1 decode: DitKitH3VAEDecode", "-", "-", "-", "-", "-", "-", why or "not available"))
+        rows.append((dk_label, "-", "-", "-", "-", "-", "-", why or "not available"))
     rows.append(("(same frames decoded inside their clip)", "-", "-", fmt(mean("clip"), " dB"),
                  fmt(mean("clip_ssim"), nd=3), "-", "-", "7-token window upper bound"))
     return res
 
 
-def calibrate_teacache(lab: Lab, prompts, name: str = "h3lab") -> str:
+def calibrate_teacache(lab: ComfyLab, prompts, name: str = "h3lab") -> str:
     """Run ditkit's TeaCache calibration on the lab model (full-compute sampling of ``prompts``); returns the
     coefficient spec for DitKitTeaCache, or raises when the calibration node is missing."""
     cls, why = find_node("ditkit.nodes.teacache", "DitKitTeaCacheCalibrate")
@@ -253,7 +323,7 @@ def calibrate_teacache(lab: Lab, prompts, name: str = "h3lab") -> str:
     return f"{name}.json"
 
 
-def run_sampling(lab: Lab, prompts, seeds, features, rows: list, adherence: dict):
+def run_sampling(lab, prompts, seeds, features, rows: list, adherence: dict):
     base = lab.dit
     exact = {}
     t_exact = 0.0
@@ -275,8 +345,8 @@ def run_sampling(lab: Lab, prompts, seeds, features, rows: list, adherence: dict
     rows.append(("exact path (reference)", "1.00x", "0.00", "inf", "1.000", "0.00 dB", "inf",
                  f"{len(exact)} samples, {lab.steps} steps, {n_exact} passes, {t_exact:.2f}s"))
     for feat in features:
-        cls, why = find_node(feat.module, feat.node_id)
-        if cls is None:
+        why = lab.feature_unavailable(feat)
+        if why:
             rows.append((feat.name, "-", "-", "-", "-", "-", "-", why))
             continue
         try:
@@ -285,7 +355,7 @@ def run_sampling(lab: Lab, prompts, seeds, features, rows: list, adherence: dict
             ps, ss, ls, sn = [], [], [], []
             for p in prompts:
                 for s in seeds:
-                    model = apply_node(cls, base.clone(), feat.overrides)
+                    model = lab.feature_model(feat, base)
                     v, a, dt, n = lab.sample(model, p, s)
                     frames, wave = lab.decode(v, a)
                     rf, rw = exact[(p, s)]
@@ -304,7 +374,7 @@ def run_sampling(lab: Lab, prompts, seeds, features, rows: list, adherence: dict
             rows.append((feat.name, "-", "-", "-", "-", "-", "-", f"error: {type(e).__name__}: {e}"[:160]))
 
 
-def run_adherence(lab: Lab, prompts, seeds, cfgs, strip: str | None = None) -> list:
+def run_adherence(lab, prompts, seeds, cfgs, strip: str | None = None) -> list:
     """Colour / direction read back from the exact-path samples of ``prompts`` x ``seeds`` at each guidance scale.
     The first row is the ceiling the VAE allows: the same read-back on real clips of the same prompts, encoded
     and decoded by the lab VAE. Returns rows ``(cfg, colour hits, direction hits, both, n, seconds)``; ``strip``
@@ -396,7 +466,11 @@ def main(argv=None) -> int:
     ap.add_argument("--adherence-seeds", type=int, default=2, help="seeds per adherence prompt")
     ap.add_argument("--adherence-only", action="store_true", help="only the adherence table (no T=1 / feature rows)")
     ap.add_argument("--strip", default=None, help="write a PNG frame strip of adherence samples here")
+    ap.add_argument("--engine", choices=("comfy", "ref"), default=None,
+                    help="comfy: ComfyUI in-process (needs COMFYUI_PATH); ref: pure-torch lab references + ditkit "
+                         "cores, no ComfyUI (default: comfy when COMFYUI_PATH is set, else ref)")
     a = ap.parse_args(argv)
+    engine = a.engine or ("comfy" if os.environ.get("COMFYUI_PATH") else "ref")
     torch.set_num_threads(1)
     steps = a.steps or (6 if a.smoke else 20)
     prompts = PROMPTS[:1] if a.smoke else PROMPTS
@@ -420,46 +494,31 @@ def main(argv=None) -> int:
         adh_cfgs = [float(c) for c in a.adherence_cfgs.split(",") if c.strip()]
     adh_seeds = list(range(a.adherence_seeds))
     t0 = time.time()
-    lab = Lab(steps, a.dit, a.vae, a.text, cfg=a.cfg)
+    lab = make_lab(engine, steps, a.dit, a.vae, a.text, a.cfg)
+    print(f"engine: {lab.engine_desc}")
     if a.adherence_only:
         adh = run_adherence(lab, ADHERENCE_PROMPTS, adh_seeds, adh_cfgs, a.strip)
-        print(f"H3 quality lab: {steps} euler steps, {FRAMES}x{H}x{W} px, CPU, torch threads 1")
+        print(f"H3 quality lab: {steps} euler steps, {FRAMES}x{H}x{W} px, CPU, torch threads 1, engine {lab.engine}")
         print_adherence(adh, ADHERENCE_PROMPTS, adh_seeds)
         print(f"total {time.time() - t0:.0f}s")
+        lab.close()
         return 0
     rows: list = []
     run_t1(lab, a.t1_clips or (1 if a.smoke else 6), rows)
-    import tempfile
-
-    import folder_paths
-
-    # calibration/coefficient files go to a scratch output directory, not the host's
-    scratch = tempfile.mkdtemp(prefix="h3lab_out_")
-    folder_paths.set_output_directory(scratch)
-    if any("ditkit.nodes.teacache" == f.module for f in feats):
-        try:
-            spec = calibrate_teacache(lab, CALIB_PROMPTS[:2] if a.smoke else CALIB_PROMPTS)
-            for f in feats:
-                if f.module == "ditkit.nodes.teacache":
-                    f.overrides.setdefault("coefficients", spec)
-            print(f"TeaCache calibrated on the lab model -> {spec} (in {scratch})")
-        except Exception as e:  # noqa: BLE001
-            print(f"TeaCache calibration failed: {type(e).__name__}: {e}")
+    lab.prepare_features(feats, a.smoke, CALIB_PROMPTS[:2] if a.smoke else CALIB_PROMPTS)
     adherence: dict = {}
     run_sampling(lab, prompts, seeds, feats, rows, adherence)
     adh = run_adherence(lab, ADHERENCE_PROMPTS, adh_seeds, adh_cfgs, a.strip) if adh_cfgs else []
     print()
     print(f"H3 quality lab: {len(prompts)} prompt(s) x {len(seeds)} seed(s), {steps} euler steps, cfg {a.cfg:g} "
-          f"(negative: null prompt), {FRAMES}x{H}x{W} px, CPU, torch threads 1")
+          f"(negative: null prompt), {FRAMES}x{H}x{W} px, CPU, torch threads 1, engine {lab.engine}")
     print_table(rows)
     print(f"prompt adherence of exact samples (read back from pixels): colour {adherence['colour']}/"
           f"{adherence['n']}, direction {adherence['direction']}/{adherence['n']}")
     if adh:
         print_adherence(adh, ADHERENCE_PROMPTS, adh_seeds)
     print(f"total {time.time() - t0:.0f}s")
-    import shutil
-
-    shutil.rmtree(scratch, ignore_errors=True)
+    lab.close()
     return 0
 
 
