@@ -259,18 +259,26 @@ class RefLab:
     engine_desc = ENGINE_DESC
 
     def __init__(self, steps: int, dit=None, vae=None, text=None, cfg: float = 3.0, frames=22, height=64, width=96):
-        from ditkit.testing.lab_ref_vae import load_lab_vae
-
         self.steps = steps
         self.cfg = float(cfg)
         self.base = R.load_lab_dit(dit)
         self.base_model = RefModel(self.base)
         self.dit = self.base_model
         self.embed = R.load_text_embed(text)
-        self.vae = load_lab_vae(vae)
+        self.vae_path = vae
+        self._vae = None
         self.ms = S.FlowSampling(self.base.sigma_shift_video, self.base.sigma_shift_audio)
         self.shapes = S.av_latent_shapes(width, height, frames)
         self.scratch = tempfile.mkdtemp(prefix="h3lab_ref_")
+
+    @property
+    def vae(self):
+        """The reference lab VAE (loaded on first use: DiT-only uses need no VAE)."""
+        if self._vae is None:
+            from ditkit.testing.lab_ref_vae import load_lab_vae
+
+            self._vae = load_lab_vae(self.vae_path)
+        return self._vae
 
     def conditioning(self, prompt: str):
         return self.embed[D.tokenize(prompt)][None].clone()
