@@ -37,6 +37,7 @@ from ..errors import CheckpointError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VAE_FILE = REPO_ROOT / "benchmarks" / "lab" / "weights" / "h3lab_video_vae.safetensors"
+VAE_FILE = DEFAULT_VAE_FILE  # same name as lab_comfy.VAE_FILE / lab_ref_dit.DIT_FILE
 
 # pixel normalisation of the H3 VAE (ImageNet statistics; not stored in the checkpoint)
 PIXEL_MEAN = (0.485, 0.456, 0.406)
