@@ -19,14 +19,12 @@ from comfy_api.latest import io
 
 from ..errors import BackendError, UnsupportedModelError
 from ..kernels import REGISTRY
-from ..kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
+from ..kernels.vsa_h3_runtime import CTX_KEY, GATE_KEY, VSAH3Config, VSAH3Runtime, make_attention_override
 from ..kernels.vsa_layout import prefix_segments_from_spans
 from ._common import send_report, ui_report
 
 NODE_ID = "DitKitSparseAttention"
 KEY = "ditkit_vsa_h3"
-CTX_KEY = "ditkit_vsa"
-GATE_KEY = "ditkit_vsa_gate"
 GATE_ATTACHMENT = "ditkit_h3_gate_compress"
 BACKENDS = ["auto", "triton", "flex", "cpu_batched", "cpu_native", "reference", "flashinfer", "comfy_kitchen"]
 GATE_CHOICES = ["auto", "none"]
@@ -167,34 +165,7 @@ class DitKitSparseAttention(io.ComfyNode):
                                f"{NODE_ID} node; use one (chain the node once, after other attention nodes)")
         prev_name = getattr(prev, "__qualname__", type(prev).__name__) if prev is not None else None
 
-        def dense(func, q, k, v, heads, *a, **kw):
-            if prev is not None:
-                return prev(func, q, k, v, heads, *a, **kw)
-            return func(q, k, v, heads, *a, **kw)
-
-        def override(func, q, k, v, heads, *a, mask=None, skip_reshape=False, transformer_options=None, **kw):
-            to = transformer_options or {}
-            ctx = to.get(CTX_KEY)
-            reason = None
-            if ctx is None:
-                reason = "not an H3 DiT forward"
-            elif not skip_reshape or q.dim() != 4:
-                reason = "unexpected layout"
-            elif mask is not None:
-                reason = "masked call"
-            elif q.shape[2] != ctx.layout.seq_len:
-                reason = "token refiner / non-packed"
-            elif not ctx.sparse:
-                reason = ctx.reason
-            if reason is not None:
-                # a full packed-sequence call that went dense makes its step dense; refiner/foreign calls do not
-                packed = ctx is not None and reason not in ("token refiner / non-packed",)
-                rt.dense_call(reason, ctx if packed else None)
-                return dense(func, q, k, v, heads, *a, mask=mask, skip_reshape=skip_reshape,
-                             transformer_options=transformer_options, **kw)
-            out = rt.attention(q, k, v, ctx, gate=to.get(GATE_KEY))
-            B, H, S, D = out.shape
-            return out.transpose(1, 2).reshape(B, S, H * D)
+        override = make_attention_override(rt, prev)
 
         def forward_wrapper(executor, *args, **kwargs):
             to = args[3] if len(args) > 3 else kwargs.get("transformer_options", {})
@@ -216,7 +187,6 @@ class DitKitSparseAttention(io.ComfyNode):
             finally:
                 send_report(node_id, NODE_ID, "run", rt.summary(), rt.as_dict())
 
-        override._ditkit_vsa = True
         topts["optimized_attention_override"] = override
         m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, forward_wrapper)
         m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, outer_wrapper)

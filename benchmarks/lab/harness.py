@@ -207,7 +207,8 @@ class ComfyLab:
 
         return label, decode, ""
 
-    def prepare_features(self, feats, smoke: bool, calib_prompts) -> None:
+    def calibrate_teacache(self, calib_prompts) -> tuple[str, str]:
+        """DitKitTeaCacheCalibrate (the node) into a scratch output directory: (coefficients spec, where)."""
         import tempfile
 
         import folder_paths
@@ -215,15 +216,7 @@ class ComfyLab:
         # calibration/coefficient files go to a scratch output directory, not the host's
         self.scratch = tempfile.mkdtemp(prefix="h3lab_out_")
         folder_paths.set_output_directory(self.scratch)
-        if any("ditkit.nodes.teacache" == f.module for f in feats):
-            try:
-                spec = calibrate_teacache(self, calib_prompts)
-                for f in feats:
-                    if f.module == "ditkit.nodes.teacache":
-                        f.overrides.setdefault("coefficients", spec)
-                print(f"TeaCache calibrated on the lab model -> {spec} (in {self.scratch})")
-            except Exception as e:  # noqa: BLE001
-                print(f"TeaCache calibration failed: {type(e).__name__}: {e}")
+        return calibrate_teacache(self, calib_prompts), f"(in {self.scratch})"
 
     def feature_unavailable(self, feat) -> str:
         """Why ``feat`` cannot run here ('' when it can)."""
@@ -309,6 +302,22 @@ def run_t1(lab, n_clips: int, rows: list):
     rows.append(("(same frames decoded inside their clip)", "-", "-", fmt(mean("clip"), " dB"),
                  fmt(mean("clip_ssim"), nd=3), "-", "-", "7-token window upper bound"))
     return res
+
+
+def attach_teacache_coefficients(lab, feats, calib_prompts) -> None:
+    """Calibrate TeaCache on the lab model (the engine's ``calibrate_teacache``) and give every TeaCache row the
+    coefficients; a failed calibration is printed and those rows then report their own error."""
+    if not any(f.module == "ditkit.nodes.teacache" for f in feats):
+        return
+    try:
+        spec, where = lab.calibrate_teacache(calib_prompts)
+    except Exception as e:  # noqa: BLE001
+        print(f"TeaCache calibration failed: {type(e).__name__}: {e}")
+        return
+    for f in feats:
+        if f.module == "ditkit.nodes.teacache":
+            f.overrides.setdefault("coefficients", spec)
+    print(f"TeaCache calibrated on the lab model -> {spec} {where}")
 
 
 def calibrate_teacache(lab: ComfyLab, prompts, name: str = "h3lab") -> str:
@@ -505,7 +514,7 @@ def main(argv=None) -> int:
         return 0
     rows: list = []
     run_t1(lab, a.t1_clips or (1 if a.smoke else 6), rows)
-    lab.prepare_features(feats, a.smoke, CALIB_PROMPTS[:2] if a.smoke else CALIB_PROMPTS)
+    attach_teacache_coefficients(lab, feats, CALIB_PROMPTS[:2] if a.smoke else CALIB_PROMPTS)
     adherence: dict = {}
     run_sampling(lab, prompts, seeds, feats, rows, adherence)
     adh = run_adherence(lab, ADHERENCE_PROMPTS, adh_seeds, adh_cfgs, a.strip) if adh_cfgs else []

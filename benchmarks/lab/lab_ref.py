@@ -27,7 +27,8 @@ from ditkit.cache import coefficients as coef
 from ditkit.cache.calibrate import CalibrationRecorder, fit_files, load_pair_file, write_pair_file
 from ditkit.cache.hooks import HOLDER_KEY, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
 from ditkit.cache.teacache import TeaCacheConfig, TeaCacheState
-from ditkit.kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
+from ditkit.kernels.vsa_h3_runtime import CTX_KEY as VSA_CTX_KEY
+from ditkit.kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime, make_attention_override
 from ditkit.kernels.vsa_layout import prefix_segments_from_spans
 from ditkit.testing import lab_data as D
 from ditkit.testing import lab_ref_dit as R
@@ -44,7 +45,7 @@ SPARSE_RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 
 SPARSE_DEFAULTS = dict(recipe="FastH3 Preview v1 (keep 10%)", keep_percent=10.0, start_percent=0.0, end_percent=1.0,
                        backend="auto", min_tokens=0, gate="auto")
 TEACACHE_WRAPPER_KEY = "ditkit_teacache"
-VSA_KEY, VSA_CTX_KEY, VSA_GATE_KEY = "ditkit_vsa_h3", "ditkit_vsa", "ditkit_vsa_gate"
+VSA_KEY = "ditkit_vsa_h3"
 
 
 @dataclasses.dataclass
@@ -195,30 +196,7 @@ def sparse_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
     to = model.transformer_options
     prev = to.get("optimized_attention_override")
 
-    def dense(func, q, k, v, heads, *a, **kw):
-        return prev(func, q, k, v, heads, *a, **kw) if prev is not None else func(q, k, v, heads, *a, **kw)
-
-    def override(func, q, k, v, heads, *a, mask=None, skip_reshape=False, transformer_options=None, **kw):
-        t = transformer_options or {}
-        ctx = t.get(VSA_CTX_KEY)
-        reason = None
-        if ctx is None:
-            reason = "not an H3 DiT forward"
-        elif not skip_reshape or q.dim() != 4:
-            reason = "unexpected layout"
-        elif mask is not None:
-            reason = "masked call"
-        elif q.shape[2] != ctx.layout.seq_len:
-            reason = "token refiner / non-packed"
-        elif not ctx.sparse:
-            reason = ctx.reason
-        if reason is not None:
-            rt.dense_call(reason, ctx if ctx is not None and reason != "token refiner / non-packed" else None)
-            return dense(func, q, k, v, heads, *a, mask=mask, skip_reshape=skip_reshape,
-                         transformer_options=transformer_options, **kw)
-        out = rt.attention(q, k, v, ctx, gate=t.get(VSA_GATE_KEY))
-        B, H, Sq, Dh = out.shape
-        return out.transpose(1, 2).reshape(B, Sq, H * Dh)
+    override = make_attention_override(rt, prev)
 
     def forward_wrapper(executor, x, timestep, context, transformer_options, **kwargs):
         video = x[0]
@@ -323,16 +301,9 @@ class RefLab:
 
         return "T=1 decode: ditkit core repeat_decode_t1 (ref VAE)", decode, ""
 
-    def prepare_features(self, feats, smoke: bool, calib_prompts) -> None:
-        if any(f.module == "ditkit.nodes.teacache" for f in feats):
-            try:
-                path = calibrate_teacache(self, calib_prompts, self.scratch)
-                for f in feats:
-                    if f.module == "ditkit.nodes.teacache":
-                        f.overrides.setdefault("coefficients", path)
-                print(f"TeaCache calibrated on the lab model (ditkit calibration core) -> {path}")
-            except Exception as e:  # noqa: BLE001
-                print(f"TeaCache calibration failed: {type(e).__name__}: {e}")
+    def calibrate_teacache(self, calib_prompts) -> tuple[str, str]:
+        """TeaCache calibration through ditkit's calibration core: (coefficient file, where)."""
+        return calibrate_teacache(self, calib_prompts, self.scratch), "(ditkit calibration core)"
 
     def feature_unavailable(self, feat) -> str:
         """Why ``feat`` cannot run here ('' when it can): only ditkit features have cores to install."""

@@ -40,8 +40,8 @@ def labs(harness, comfyui_path, monkeypatch_module):
     cfeats = [dataclasses.replace(f, overrides=dict(f.overrides)) for f in feats]
     rfeats = [dataclasses.replace(f, overrides=dict(f.overrides)) for f in feats]
     try:
-        clab.prepare_features(cfeats, True, harness.CALIB_PROMPTS[:2])
-        rlab.prepare_features(rfeats, True, harness.CALIB_PROMPTS[:2])
+        harness.attach_teacache_coefficients(clab, cfeats, harness.CALIB_PROMPTS[:2])
+        harness.attach_teacache_coefficients(rlab, rfeats, harness.CALIB_PROMPTS[:2])
         yield clab, rlab, cfeats, rfeats
     finally:
         clab.close()
