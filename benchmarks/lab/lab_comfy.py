@@ -78,9 +78,10 @@ def _reset(module: torch.nn.Module) -> None:
                 torch.nn.init.ones_(m.weight)
 
 
-def build_vae(seed: int = 0, decoder_layers: int | None = None):
+def build_vae(seed: int = 0, decoder_layers: int | None = None, decoder_heads: int | None = None):
     """ComfyUI's ``MiniMaxH3VideoVAE`` at lab width, freshly initialised (fp32, CPU)."""
-    dec = dict(VAE_DECODER, num_layers=decoder_layers or VAE_DECODER["num_layers"])
+    dec = dict(VAE_DECODER, num_layers=decoder_layers or VAE_DECODER["num_layers"],
+               heads=decoder_heads or VAE_DECODER["heads"])
     import_comfy()
     V = comfy.ldm.minimax.vae
     # the stock constructor always builds the 36x2048 decoder: build on meta, swap in the lab-width one
@@ -111,7 +112,8 @@ def load_vae(path=VAE_FILE):
 
     sd = load_file(str(path))
     layers = len({k.split(".")[2] for k in sd if k.startswith("decoder.transformer_blocks.")})
-    vae = build_vae(decoder_layers=layers)
+    heads = sd["decoder.register_tokens"].shape[-1] // VAE_DECODER["dim_head"]
+    vae = build_vae(decoder_layers=layers, decoder_heads=heads)
     sd = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}  # fp16 files run in fp32
     missing, unexpected = vae.load_state_dict(sd, strict=True), None
     del missing, unexpected

@@ -88,6 +88,10 @@ def main(argv=None):
     ap.add_argument("--resume", default="", help="continue phase B (decoder only) from this file; phase A is "
                     "skipped, the encoder and whitening stay as they are")
     ap.add_argument("--new-decoder-layers", type=int, default=0, help="with --resume: fresh decoder of this depth")
+    ap.add_argument("--new-decoder-heads", type=int, default=0, help="with --new-decoder-layers: heads of 64 dims "
+                    "(default: the lab's 2)")
+    ap.add_argument("--keep", choices=("best", "final"), default="best", help="with --eval-every: keep the weights "
+                    "of the best T=1 check, or the final weights (checks only logged)")
     ap.add_argument("--probe", action="store_true", help="time 3 steps of each phase and exit")
     ap.add_argument("--joint", action="store_true", help="with --resume: run phase A (encoder + decoder jointly) "
                     "from the resumed weights instead of skipping it; the whitening is recomputed after it")
@@ -119,7 +123,8 @@ def main(argv=None):
     vae = L.load_vae(a.resume).train() if a.resume else L.build_vae(a.seed)
     if a.new_decoder_layers:
         # keep the trained encoder + whitening, start a fresh decoder of another depth
-        fresh = L.build_vae(a.seed + 1, decoder_layers=a.new_decoder_layers)
+        fresh = L.build_vae(a.seed + 1, decoder_layers=a.new_decoder_layers,
+                            decoder_heads=a.new_decoder_heads or None)
         vae.decoder = fresh.decoder
         vae.post_quant_conv = fresh.post_quant_conv
     print(f"VAE params {L.count_params(vae):,} (encoder {L.count_params(vae.encoder):,}, "
@@ -201,6 +206,8 @@ def main(argv=None):
         log["steps_a_done"] = step + 1
         if a.eval_every > 0 and steps_a and not a.probe:
             t1_check(step)
+            if a.keep == "final":
+                best = (best[0], f"A{step}", {k: v.detach().clone() for k, v in vae.state_dict().items()})
             vae.load_state_dict(best[2])
             log["best_t1_check_step_a"] = best[1]
             print(f"A: keeping the weights of the check at {best[1]} (gap {best[0]:+.2f} dB)", flush=True)
@@ -310,6 +317,8 @@ def main(argv=None):
                 vae.decoder.mask_token.copy_(mask_emb)
         if a.eval_every > 0 and steps_b and not a.probe:
             t1_check(step, "B")
+            if a.keep == "final":
+                best = (best[0], f"B{step}", {k: v.detach().clone() for k, v in vae.state_dict().items()})
             white = vae.latents_mean.clone(), vae.latents_std.clone()  # encoder frozen in B: stats stay valid
             vae.load_state_dict(best[2])
             vae.latents_mean.copy_(white[0])
@@ -328,9 +337,10 @@ def main(argv=None):
         log["final_t1_check"] = s
         print(f"T1 final: native {s['native']:.2f} repeat {s['repeat']:.2f} in-clip {s['clip']:.2f} "
               f"gap {s['gap']:+.2f} dB", flush=True)
+    decoder = dict(L.VAE_DECODER, num_layers=len(vae.decoder.transformer_blocks),
+                   heads=vae.decoder.register_tokens.shape[-1] // L.VAE_DECODER["dim_head"])
     meta = {"ditkit_lab": a.name, "seed": str(a.seed),
-            "lab_config": json.dumps({"vae": L.VAE_CONFIG, "decoder": dict(L.VAE_DECODER, num_layers=len(vae.decoder.transformer_blocks)), "frames": FRAMES,
-                                      "height": H, "width": W})}
+            "lab_config": json.dumps({"vae": L.VAE_CONFIG, "decoder": decoder, "frames": FRAMES, "height": H, "width": W})}
     L.save_state(vae, a.out, meta, dtype=torch.float16 if a.fp16 else None)
     log_path = Path(a.log) if a.log else Path(a.out).with_name("h3lab_vae_log.json")
     log_path.write_text(json.dumps(log, indent=1))
