@@ -1,6 +1,8 @@
 """Quality metrics for the lab (plain torch, float64 internally).
 
 * :func:`psnr` — peak signal-to-noise ratio in dB for images/videos in ``[0, data_range]``.
+* :func:`psnr_offset_free` — PSNR after removing each channel's mean difference (a global colour offset): the
+  structural part of the error. For ``[C, H, W]`` images (or ``[..., C, H, W]``, per leading index).
 * :func:`ssim` — structural similarity (Wang et al. 2004): 11x11 Gaussian window (sigma 1.5), K1 = 0.01,
   K2 = 0.03, 'valid' windows only, averaged over channels and frames. Inputs ``[..., C, H, W]`` or ``[H, W]``.
 * :func:`log_spectral_distance` — LSD in dB between two waveforms: per STFT frame
@@ -22,6 +24,14 @@ def psnr(ref: torch.Tensor, est: torch.Tensor, data_range: float = 1.0) -> float
     if mse == 0.0:
         return math.inf
     return 10.0 * math.log10(data_range ** 2 / mse)
+
+
+def psnr_offset_free(ref: torch.Tensor, est: torch.Tensor, data_range: float = 1.0) -> float:
+    if ref.shape != est.shape or ref.dim() < 3:
+        raise ValueError(f"need two [..., C, H, W] tensors of one shape, got {tuple(ref.shape)} vs {tuple(est.shape)}")
+    r, e = ref.double(), est.double()
+    e = e - e.mean(dim=(-2, -1), keepdim=True) + r.mean(dim=(-2, -1), keepdim=True)
+    return psnr(r, e, data_range)
 
 
 def _gaussian_window(size: int = 11, sigma: float = 1.5) -> torch.Tensor:

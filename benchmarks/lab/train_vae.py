@@ -12,7 +12,7 @@ Writes ``weights/h3lab_video_vae.safetensors`` (ComfyUI key layout) and ``weight
 
 T=1 artifact experiments (2026-11-30; ``eval_t1.py`` measures native single-token decode vs repeat-decode with the
 harness protocol; "val" = clips ``eval_t1.VAL_SEED + i``, "held-out" = the harness's ``HELDOUT_SEED + i``).
-The committed VAE: held-out 12 clips x 3 frames native 17.50 / repeat 17.71 / in-clip 19.14 dB (gap +0.21;
+The 3-block VAE (before phase C): held-out 12 clips x 3 frames native 17.50 / repeat 17.71 / in-clip 19.14 dB (gap +0.21;
 clips 0-5 +0.41, 6-11 +0.01); val 12 clips gap +0.47 (clips 0-5 +1.81, 6-11 -0.87: the sign follows the clip,
 the error is mostly a global colour offset). Options added for these runs, none of which made the gap large:
 
@@ -33,7 +33,19 @@ the error is mostly a global colour offset). Options added for these runs, none 
   16.08 / 0.522 (gap -0.67; halves -0.46 / -0.88); val: gap +0.93 (halves +2.04 / -0.19). The better decoder
   leans on its temporal context, so a single-frame token decodes about 4 dB below in-clip either way: copies
   of a first-frame code at 4-frame-token positions are as far off-distribution as the lone token. Not shipped.
-* ``--eval-every`` keeps the checkpoint with the largest val gap; ``--fp16`` stores fp16 weights.
+* ``--eval-every`` keeps the checkpoint with the largest val gap (``--keep final``: checks only logged);
+  ``--fp16`` stores fp16 weights.
+
+Phase C (the shipped decoder; the encoder, whitening and hence the DiT's latent space unchanged): a fresh, deeper
+decoder, ``--new-decoder-layers 12 --new-decoder-heads 1`` (12 x 64 instead of 3 x 128), decoder-only on 640 cached
+clips, 22.5k steps / 58 min (command in MODEL_CARD.md). Val gaps over training +1.0..+1.6 dB; held-out 24 clips x 3
+frames: native 17.59 dB / SSIM 0.436, repeat 17.74 / 0.730, in-clip 21.50 / 0.828; offset-free PSNR (per-channel
+mean difference removed) 20.67 vs 22.21 dB, repeat better on 60/72 frames: the lone token decodes to a patch grid
+(H3's reported failure shape), but a shared per-clip colour error keeps the raw PSNR gap small. Runs that did not
+help (2026-11-30): joint training from the 3-block file with ``--still-frac 0.25`` (val gap +0.3 throughout phase
+A; the ``--eval-every`` selection then kept the starting weights), 12 x 64 on 160 clips (val +0.3..+0.7; held-out
+24 clips -0.10 dB, SSIM 0.53 vs 0.60), 12 x 64 on 640 clips with ``--still-frac 0.2`` (val +0.07..+0.27 after 5k
+steps, stopped), 24 x 64 on 160 clips (val -0.25..+0.06 after 2.7k steps, stopped).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ditkit.testing.lab_metrics import log_spectral_distance, psnr, snr, ssim
+from ditkit.testing.lab_metrics import log_spectral_distance, psnr, psnr_offset_free, snr, ssim
 
 
 def _np_ssim(a, b, data_range=1.0, size=11, sigma=1.5):
@@ -27,6 +27,23 @@ def _np_ssim(a, b, data_range=1.0, size=11, sigma=1.5):
             cov = (w * (pa - ma) * (pb - mb)).sum()
             vals.append(((2 * ma * mb + c1) * (2 * cov + c2)) / ((ma ** 2 + mb ** 2 + c1) * (va + vb + c2)))
     return float(np.mean(vals))
+
+
+def test_psnr_offset_free_ignores_a_per_channel_offset_only():
+    g = torch.Generator().manual_seed(1)
+    a = torch.rand(3, 12, 20, generator=g)
+    noise = 0.04 * torch.randn(3, 12, 20, generator=g)
+    shifted = a + torch.tensor([0.2, -0.1, 0.05]).view(3, 1, 1)
+    assert psnr_offset_free(a, shifted) > 120  # a pure per-channel offset is no structural error (fp32 rounding)
+    assert psnr(a, shifted) < 20
+    # independent numpy: remove each channel's mean difference, then the PSNR formula
+    an, bn = a.numpy().astype(np.float64), (shifted + noise).numpy().astype(np.float64)
+    for c in range(3):
+        bn[c] = bn[c] - bn[c].mean() + an[c].mean()
+    expect = 10 * np.log10(1.0 / np.mean((an - bn) ** 2))
+    assert psnr_offset_free(a, shifted + noise) == pytest.approx(expect, abs=1e-9)
+    with pytest.raises(ValueError):
+        psnr_offset_free(a[0], a[0])
 
 
 def test_psnr_matches_formula():

@@ -45,9 +45,18 @@ def test_default_path_is_the_committed_file():
 
 
 def test_inferred_config_is_the_lab_config(vae):
+    # the training script records the config it built in the file's metadata: shapes must infer the same
+    import json
+
+    from ditkit.loaders.safetensors_io import read_header
+
+    rec = json.loads(read_header(DEFAULT_VAE_FILE).metadata["lab_config"])
     c = vae.cfg
-    assert (c.ch, c.ch_mult, c.num_res_blocks) == (32, (1, 1, 2, 2, 2, 2), (1,) * 6)
-    assert (c.dec_layers, c.dec_heads, c.dec_dim_head, c.ffn_inner, c.num_register_tokens) == (3, 2, 64, 512, 4)
+    assert (c.ch, list(c.ch_mult), c.num_res_blocks) == (rec["vae"]["ch"], rec["vae"]["ch_mult"],
+                                                         (rec["vae"]["num_res_blocks"],) * 6)
+    dec = rec["decoder"]
+    assert (c.dec_layers, c.dec_heads, c.dec_dim_head) == (dec["num_layers"], dec["heads"], dec["dim_head"])
+    assert (c.ffn_inner, c.num_register_tokens) == (4 * dec["heads"] * dec["dim_head"], 4)
     assert (c.z_channels, c.embed_dim, c.out_channels) == (24, 24, 3)
     assert (vae.vae_ratio, vae.vae_ratio_t, vae.frame_pre_padding, vae.tokens_chunk_size, vae.token_overlap,
             vae.frame_overlap) == (16, 4, 3, 5, 2, 5)
