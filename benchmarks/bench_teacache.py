@@ -97,7 +97,7 @@ class LabBackend:
         import harness as LH  # benchmarks/lab/harness.py
 
         self.LH = LH
-        self.lab = LH.Lab(steps)
+        self.lab = LH.ComfyLab(steps)
         self.model = self.lab.dit
         self.family = "h3"
         self.label = "quality-lab trained H3, metrics on decoded video frames / audio"

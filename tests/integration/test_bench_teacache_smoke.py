@@ -2,7 +2,8 @@
 
 The benchmark produces the README's TeaCache figures; it broke unnoticed once (the coefficient-path confinement
 refused its borrowed file), so it runs here at the smallest settings: it must exit 0 and print a table with
-calibrated, borrowed and EasyCache rows whose block-evaluation counts add up.
+calibrated, borrowed and EasyCache rows whose block-evaluation counts add up. ``--lab`` (the quality lab's
+trained H3, the README row) runs too: it broke unnoticed once more when the lab harness renamed its class.
 """
 import os
 import re
@@ -10,12 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_bench_teacache_smoke(comfyui_path):
+@pytest.mark.parametrize("source", [["--families", "h3"], ["--lab"]], ids=["tiny", "lab"])
+def test_bench_teacache_smoke(comfyui_path, source):
     env = dict(os.environ, COMFYUI_PATH=str(comfyui_path))
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_teacache.py"), "--families", "h3",
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_teacache.py"), *source,
                            "--steps", "8", "--calib-prompts", "2", "--eval-prompts", "1"], cwd=str(REPO), env=env,
                           capture_output=True, text=True, timeout=900)
     out = proc.stdout
