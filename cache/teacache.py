@@ -22,6 +22,8 @@ from typing import Hashable, Sequence
 
 import torch
 
+from ..errors import CoefficientError
+from . import coefficients as coef
 from .coefficients import StreamCoefficients
 
 
@@ -306,3 +308,32 @@ def finite_or_raise(v: float, what: str) -> float:
     if not math.isfinite(v):
         raise ValueError(f"{what} is not finite: {v}")
     return v
+
+
+def state_from_coefficients(cf, family: str, model_fp: dict | None, params: dict, who: str = "DitKitTeaCache",
+                            calibrate_with: str = "DitKitTeaCacheCalibrate"
+                            ) -> tuple[TeaCacheState, list[str], list[str]]:
+    """The runtime state for a loaded coefficient file ``cf`` on a model of ``family`` with fingerprint ``model_fp``.
+
+    ``params``: ``threshold``, ``audio_threshold``, ``start_percent``, ``end_percent``, ``cache_device``, ``strict``.
+    A file for another family is an error; a fingerprint mismatch is an error in strict mode, else a warning.
+    Returns ``(state, fingerprint_warnings, stream_warnings)``; the stream warnings name the family's streams the
+    file has no coefficients for (they take no part in skip decisions).
+    """
+    g = coef.check_model(cf, family, model_fp)
+    if any(m.severity == "error" for m in g.mismatches):
+        raise CoefficientError(
+            f"{who}: coefficient file {cf.describe()} is for {coef.FAMILY_NAMES.get(cf.family, cf.family)} "
+            f"but the model is {coef.FAMILY_NAMES[family]}; calibrate this model with {calibrate_with}")
+    fp_warnings = g.warnings()
+    if fp_warnings and params["strict"]:
+        raise CoefficientError(f"{who}: {cf.describe()} does not match this model: {'; '.join(fp_warnings)} "
+                               "(strict mode)")
+    streams = {s: cf.streams[s] for s in coef.FAMILY_STREAMS[family] if s in cf.streams}
+    missing = [s for s in coef.FAMILY_STREAMS[family] if s not in cf.streams]
+    stream_warnings = ([f"streams {missing} have no coefficients in the file and do not take part in skip "
+                        "decisions"] if missing else [])
+    thresholds = {s: (params["audio_threshold"] if s == "audio" else params["threshold"]) for s in streams}
+    config = TeaCacheConfig(family, streams, thresholds, params["start_percent"], params["end_percent"],
+                            params["cache_device"])
+    return TeaCacheState(config, cf.describe()), fp_warnings, stream_warnings

@@ -25,9 +25,9 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..cache import coefficients as coef
-from ..cache.calibrate import CalibrationRecorder, fit_files, load_pair_file, write_pair_file
+from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files, write_pair_file
 from ..cache.hooks import CALL_KEY, HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
-from ..cache.teacache import TeaCacheConfig, TeaCacheState
+from ..cache.teacache import TeaCacheState, state_from_coefficients
 from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
 from ._common import send_report, ui_report
 
@@ -360,27 +360,13 @@ def _deferrable(spec: str) -> str | None:
 
 def build_state(params: dict) -> tuple[TeaCacheState, dict]:
     """Load + check the coefficient file and build the runtime state (raises on bad files / other families)."""
-    family, strict = params["family"], params["strict"]
-    path = resolve_coefficients(params["spec"])
-    cf = coef.load(path)
-    g = coef.check_model(cf, family, params["model_fp"])
-    if any(m.severity == "error" for m in g.mismatches):
-        raise CoefficientError(
-            f"{NODE_TEACACHE}: coefficient file {cf.describe()} is for {coef.FAMILY_NAMES.get(cf.family, cf.family)} "
-            f"but the model is {coef.FAMILY_NAMES[family]}; calibrate this model with {NODE_CALIBRATE}")
-    warnings = g.warnings()
-    if warnings and strict:
-        raise CoefficientError(f"{NODE_TEACACHE}: {cf.describe()} does not match this model: {'; '.join(warnings)} (strict mode)")
-    for w in warnings:
+    cf = coef.load(resolve_coefficients(params["spec"]))
+    state, fp_warnings, stream_warnings = state_from_coefficients(cf, params["family"], params["model_fp"], params,
+                                                                  NODE_TEACACHE, NODE_CALIBRATE)
+    for w in fp_warnings:
         log.warning("[ditkit] %s: coefficient fingerprint mismatch: %s (file %s)", NODE_TEACACHE, w, cf.describe())
-    streams = {s: cf.streams[s] for s in coef.FAMILY_STREAMS[family] if s in cf.streams}
-    missing = [s for s in coef.FAMILY_STREAMS[family] if s not in cf.streams]
-    if missing:
-        warnings.append(f"streams {missing} have no coefficients in the file and do not take part in skip decisions")
-    thresholds = {s: (params["audio_threshold"] if s == "audio" else params["threshold"]) for s in streams}
-    config = TeaCacheConfig(family, streams, thresholds, params["start_percent"], params["end_percent"], params["cache_device"])
-    info = dict(params, coefficient_file=cf, model_warnings=warnings, deferred=False)
-    return TeaCacheState(config, cf.describe()), info
+    info = dict(params, coefficient_file=cf, model_warnings=fp_warnings + stream_warnings, deferred=False)
+    return state, info
 
 
 # ================================================================================================ calibration
@@ -416,12 +402,6 @@ def calibrate_sample_wrapper(executor, *args, **kwargs):
             guider.model_options = orig
 
 
-def _fp_without_prompt(fp: dict) -> str:
-    import json
-
-    return json.dumps({k: v for k, v in fp.items()}, sort_keys=True)
-
-
 def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
     info = holder.info
     rec: CalibrationRecorder = holder.recorder
@@ -431,21 +411,7 @@ def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     pair_path = os.path.join(pair_dir, f"pairs_{stamp}_{int(time.time() * 1e6) % 1000000:06d}.json")
     write_pair_file(rec.to_pair_file(run_fp), pair_path)
-    key = _fp_without_prompt(run_fp)
-    objs, ignored, used = [], [], []
-    for f in sorted(os.listdir(pair_dir)):
-        if not (f.startswith("pairs_") and f.endswith(".json")):
-            continue
-        try:
-            o = load_pair_file(os.path.join(pair_dir, f))
-        except CoefficientError as e:
-            ignored.append(f"{f} ({e})")
-            continue
-        if o["family"] == holder.family and _fp_without_prompt(o["fingerprint"]) == key:
-            objs.append(o)
-            used.append(os.path.join(pair_dir, f))
-        else:
-            ignored.append(f"{f} (other model/schedule/sampler)")
+    objs, used, ignored = collect_pair_files(pair_dir, holder.family, run_fp)
     prompts = {p for o in objs for p in (o.get("prompt_ids") or [])}
     data = {"pair_file": pair_path, "pairs_this_run": rec.n_pairs(), "runs": len(objs), "prompts": len(prompts),
             "min_prompts": info["min_prompts"], "ignored_pair_files": ignored, "pair_files": used}

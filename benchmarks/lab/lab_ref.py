@@ -24,9 +24,9 @@ import time
 import torch
 
 from ditkit.cache import coefficients as coef
-from ditkit.cache.calibrate import CalibrationRecorder, fit_files, load_pair_file, write_pair_file
+from ditkit.cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files, write_pair_file
 from ditkit.cache.hooks import HOLDER_KEY, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
-from ditkit.cache.teacache import TeaCacheConfig, TeaCacheState
+from ditkit.cache.teacache import state_from_coefficients
 from ditkit.kernels.vsa_h3_runtime import CTX_KEY as VSA_CTX_KEY
 from ditkit.kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime, make_attention_override
 from ditkit.kernels.vsa_layout import prefix_segments_from_spans
@@ -129,7 +129,9 @@ def calibrate_teacache(lab: "RefLab", prompts, scratch: str, name: str = "h3lab"
         stamp = f"{time.strftime('%Y%m%d-%H%M%S')}_{int(time.time() * 1e6) % 1000000:06d}"
         write_pair_file(h.recorder.to_pair_file(run_fp), os.path.join(pair_dir, f"pairs_{stamp}.json"))
         h.recorder.release()
-        objs = [load_pair_file(os.path.join(pair_dir, f)) for f in sorted(os.listdir(pair_dir))]
+        objs, _, ignored = collect_pair_files(pair_dir, "h3", run_fp)
+        if ignored:
+            raise RuntimeError(f"calibration pair files not used: {ignored}")
         n_prompts = len({p for o in objs for p in (o.get("prompt_ids") or [])})
         if n_prompts >= h.info["min_prompts"]:
             cf = fit_files(objs, degree=h.info["degree"], min_prompts=h.info["min_prompts"],
@@ -153,14 +155,9 @@ def teacache_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
     if not path:
         raise RuntimeError("no coefficient file (the TeaCache calibration did not run or failed)")
     cf = coef.load(path)
-    g = coef.check_model(cf, "h3", model_fingerprint(base.dit))
-    if any(m.severity == "error" for m in g.mismatches):
-        raise RuntimeError(f"coefficient file {cf.describe()} is not for H3: {g.warnings()}")
-    streams = {s: cf.streams[s] for s in coef.FAMILY_STREAMS["h3"] if s in cf.streams}
-    thresholds = {s: (p["audio_threshold"] if s == "audio" else p["threshold"]) for s in streams}
-    config = TeaCacheConfig("h3", streams, thresholds, p["start_percent"], p["end_percent"], p["cache_device"])
-    holder = TeaCacheHolder("h3", "teacache", state=TeaCacheState(config, cf.describe()),
-                            info=dict(p, coefficient_file=cf, model_warnings=g.warnings()))
+    state, fp_warnings, stream_warnings = state_from_coefficients(cf, "h3", model_fingerprint(base.dit), p)
+    holder = TeaCacheHolder("h3", "teacache", state=state,
+                            info=dict(p, coefficient_file=cf, model_warnings=fp_warnings + stream_warnings))
 
     def sample_wrapper(run, to, sigmas):
         to, h = _fresh_holder(to)
@@ -218,7 +215,6 @@ def sparse_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
         finally:
             base.reports.append(("sparse", rt.summary()))
 
-    override._ditkit_vsa = True
     to["optimized_attention_override"] = override
     model.add_dm_wrapper(VSA_KEY, forward_wrapper)
     model.outer.append(sample_wrapper)

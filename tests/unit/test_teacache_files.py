@@ -244,3 +244,41 @@ def test_cli_fits_from_pair_files(tmp_path, capsys):
     assert "R2" in capsys.readouterr().out
     assert cal.main([str(tmp_path / "x.json"), *paths, "--min-prompts", "5"]) == 2
     assert not (tmp_path / "x.json").exists()
+
+
+def test_collect_pair_files_keeps_only_this_run(tmp_path):
+    fp = _pair_obj()["fingerprint"]
+    cal.write_pair_file(_pair_obj(prompt="p0"), tmp_path / "pairs_1.json")
+    cal.write_pair_file(_pair_obj(prompt="p1", seed=1), tmp_path / "pairs_2.json")
+    cal.write_pair_file(_pair_obj(model="bb", prompt="p2"), tmp_path / "pairs_3.json")  # another model
+    cal.write_pair_file(_pair_obj(sigmas=(1.0, 0.3, 0.0)), tmp_path / "pairs_4.json")  # another schedule
+    (tmp_path / "pairs_5.json").write_text("{not json")
+    (tmp_path / "notes.txt").write_text("ignored: not a pair file name")
+    objs, used, ignored = cal.collect_pair_files(tmp_path, "h3", fp)
+    assert [o["prompt_ids"] for o in objs] == [["p0"], ["p1"]]
+    assert [p.rsplit("/", 1)[-1] for p in used] == ["pairs_1.json", "pairs_2.json"]
+    assert [i.split(" ", 1)[0] for i in ignored] == ["pairs_3.json", "pairs_4.json", "pairs_5.json"]
+    assert "other model" in ignored[0] and "other model" in ignored[1] and "other model" not in ignored[2]
+    assert cal.collect_pair_files(tmp_path, "zimage", fp)[0] == []
+
+
+def test_state_from_coefficients_guards_and_streams(tmp_path):
+    from ditkit.cache.teacache import state_from_coefficients
+
+    params = dict(threshold=0.3, audio_threshold=0.1, start_percent=0.0, end_percent=1.0, cache_device="model",
+                  strict=False)
+    cf = coef.load(_write(tmp_path, GOOD))
+    state, fpw, sw = state_from_coefficients(cf, "h3", {"weights_sha256": "ab" * 32}, params)
+    assert (fpw, sw) == ([], [])
+    assert state.config.thresholds == {"video": 0.3, "audio": 0.1}
+    with pytest.raises(CoefficientError, match="is for MiniMax H3 but the model is Z-Image"):
+        state_from_coefficients(cf, "zimage", {"weights_sha256": "ab" * 32}, params)
+    _, fpw, _ = state_from_coefficients(cf, "h3", {"weights_sha256": "cd" * 32}, params)
+    assert len(fpw) == 1
+    with pytest.raises(CoefficientError, match="strict mode"):
+        state_from_coefficients(cf, "h3", {"weights_sha256": "cd" * 32}, dict(params, strict=True))
+    video_only = copy.deepcopy(GOOD)
+    del video_only["streams"]["audio"]
+    state, _, sw = state_from_coefficients(coef.load(_write(tmp_path, video_only, "v.json")), "h3",
+                                           {"weights_sha256": "ab" * 32}, params)
+    assert list(state.config.thresholds) == ["video"] and "['audio']" in sw[0]
