@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lab_comfy as L  # noqa: E402
 
 from ditkit.testing import lab_data as D  # noqa: E402
-from ditkit.testing.lab_metrics import psnr, ssim  # noqa: E402
+from ditkit.testing.lab_metrics import paired_gain_ci, psnr, ssim  # noqa: E402
 
 HELDOUT_SEED = 7_000_000  # the harness's held-out clips
 VAL_SEED = 7_500_000  # checkpoint selection during training (disjoint from HELDOUT_SEED + i, i < 500k)
@@ -61,6 +61,8 @@ def summarise(rows: list[dict]) -> dict:
         s[k] = sum(r[k] for r in rows) / n
         s[k + "_ssim"] = sum(r[k + "_ssim"] for r in rows) / n
     s["gap"] = s["repeat"] - s["native"]
+    _, s["gap_lo"], s["gap_hi"] = paired_gain_ci([r["repeat"] for r in rows], [r["native"] for r in rows],
+                                                 [r["clip_index"] for r in rows])
     s["frames_repeat_better"] = sum(r["repeat"] > r["native"] for r in rows)
     return s
 
@@ -68,13 +70,13 @@ def summarise(rows: list[dict]) -> dict:
 def table(name: str, s: dict) -> str:
     return (f"{name:<14} n={s['frames']:3d}  native {s['native']:6.2f} dB / {s['native_ssim']:.3f}  "
             f"repeat {s['repeat']:6.2f} dB / {s['repeat_ssim']:.3f}  in-clip {s['clip']:6.2f} dB / "
-            f"{s['clip_ssim']:.3f}  gap {s['gap']:+.2f} dB  (repeat better on {s['frames_repeat_better']}/"
+            f"{s['clip_ssim']:.3f}  gap {s['gap']:+.2f} dB (95 % CI {s['gap_lo']:+.2f}..{s['gap_hi']:+.2f})  (repeat better on {s['frames_repeat_better']}/"
             f"{s['frames']})")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--vae", default=str(L.WEIGHTS / "h3lab_video_vae_t1.safetensors"))
+    ap.add_argument("--vae", default=str(L.VAE_FILE))
     ap.add_argument("--clips", type=int, default=12)
     ap.add_argument("--split", type=int, default=6, help="also report clips [0, split) and [split, clips)")
     ap.add_argument("--seed0", type=int, default=HELDOUT_SEED)
