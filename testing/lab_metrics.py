@@ -95,3 +95,28 @@ def snr(ref: torch.Tensor, est: torch.Tensor) -> float:
     if num == 0.0:
         return -math.inf
     return 10.0 * math.log10(num / den)
+
+
+def paired_gain_ci(a: list[float], b: list[float], groups: list[int], n_boot: int = 2000, level: float = 0.95,
+                   seed: int = 0) -> tuple[float, float, float]:
+    """Mean of ``a[i] - b[i]`` and its ``level`` confidence interval from a cluster bootstrap.
+
+    Items sharing a ``groups`` value (frames of one clip) are resampled together, since their differences are
+    correlated; returns ``(mean, low, high)`` with the percentile interval of the resampled means.
+    """
+    if not (len(a) == len(b) == len(groups)) or not a:
+        raise ValueError(f"need equal, non-empty lists (got {len(a)}, {len(b)}, {len(groups)})")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    ids = sorted(set(groups))
+    per = {g: [] for g in ids}
+    for x, y, g in zip(a, b, groups):
+        per[g].append(float(x) - float(y))
+    sums = torch.tensor([sum(per[g]) for g in ids], dtype=torch.float64)
+    counts = torch.tensor([len(per[g]) for g in ids], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randint(len(ids), (n_boot, len(ids)), generator=gen)
+    means = (sums[pick].sum(1) / counts[pick].sum(1)).sort().values
+    lo = means[int(math.floor((1 - level) / 2 * (n_boot - 1)))].item()
+    hi = means[int(math.ceil((1 + level) / 2 * (n_boot - 1)))].item()
+    return float(sums.sum() / counts.sum()), lo, hi

@@ -124,3 +124,29 @@ def test_snr_matches_formula():
 def test_shape_mismatch_raises():
     with pytest.raises(ValueError, match="shape"):
         psnr(torch.zeros(2, 2), torch.zeros(2, 3))
+
+
+def test_paired_gain_ci_mean_and_interval():
+    from ditkit.testing.lab_metrics import paired_gain_ci
+
+    # 3 frames per clip, 20 clips; the gain is 1.0 plus a per-clip effect and frame noise
+    g = np.random.default_rng(3)
+    clip_eff = g.normal(0, 0.5, 20)
+    groups = [c for c in range(20) for _ in range(3)]
+    b = list(g.normal(17, 1, 60))
+    a = [b[i] + 1.0 + clip_eff[groups[i]] + g.normal(0, 0.2) for i in range(60)]
+    mean, lo, hi = paired_gain_ci(a, b, groups, n_boot=4000, seed=1)
+    assert mean == pytest.approx(np.mean(np.array(a) - np.array(b)), abs=1e-12)
+    assert lo < mean < hi
+    # the clip-level standard error (not the frame-level one) sets the width: about 2 x 1.96 x sd(clip means)/sqrt(20)
+    d = (np.array(a) - np.array(b)).reshape(20, 3).mean(1)
+    se = d.std(ddof=1) / np.sqrt(20)
+    assert hi - lo == pytest.approx(2 * 1.96 * se, rel=0.25)
+    # no difference at all: a zero-width interval at 0; a sign flip mirrors the interval
+    assert paired_gain_ci(b, b, groups) == (0.0, 0.0, 0.0)
+    m2, lo2, hi2 = paired_gain_ci(b, a, groups, n_boot=4000, seed=1)
+    assert m2 == pytest.approx(-mean) and lo2 == pytest.approx(-hi, abs=0.05) and hi2 == pytest.approx(-lo, abs=0.05)
+    with pytest.raises(ValueError):
+        paired_gain_ci([1.0], [1.0, 2.0], [0, 0])
+    with pytest.raises(ValueError):
+        paired_gain_ci([1.0], [1.0], [0], level=1.0)
