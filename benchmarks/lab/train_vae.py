@@ -46,6 +46,25 @@ help (2026-11-30): joint training from the 3-block file with ``--still-frac 0.25
 A; the ``--eval-every`` selection then kept the starting weights), 12 x 64 on 160 clips (val +0.3..+0.7; held-out
 24 clips -0.10 dB, SSIM 0.53 vs 0.60), 12 x 64 on 640 clips with ``--still-frac 0.2`` (val +0.07..+0.27 after 5k
 steps, stopped), 24 x 64 on 160 clips (val -0.25..+0.06 after 2.7k steps, stopped).
+
+Phase D (the shipped decoder, 2026-11-30; encoder, whitening and DiT unchanged). Diagnosis on frame 0 of 12
+held-out clips with the phase C decoder: its own code among its clip's tokens 20.63 dB, among another clip's
+tokens 16.57 dB, alone 17.11, as 7 copies 17.70, inside an encoded still clip 20.30: the decoder reads content
+from its window, and the lab encoder (251 joint steps) gives a frame different codes as a single frame and as
+4-frame tokens of a still (max abs difference 2-4, latent range about 3.4), so the copies of a repeat-decode
+are foreign context. H3's decoder is reported to decode a repeated single-frame code within 1-2 dB of a true
+decode (kohya-ss/musubi-tuner#1029). ``--image-codes P`` trains that property into the decoder: each window
+token is replaced, with probability P, by the single-frame (T=1) code of the last frame it covers (targets
+unchanged). The decoder still only sees 7-token windows, never a window of copies and never T_lat = 1.
+Fine-tunes from phase C, 320 cached clips each, val = 12 ``VAL_SEED`` clips, final weights:
+
+* ``--image-codes 0.3 --lr-b 3e-4``, 24 min, 8.3k steps: val gap +1.02 (phase C) -> +1.32 dB.
+  Not better: ``--image-codes 0.6`` (+0.80), ``--latent-noise 0.25`` / ``0.5`` with 0.3 (+1.13 / +0.90),
+  ``--mix-tokens 0.5`` / ``0.2`` (+0.22 / +0.56 after 2.5k steps, stopped: native improves with repeat).
+* continued on 320 new clips, ``--seed 1`` / ``--seed 2``, ``--lr-b 2e-4``, 21 min, 7.0k steps: val gap +1.29 /
+  +1.61 dB; seed 2 is shipped (picked on val). Held-out 24 clips x 3 frames: native 17.47 dB / SSIM 0.513, repeat
+  19.61 / 0.782 (gap +2.14 dB, 95 % cluster-bootstrap CI +1.19..+3.14, repeat better on 56/72), in-clip 20.90 /
+  0.821 (phase C: 21.50 / 0.828).
 """
 from __future__ import annotations
 
@@ -75,6 +94,14 @@ def encode_window(vae, video):
     clips[1] = torch.cat([clips[1], clips[1][:, :, -1:].expand(-1, -1, 17 - clips[1].shape[2], -1, -1)], dim=2)
     z = torch.cat([vae._encode_moments(c) for c in clips], dim=2)[:, :, :-vae.token_drop]
     return z[:, :24]
+
+
+def encode_image_codes(vae, video):
+    """[1,3,22,H,W] -> [1,24,7,h,w]: per window token, the single-frame (T=1) code of the last frame it covers
+    (H3's single-image encode: the spatial path alone, ``moments[:, :, -1:]``)."""
+    x = vae._normalize_pixels(video)
+    codes = [vae._encode_moments(x[:, :, fb - 1:fb])[:, :24, -1:] for _, fb in TOKEN_FRAMES]
+    return torch.cat(codes, dim=2)
 
 
 def decode_window(vae, z):
@@ -119,6 +146,10 @@ def main(argv=None):
                     "of a training window is swapped for the same frame of another cached clip (targets follow)")
     ap.add_argument("--mask-max", type=float, default=0.0, help="phase B: masked-token training, mask ratio "
                     "~ U(0, mask_max) per step (0 = off)")
+    ap.add_argument("--latent-noise", type=float, default=0.05, help="phase B: Gaussian latent noise, in units "
+                    "of the latent std, added to every training window")
+    ap.add_argument("--image-codes", type=float, default=0.0, help="phase B: probability that a window token is "
+                    "replaced by the single-frame code of the last frame it covers (0 = off)")
     ap.add_argument("--still-frac", type=float, default=0.0, help="share of training clips that are stills (one "
                     "random frame repeated over all 22 frames: images trained as videos)")
     ap.add_argument("--data-seed", type=int, default=-1, help="first phase A clip seed (default 10000*(seed+1))")
@@ -231,7 +262,7 @@ def main(argv=None):
         n_cache = 4 if a.probe else a.clips_b
         t1 = time.time()
         with torch.no_grad():
-            cache_v, cache_z = [], []
+            cache_v, cache_z, cache_i = [], [], []
             gc = torch.Generator().manual_seed(a.seed + 77)
             for i in range(n_cache):
                 sc = 1.0
@@ -244,6 +275,8 @@ def main(argv=None):
                     v = v[:, :, f:f + 1].expand(-1, -1, FRAMES, -1, -1).contiguous()
                 cache_v.append(((v + 1) / 2).half())
                 cache_z.append(encode_window(vae, v))
+                if a.image_codes > 0:
+                    cache_i.append(encode_image_codes(vae, v))
             zs = torch.cat(cache_z)
         if a.resume and not a.joint:
             std = vae.latents_std.clone()
@@ -290,6 +323,12 @@ def main(argv=None):
             idx = torch.randint(n_cache, (4,), generator=gen)
             z = torch.cat([cache_z[i] for i in idx])
             tgt = torch.cat([cache_v[i] for i in idx]).float()
+            if a.image_codes > 0:
+                # image-code augmentation: a window token is replaced, with probability image_codes, by the
+                # single-frame (T=1) code of the last frame it covers; targets stay the clip's frames
+                m = torch.rand(z.shape[0], 1, z.shape[2], 1, 1, generator=gen) < a.image_codes
+                zi = torch.cat([cache_i[i] for i in idx])
+                z = torch.where(m, zi, z)
             if a.mix_tokens > 0:
                 # token-level mixing: each latent frame of the window comes, with probability mix_tokens, from
                 # another cached clip (with its own target frames), so no token can rely on its neighbours
@@ -303,7 +342,7 @@ def main(argv=None):
                             fa, fb = TOKEN_FRAMES[k]
                             tgt[b, :, fa:fb] = cache_v[o][0, :, fa:fb].float()
             # small latent noise so the decoder tolerates imperfect (sampled) latents
-            z = z + 0.05 * std.view(1, -1, 1, 1, 1) * torch.randn(z.shape, generator=gen)
+            z = z + a.latent_noise * std.view(1, -1, 1, 1, 1) * torch.randn(z.shape, generator=gen)
             mask_state["ratio"] = a.mask_max * float(torch.rand((), generator=gen)) if a.mask_max > 0 else 0.0
             rec = decode_window(vae, z)
             mask_state["ratio"] = 0.0

@@ -100,13 +100,14 @@ def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_reconstruction_is_a_trained_models(vae):
     """Held-out clips (the harness's seeds): the trained decoder beats the same model with zero weights (which
-    outputs the constant ImageNet mean, already ~16 dB on these grey-background clips) and follows the content."""
+    outputs the constant ImageNet mean, already ~16 dB on these grey-background clips) and follows the content.
+    Eight clips: single clips vary by several dB (the phase D decoder: 16.2 to 24.9 dB on clips 0-7)."""
     zero_sd = {k: torch.zeros_like(v) for k, v in vae.state_dict().items()}
     zero_sd["latents_std"] = torch.ones_like(zero_sd["latents_std"])
     zero = LabVAE.from_state_dict(zero_sd)
     got = {"trained": ([], []), "zero": ([], [])}
     with torch.no_grad():
-        for i in range(2):
+        for i in range(8):
             x = make_clip(7_000_000 + i, 22, 64, 96).video[None]
             ref = (x[0] + 1) / 2
             z = vae.encode(x)
