@@ -260,6 +260,32 @@ def fit_files(pair_objs: list[dict], degree: int = 4, min_prompts: int = 1, sour
     return CoefficientFile(family, streams, fp, prov, cal)
 
 
+def _fp_key(fp: dict) -> str:
+    return json.dumps(fp, sort_keys=True)
+
+
+def collect_pair_files(pair_dir: str | os.PathLike, family: str, run_fp: dict) -> tuple[list[dict], list[str], list[str]]:
+    """The pair files in ``pair_dir`` recorded for ``family`` with exactly the run fingerprint ``run_fp`` (model,
+    schedule, sampler, ...): ``(pair objects, their paths, ignored files with the reason)``. Unreadable files and
+    files of other runs are listed in ``ignored``, never fitted."""
+    key = _fp_key(run_fp)
+    objs, used, ignored = [], [], []
+    for f in sorted(os.listdir(pair_dir)):
+        if not (f.startswith("pairs_") and f.endswith(".json")):
+            continue
+        try:
+            o = load_pair_file(os.path.join(pair_dir, f))
+        except CoefficientError as e:
+            ignored.append(f"{f} ({e})")
+            continue
+        if o["family"] == family and _fp_key(o["fingerprint"]) == key:
+            objs.append(o)
+            used.append(os.path.join(pair_dir, f))
+        else:
+            ignored.append(f"{f} (other model/schedule/sampler)")
+    return objs, used, ignored
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ditkit.cache.calibrate",
                                  description="Fit TeaCache coefficients from recorded pair files.")
@@ -286,28 +312,3 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     raise SystemExit(main())
 
-
-def _fp_key(fp: dict) -> str:
-    return json.dumps(fp, sort_keys=True)
-
-
-def collect_pair_files(pair_dir: str | os.PathLike, family: str, run_fp: dict) -> tuple[list[dict], list[str], list[str]]:
-    """The pair files in ``pair_dir`` recorded for ``family`` with exactly the run fingerprint ``run_fp`` (model,
-    schedule, sampler, ...): ``(pair objects, their paths, ignored files with the reason)``. Unreadable files and
-    files of other runs are listed in ``ignored``, never fitted."""
-    key = _fp_key(run_fp)
-    objs, used, ignored = [], [], []
-    for f in sorted(os.listdir(pair_dir)):
-        if not (f.startswith("pairs_") and f.endswith(".json")):
-            continue
-        try:
-            o = load_pair_file(os.path.join(pair_dir, f))
-        except CoefficientError as e:
-            ignored.append(f"{f} ({e})")
-            continue
-        if o["family"] == family and _fp_key(o["fingerprint"]) == key:
-            objs.append(o)
-            used.append(os.path.join(pair_dir, f))
-        else:
-            ignored.append(f"{f} (other model/schedule/sampler)")
-    return objs, used, ignored
