@@ -3,7 +3,8 @@
     python -m ditkit.run WORKFLOW.json [--comfyui PATH | --server URL] [--out DIR] [--python PY]
                                        [--models DIR] [--timeout S]
 
-* ``--server URL`` uses a running ComfyUI; ``--comfyui PATH`` (or ``$COMFYUI_PATH``) starts one:
+* ``--server URL`` uses a running ComfyUI; ``--comfyui PATH`` (else ``$COMFYUI_PATH``, else ditkit's cached host
+  made by ``python -m ditkit.host setup``; the runner says which) starts one:
   ``<python> main.py --cpu --listen 127.0.0.1 --port <free port> --disable-auto-launch ...`` with an
   ``--extra-model-paths-config`` YAML whose ``custom_nodes`` entry is a temp dir holding a symlink to this
   repository (ditkit is loaded without touching the ComfyUI tree) and whose model folders point at
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import DitKitError
+from .host import default_dir, find_host
 
 REPO = Path(__file__).resolve().parent
 PACK_LINK_NAME = "ditkit"
@@ -87,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("workflow", help="workflow JSON file (API format, or UI format converted via /object_info)")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--comfyui", metavar="PATH",
-                       help="ComfyUI checkout to start headless on CPU (default: $COMFYUI_PATH)")
+                       help="ComfyUI checkout to start headless on CPU (default: $COMFYUI_PATH, else the host "
+                            "made by `python -m ditkit.host setup`)")
     where.add_argument("--server", metavar="URL", help="use a running server, e.g. http://127.0.0.1:8188")
     ap.add_argument("--out", metavar="DIR",
                     help="output directory (started server: its --output-directory; --server: outputs are "
@@ -114,10 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = build_parser()
     a = ap.parse_args(argv)
+    a.host_origin = "--comfyui" if a.comfyui is not None else None
     if a.server is None and a.comfyui is None:
-        a.comfyui = os.environ.get("COMFYUI_PATH") or None
-        if a.comfyui is None:
-            ap.error("give --comfyui PATH (or set COMFYUI_PATH) to start a server, or --server URL to use one")
+        host = find_host()
+        if host is None:
+            ap.error("give --comfyui PATH (or set COMFYUI_PATH) to start a server, or --server URL to use one, "
+                     f"or make ditkit's own host once: python -m ditkit.host setup (then {default_dir()} is used)")
+        if not host.usable:
+            ap.error(f"{host.origin} host {host.root} is not usable: {'; '.join(host.problems)}")
+        a.comfyui, a.host_origin = str(host.root), host.origin
     if a.comfyui is not None and not (Path(a.comfyui).expanduser() / "main.py").is_file():
         ap.error(f"--comfyui {a.comfyui!r}: no main.py there (not a ComfyUI checkout)")
     if a.server is not None:
@@ -784,6 +792,8 @@ def main(argv=None) -> int:
             client.wait_ready(min(a.startup_timeout, 30.0))
         else:
             out = Path(a.out) if a.out else Path.cwd() / "_out" / "ditkit_run"
+            if not a.quiet:
+                print(f"ComfyUI host: {a.comfyui} (from {a.host_origin})", flush=True)
             server = ComfyServer(a.comfyui, python=a.python, models_dir=a.models, out_dir=out, port=a.port,
                                  extra_args=a.server_arg, only_ditkit=a.only_ditkit, keep_temp=a.keep_temp,
                                  quiet=a.quiet)

@@ -10,35 +10,76 @@
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _import_this_checkout_as_ditkit() -> None:
+    """Make ``import ditkit`` mean *this* checkout, in this process and in every subprocess a test starts.
+
+    The pack's folder is the package (``package-dir = {ditkit = "."}``), so a ``ditkit`` installed from another
+    checkout (a host venv's editable install, a CI clone next to a developer tree) would otherwise be tested
+    instead, silently. A temp folder holding a ``ditkit`` link to this checkout goes first on ``sys.path`` and
+    ``PYTHONPATH``; the session fails at once if the import still resolves elsewhere.
+    """
+    link_dir = Path(tempfile.mkdtemp(prefix="ditkit-import-"))
+    atexit.register(shutil.rmtree, link_dir, True)
+    (link_dir / "ditkit").symlink_to(REPO, target_is_directory=True)
+    sys.path.insert(0, str(link_dir))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(link_dir)] + [p for p in
+                                               os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    for name in [m for m in sys.modules if m == "ditkit" or m.startswith("ditkit.")]:
+        del sys.modules[name]
+    import ditkit
+
+    where = Path(ditkit.__file__).resolve().parent
+    if where != REPO:
+        raise RuntimeError(f"`import ditkit` resolves to {where}, not the checkout under test ({REPO})")
+
+
+_import_this_checkout_as_ditkit()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels are tested through the Triton interpreter. The flag must be set before
 # triton is first imported, so it is set here (pytest imports this file before any test module).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-REPO = Path(__file__).resolve().parents[1]
+
+def _host():
+    """COMFYUI_PATH, else ditkit's cached host (``python -m ditkit.host setup``); None when neither exists."""
+    from ditkit.host import find_host
+
+    return find_host()
+
+
+HOST = _host()
 
 
 def _comfyui_path() -> Path | None:
-    p = os.environ.get("COMFYUI_PATH")
-    if not p:
-        return None
-    path = Path(p).expanduser().resolve()
-    return path if (path / "main.py").is_file() else None
+    return HOST.root.resolve() if HOST is not None and HOST.usable else None
+
+
+def pytest_report_header(config):
+    if HOST is None:
+        return "ditkit host: none (COMFYUI_PATH unset, no cached host): integration tests skip"
+    return f"ditkit host: {HOST.describe()}" + ("" if HOST.usable else " -- NOT usable: " + "; ".join(HOST.problems))
 
 
 @pytest.fixture(scope="session")
 def comfyui_path() -> Path:
     path = _comfyui_path()
     if path is None:
-        why = "COMFYUI_PATH is unset" if not os.environ.get("COMFYUI_PATH") else \
-            f"COMFYUI_PATH={os.environ['COMFYUI_PATH']!r} has no main.py"
+        why = ("COMFYUI_PATH is unset and there is no cached host (python -m ditkit.host setup)" if HOST is None
+               else f"{HOST.root} ({HOST.origin}) is not usable: " + "; ".join(HOST.problems))
         pytest.skip(f"needs a real ComfyUI host: {why}")
     return path
 

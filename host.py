@@ -1,0 +1,473 @@
+"""ditkit's own ComfyUI host: one command makes a pinned ComfyUI checkout with its venv, for tests and the runner.
+
+    python -m ditkit.host setup [--source GIT_DIR_OR_URL] [--ref COMMIT_OR_TAG] [--dir DIR] [--python PY]
+    python -m ditkit.host path      # the host ditkit would use, and why (COMFYUI_PATH, else the cached host)
+    python -m ditkit.host check     # exit 0 when that host is usable, 1 when not (says what is wrong)
+
+``setup`` extracts the pinned commit's tree from a git repository (a local git directory or bare mirror, or the
+public URL, cloned bare into the cache first), without its work-tree machinery: blobs missing from a size-capped
+mirror (ComfyUI has two tokenizer files over 4 MiB that H3/LTX never read) are listed and skipped, never fatal.
+It then makes ``DIR/venv`` with the matched torch/torchvision/torchaudio set first, ComfyUI's other requirements
+second, and this pack installed editable with its ``dev`` extra. The default ``DIR`` is a per-user cache,
+``$XDG_CACHE_HOME/ditkit/comfyui-<commit8>`` (``~/.cache/...``), so every later run, CI included, finds the
+same host without environment variables. A second run checks and reuses; a half-made venv is removed.
+
+The host's tree is ditkit's own (a marker file ``.ditkit-host.json`` says so): ``setup`` refuses to write into a
+folder without that marker, so a ComfyUI the user pointed at is never modified.
+
+This module is plain standard-library Python with no imports from the rest of the pack, so ``.ci/run`` can run
+it as a script (``python host.py path``) before anything is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PINNED_COMMIT = "783545f689a0af730065994b46b382ae24844c99"  # ComfyUI 0.33.0, what the suite is tested against
+PINNED_VERSION = "0.33.0"
+DEFAULT_SOURCE = "https://github.com/comfyanonymous/ComfyUI.git"
+# A matched set, installed first: an unpinned requirement would otherwise pull another torch build.
+TORCH_SET = ("torch==2.14.1", "torchvision==0.29.1", "torchaudio==2.11.1")
+TORCH_NAMES = ("torch", "torchvision", "torchaudio")
+MARKER = ".ditkit-host.json"
+MARKER_FORMAT = "ditkit-host-v1"
+PACK_ROOT = Path(__file__).resolve().parent
+# What the in-process host tests and ComfyUI's startup import; `check` imports each in the host's python.
+CHECK_IMPORTS = ("torch", "torchvision", "torchaudio", "safetensors", "aiohttp", "av", "yaml", "PIL", "einops",
+                 "sentencepiece", "transformers", "comfy_kitchen")
+
+
+class HostError(RuntimeError):
+    """A setup/check failure with a one-line reason (the CLI prints it and exits 2)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# where the host is
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "ditkit"
+
+
+def default_dir(commit: str = PINNED_COMMIT) -> Path:
+    return cache_root() / f"comfyui-{commit[:8]}"
+
+
+def venv_python(root: Path) -> Path | None:
+    for cand in (root / "venv" / "bin" / "python", root / ".venv" / "bin" / "python",
+                 root / "venv" / "Scripts" / "python.exe", root / ".venv" / "Scripts" / "python.exe"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def read_marker(root: Path) -> dict | None:
+    p = root / MARKER
+    try:
+        with open(p, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("format") == MARKER_FORMAT else None
+
+
+def _write_marker(root: Path, data: dict) -> None:
+    data = {"format": MARKER_FORMAT, **data}
+    fd, tmp = tempfile.mkstemp(prefix=".ditkit-host.", suffix=".tmp", dir=root)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, root / MARKER)
+
+
+@dataclass
+class Host:
+    """A ComfyUI host: its tree, the python that runs it, and where it was found."""
+    root: Path
+    origin: str                       # "COMFYUI_PATH", "--comfyui", "cached host"
+    python: Path | None = None
+    marker: dict | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def usable(self) -> bool:
+        return not self.problems
+
+    def describe(self) -> str:
+        who = "ditkit's cached host" if self.marker else "a ComfyUI checkout"
+        ver = f" ComfyUI {self.marker.get('version')} @ {str(self.marker.get('commit'))[:8]}" if self.marker else ""
+        return f"{who}{ver} at {self.root} (from {self.origin}; python {self.python or '?'})"
+
+
+def inspect(root: Path, origin: str, *, deep: bool = False) -> Host:
+    """What is at ``root``. ``deep`` also runs the host's python and imports ComfyUI's requirements."""
+    root = Path(root).expanduser()
+    h = Host(root=root, origin=origin)
+    if not (root / "main.py").is_file():
+        h.problems.append(f"{root} has no main.py (not a ComfyUI checkout)")
+        return h
+    h.marker = read_marker(root)
+    if h.marker is not None and h.marker.get("state") != "complete":
+        h.problems.append(f"{root} is a half-made ditkit host (state {h.marker.get('state')!r}): "
+                          "run `python -m ditkit.host setup` again")
+    h.python = venv_python(root)
+    if h.python is None:
+        if h.marker is not None:  # ditkit's own host always has its venv; a user's tree may run on another python
+            h.problems.append(f"{root} has no venv/bin/python: run `python -m ditkit.host setup` again")
+            return h
+        if not deep:
+            return h
+    if deep:
+        h.problems.extend(_deep_problems(root, h.python or Path(sys.executable)))
+    return h
+
+
+def _deep_problems(root: Path, python: Path) -> list[str]:
+    code = ("import importlib, json, sys\n"
+            f"sys.path.insert(0, {str(root)!r})\n"
+            "bad = {}\n"
+            f"for m in {CHECK_IMPORTS!r} + ('comfy.cli_args',):\n"
+            "    try:\n"
+            "        importlib.import_module(m)\n"
+            "    except Exception as e:\n"
+            "        bad[m] = f'{type(e).__name__}: {e}'[:200]\n"
+            "print(json.dumps(bad))\n")
+    try:
+        r = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300,
+                           cwd=str(root))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [f"{python} does not run: {e}"]
+    if r.returncode != 0:
+        return [f"{python} failed ({r.returncode}): {r.stderr.strip()[-300:]}"]
+    try:
+        bad = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return [f"{python} printed no import report: {r.stdout[-200:]!r}"]
+    return [f"{m} does not import in {python}: {why}" for m, why in sorted(bad.items())]
+
+
+def find_host(explicit: str | os.PathLike | None = None, *, deep: bool = False) -> Host | None:
+    """The host ditkit uses: ``explicit`` (``--comfyui``), else ``$COMFYUI_PATH``, else the cached host for the
+    pinned commit if one was set up. None when there is none at all (a found but broken host is returned with
+    its problems, so callers can say what is wrong instead of silently running without it)."""
+    if explicit:
+        return inspect(Path(explicit), "--comfyui", deep=deep)
+    env = os.environ.get("COMFYUI_PATH")
+    if env:
+        return inspect(Path(env), "COMFYUI_PATH", deep=deep)
+    cached = default_dir()
+    if cached.exists():
+        return inspect(cached, "cached host", deep=deep)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# setup
+
+def _run(cmd: list[str], *, what: str, cwd: Path | None = None, capture: bool = False, log=print) -> str:
+    log(f"  $ {' '.join(cmd)}")
+    try:
+        r = subprocess.run(cmd, cwd=str(cwd) if cwd else None, text=True,
+                           stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE if capture else None)
+    except OSError as e:
+        raise HostError(f"{what}: cannot run {cmd[0]}: {e}") from e
+    if r.returncode != 0:
+        tail = (r.stderr or "").strip()[-800:] if capture else "(see the output above)"
+        raise HostError(f"{what} failed (exit {r.returncode}): {tail}")
+    return r.stdout or ""
+
+
+def _git() -> str:
+    git = shutil.which("git")
+    if git is None:
+        raise HostError("git is not installed (setup reads the ComfyUI tree from a git repository)")
+    return git
+
+
+def _is_url(source: str) -> bool:
+    return "://" in source or source.startswith("git@")
+
+
+def _git_dir(source: str, log) -> Path:
+    """A git directory holding the commits: a local repo/bare mirror as is, a URL cloned bare into the cache."""
+    git = _git()
+    if not _is_url(source):
+        p = Path(source).expanduser().resolve()
+        if not p.exists():
+            raise HostError(f"--source {source!r}: no such folder")
+        for cand in (p / ".git", p):
+            r = subprocess.run([git, "--git-dir", str(cand), "rev-parse", "--git-dir"], capture_output=True,
+                               text=True)
+            if r.returncode == 0:
+                return cand
+        raise HostError(f"--source {source!r}: not a git repository or bare mirror")
+    mirror = cache_root() / "sources" / "comfyui.git"
+    if (mirror / "HEAD").is_file():
+        log(f"updating the bare clone {mirror}")
+        _run([git, "--git-dir", str(mirror), "fetch", "--tags", "--force", source,
+              "+refs/heads/*:refs/heads/*"], what=f"git fetch {source}", log=log)
+    else:
+        mirror.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="comfyui.git.", dir=mirror.parent))
+        try:
+            _run([git, "clone", "--bare", "--quiet", source, str(tmp)], what=f"git clone {source}", log=log)
+            os.replace(tmp, mirror)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return mirror
+
+
+def resolve_ref(git_dir: Path, ref: str) -> str:
+    r = subprocess.run([_git(), "--git-dir", str(git_dir), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+                       capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout.strip():
+        raise HostError(f"--ref {ref!r}: no such commit or tag in {git_dir}")
+    return r.stdout.strip()
+
+
+def extract_tree(git_dir: Path, commit: str, dest: Path) -> list[str]:
+    """Write ``commit``'s tree into ``dest`` (which must not exist) straight from the object store. Returns the
+    paths that could not be written (blobs absent from the mirror, submodules), which are not an error."""
+    git = _git()
+    gd = ["--git-dir", str(git_dir)]
+    out = subprocess.run([git, *gd, "ls-tree", "-r", "-z", "--full-tree", commit], capture_output=True, check=True)
+    entries = []
+    for rec in out.stdout.split(b"\0"):
+        if not rec:
+            continue
+        meta, path = rec.split(b"\t", 1)
+        mode, kind, sha = meta.decode().split()
+        entries.append((mode, kind, sha, path.decode("utf-8", "surrogateescape")))
+    missing: list[str] = []
+    blobs = [e for e in entries if e[1] == "blob"]
+    for mode, kind, sha, path in entries:
+        if kind != "blob":
+            missing.append(f"{path} ({kind} {sha[:8]}, not extracted)")
+    dest.mkdir(parents=True)
+    proc = subprocess.Popen([git, *gd, "cat-file", "--batch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        for mode, _kind, sha, path in blobs:
+            rel = Path(path)
+            if rel.is_absolute() or ".." in rel.parts:
+                raise HostError(f"refusing a tree path outside the checkout: {path!r}")
+            proc.stdin.write(sha.encode() + b"\n")
+            proc.stdin.flush()
+            header = proc.stdout.readline().split()
+            if len(header) == 2 and header[1] == b"missing":
+                missing.append(f"{path} (blob {sha[:8]} absent from the mirror)")
+                continue
+            size = int(header[2])
+            data = proc.stdout.read(size)
+            proc.stdout.read(1)  # the newline after each object
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if mode == "120000":
+                os.symlink(data.decode("utf-8", "surrogateescape"), target)
+                continue
+            with open(target, "xb") as f:
+                f.write(data)
+            if mode == "100755":
+                os.chmod(target, 0o755)
+    finally:
+        proc.stdin.close()
+        proc.wait()
+    return missing
+
+
+def _requirements_without_torch(root: Path) -> list[str]:
+    req = []
+    for line in (root / "requirements.txt").read_text(encoding="utf-8").splitlines():
+        s = line.split("#", 1)[0].strip()
+        if not s:
+            continue
+        name = s.replace(">", " ").replace("<", " ").replace("=", " ").replace("~", " ").replace("!", " ").split()[0]
+        if name.lower() in TORCH_NAMES:
+            continue
+        req.append(s)
+    return req
+
+
+def _check_python(python: str) -> str:
+    try:
+        r = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise HostError(f"--python {python!r} does not run: {e}") from e
+    ver = r.stdout.strip()
+    if r.returncode != 0 or not ver:
+        raise HostError(f"--python {python!r} does not run: {r.stderr.strip()[-200:]}")
+    major, minor = (int(x) for x in ver.split("."))
+    if (major, minor) < (3, 10):
+        raise HostError(f"--python {python!r} is Python {ver}; ComfyUI 0.33 and ditkit need 3.10 or newer")
+    return ver
+
+
+def make_venv(root: Path, python: str, *, pack: Path = PACK_ROOT, log=print) -> dict:
+    """``root/venv`` with the torch set, ComfyUI's requirements and this pack (editable, dev extra). Removes the
+    venv again when any step fails, so a half-made one is never left to be mistaken for a usable host."""
+    venv = root / "venv"
+    if venv.exists():
+        shutil.rmtree(venv)
+    try:
+        _run([python, "-m", "venv", str(venv)], what="python -m venv", log=log)
+        vpy = str(venv_python(root))
+        pip = [vpy, "-m", "pip", "install", "--disable-pip-version-check"]
+        _run(pip + list(TORCH_SET), what="pip install of the torch set", log=log)
+        _run(pip + _requirements_without_torch(root), what="pip install of ComfyUI's requirements", log=log)
+        _run(pip + ["-e", f"{pack}[dev]"], what="pip install -e ditkit[dev]", log=log)
+        out = _run([vpy, "-c", "import json, torch, torchvision, torchaudio; print(json.dumps({m.__name__: "
+                    "m.__version__ for m in (torch, torchvision, torchaudio)}))"], what="torch set check",
+                   capture=True, log=log)
+        return json.loads(out.strip().splitlines()[-1])
+    except BaseException:
+        shutil.rmtree(venv, ignore_errors=True)
+        raise
+
+
+def setup(source: str | None = None, ref: str | None = None, directory: str | os.PathLike | None = None,
+          python: str | None = None, *, log=print) -> Host:
+    t0 = time.monotonic()
+    python = python or sys.executable
+    pyver = _check_python(python)
+    source = source or DEFAULT_SOURCE
+    git_dir = _git_dir(source, log)
+    commit = resolve_ref(git_dir, ref or PINNED_COMMIT)
+    root = Path(directory).expanduser().resolve() if directory else default_dir(commit)
+    log(f"ditkit host: ComfyUI {commit[:8]} from {source} into {root}")
+
+    marker = read_marker(root) if root.exists() else None
+    if root.exists() and marker is None:
+        if any(root.iterdir()):
+            raise HostError(f"{root} exists and is not a ditkit host (no {MARKER}): refusing to write into it; "
+                            "give --dir an empty or new folder")
+        root.rmdir()
+    if marker is not None and marker.get("commit") != commit:
+        raise HostError(f"{root} is a ditkit host of ComfyUI {str(marker.get('commit'))[:8]}, not {commit[:8]}: "
+                        "remove it or give another --dir")
+    if marker is not None and marker.get("state") == "complete":
+        h = inspect(root, "cached host", deep=True)
+        if h.usable:
+            log(f"reusing: {h.describe()} (checked: {', '.join(CHECK_IMPORTS)} import)")
+            _ensure_pack(root, h, log)
+            return h
+        log("the existing host is not usable, rebuilding its venv: " + "; ".join(h.problems))
+        marker["state"] = "tree"
+
+    if marker is None:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.partial.", dir=root.parent))
+        tmp.rmdir()
+        try:
+            missing = extract_tree(git_dir, commit, tmp)
+            version = _read_version(tmp)
+            marker = {"commit": commit, "version": version, "source": source, "missing": missing, "state": "tree"}
+            _write_marker(tmp, marker)
+            os.replace(tmp, root)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        log(f"extracted ComfyUI {marker['version']} ({commit[:8]}) into {root}")
+        for m in missing:
+            log(f"  not extracted: {m}")
+    marker["state"] = "venv"
+    _write_marker(root, marker)
+    log(f"making {root / 'venv'} from {python} (Python {pyver})")
+    versions = make_venv(root, python, log=log)
+    marker.update(state="complete", python=pyver, packages=versions, pack=str(PACK_ROOT),
+                  made=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    _write_marker(root, marker)
+    h = inspect(root, "cached host", deep=True)
+    if not h.usable:
+        raise HostError("the host was made but does not check out: " + "; ".join(h.problems))
+    log(f"done in {time.monotonic() - t0:.0f} s: {h.describe()}; torch set {versions}")
+    return h
+
+
+def _read_version(root: Path) -> str:
+    p = root / "comfyui_version.py"
+    try:
+        for line in p.read_text(encoding="utf-8").splitlines():
+            if line.startswith("__version__"):
+                return line.split("=", 1)[1].strip().strip("\"'")
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _ensure_pack(root: Path, h: Host, log) -> None:
+    """On reuse: make the host's editable ditkit point at this checkout (it is ditkit's own venv)."""
+    r = subprocess.run([str(h.python), "-c", "import ditkit, os; print(os.path.dirname(os.path.abspath("
+                        "ditkit.__file__)))"], capture_output=True, text=True, cwd=str(root))
+    where = r.stdout.strip()
+    if r.returncode == 0 and Path(where).resolve() == PACK_ROOT:
+        log(f"  ditkit in the host venv is this checkout ({PACK_ROOT})")
+        return
+    log(f"  ditkit in the host venv is {where or 'missing'}: installing this checkout ({PACK_ROOT}) editable")
+    _run([str(h.python), "-m", "pip", "install", "--disable-pip-version-check", "-e", f"{PACK_ROOT}[dev]"],
+         what="pip install -e ditkit[dev]", log=log)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ditkit.host", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("setup", help="make (or check and reuse) the pinned ComfyUI host")
+    s.add_argument("--source", help=f"local git dir / bare mirror, or a git URL (default {DEFAULT_SOURCE})")
+    s.add_argument("--ref", help=f"commit or tag (default {PINNED_COMMIT[:8]}, ComfyUI {PINNED_VERSION})")
+    s.add_argument("--dir", help=f"where (default {default_dir()})")
+    s.add_argument("--python", help="interpreter to make the venv from (default: this one)")
+    p = sub.add_parser("path", help="print the host ditkit would use (stdout) and why (stderr)")
+    p.add_argument("--usable", action="store_true", help="print nothing and exit 1 unless that host is usable")
+    c = sub.add_parser("check", help="say whether the host is usable (imports ComfyUI's requirements in its python)")
+    c.add_argument("--comfyui", help="check this checkout instead")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "setup":
+            setup(a.source, a.ref, a.dir, a.python)
+            return 0
+        if a.cmd == "path":
+            h = find_host()
+            if h is None:
+                print(f"no host: COMFYUI_PATH is unset and {default_dir()} does not exist "
+                      "(python -m ditkit.host setup)", file=sys.stderr)
+                return 1
+            if a.usable and not h.usable:
+                print("; ".join(h.problems), file=sys.stderr)
+                return 1
+            print(h.root)
+            print(h.describe() + ("" if h.usable else "; NOT usable: " + "; ".join(h.problems)), file=sys.stderr)
+            return 0
+        h = find_host(a.comfyui, deep=True)
+        if h is None:
+            print(f"no host: COMFYUI_PATH is unset and {default_dir()} does not exist (python -m ditkit.host setup)")
+            return 1
+        if h.usable:
+            print(f"usable: {h.describe()}")
+            if h.marker and h.marker.get("missing"):
+                print(f"  not extracted (not needed by ditkit): {len(h.marker['missing'])} file(s): "
+                      + ", ".join(m.split(' ')[0] for m in h.marker["missing"]))
+            return 0
+        print(f"not usable: {h.describe()}")
+        for p_ in h.problems:
+            print(f"  - {p_}")
+        return 1
+    except HostError as e:
+        print(f"ditkit.host: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
