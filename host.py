@@ -57,8 +57,8 @@ def cache_root() -> Path:
     return Path(base).expanduser() / "ditkit"
 
 
-def default_dir(commit: str = PINNED_COMMIT) -> Path:
-    return cache_root() / f"comfyui-{commit[:8]}"
+def default_dir(commit: str | None = None) -> Path:
+    return cache_root() / f"comfyui-{(commit or PINNED_COMMIT)[:8]}"
 
 
 def venv_python(root: Path) -> Path | None:
@@ -311,22 +311,32 @@ def _check_python(python: str) -> str:
     return ver
 
 
+def venv_plan(root: Path, pack: Path = PACK_ROOT) -> list[tuple[str, list[str]]]:
+    """The pip installs that make the host's venv, in order: (what, pip install arguments)."""
+    return [("the torch set", list(TORCH_SET)),
+            ("ComfyUI's requirements", _requirements_without_torch(root)),
+            ("ditkit (editable, dev extra)", ["-e", f"{pack}[dev]"])]
+
+
 def make_venv(root: Path, python: str, *, pack: Path = PACK_ROOT, log=print) -> dict:
-    """``root/venv`` with the torch set, ComfyUI's requirements and this pack (editable, dev extra). Removes the
-    venv again when any step fails, so a half-made one is never left to be mistaken for a usable host."""
+    """``root/venv`` made by :func:`venv_plan`. Removes the venv again when any step fails, so a half-made one is
+    never left to be mistaken for a usable host. Returns the installed versions of the torch set."""
     venv = root / "venv"
     if venv.exists():
         shutil.rmtree(venv)
     try:
         _run([python, "-m", "venv", str(venv)], what="python -m venv", log=log)
         vpy = str(venv_python(root))
-        pip = [vpy, "-m", "pip", "install", "--disable-pip-version-check"]
-        _run(pip + list(TORCH_SET), what="pip install of the torch set", log=log)
-        _run(pip + _requirements_without_torch(root), what="pip install of ComfyUI's requirements", log=log)
-        _run(pip + ["-e", f"{pack}[dev]"], what="pip install -e ditkit[dev]", log=log)
-        out = _run([vpy, "-c", "import json, torch, torchvision, torchaudio; print(json.dumps({m.__name__: "
-                    "m.__version__ for m in (torch, torchvision, torchaudio)}))"], what="torch set check",
-                   capture=True, log=log)
+        for what, args in venv_plan(root, pack):
+            if args:
+                log(f"installing {what}")
+                _run([vpy, "-m", "pip", "install", "--disable-pip-version-check", *args],
+                     what=f"pip install of {what}", log=log)
+        out = _run([vpy, "-c", "import importlib.metadata as m, json\n"
+                    "def v(n):\n    try:\n        return m.version(n)\n    except m.PackageNotFoundError:\n"
+                    "        return None\n"
+                    f"print(json.dumps({{n: v(n) for n in {TORCH_NAMES!r}}}))"],
+                   what="reading the installed torch set", capture=True, log=lambda *_: None)
         return json.loads(out.strip().splitlines()[-1])
     except BaseException:
         shutil.rmtree(venv, ignore_errors=True)

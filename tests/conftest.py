@@ -1,7 +1,9 @@
 """Shared pytest fixtures.
 
-* ``comfyui_path``: the real ComfyUI checkout from ``COMFYUI_PATH``; tests that need it skip with a clear
-  reason when it is unset.
+* ``comfyui_path``: the real ComfyUI host: ``COMFYUI_PATH``, else ditkit's cached host
+  (``python -m ditkit.host setup``); tests that need it skip with a clear reason when there is none.
+* ``import ditkit`` always means this checkout (see ``_import_this_checkout_as_ditkit``).
+* Tests marked ``slow`` skip unless ``DITKIT_SLOW=1``.
 * ``comfy``: ComfyUI imported in-process on CPU (``args.cpu = True`` before ``comfy.model_management``), for
   node-level tests that call ``Node.execute`` directly. Skips when ComfyUI or its requirements are missing
   from this interpreter (run the suite with the ComfyUI venv's python to enable it).
@@ -66,6 +68,17 @@ HOST = _host()
 
 def _comfyui_path() -> Path | None:
     return HOST.root.resolve() if HOST is not None and HOST.usable else None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` (soak, long lab runs) run only with ``DITKIT_SLOW=1``, so the default run, CI's
+    included, stays short; the skip reason says how to run them."""
+    if os.environ.get("DITKIT_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="marked slow (soak / long run): set DITKIT_SLOW=1 to run it")
+    for it in items:
+        if "slow" in it.keywords:
+            it.add_marker(skip)
 
 
 def pytest_report_header(config):

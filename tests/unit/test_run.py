@@ -52,8 +52,9 @@ def test_parse_args_env_fallback(fake_comfy, monkeypatch):
     (["w.json", "--server", "http://h:1", "--models", "/nonexistent/models"], "not a directory"),
     ([], "required"),
 ])
-def test_parse_args_errors(argv, needle, monkeypatch, capsys):
+def test_parse_args_errors(argv, needle, monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached host either
     with pytest.raises(SystemExit) as ei:
         run.parse_args(argv)
     assert ei.value.code == 2
