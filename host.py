@@ -349,6 +349,17 @@ def setup(source: str | None = None, ref: str | None = None, directory: str | os
     python = python or sys.executable
     pyver = _check_python(python)
     source = source or DEFAULT_SOURCE
+    known = PINNED_COMMIT if ref is None else (ref if len(ref) == 40 and all(c in "0123456789abcdef" for c in ref)
+                                               else None)
+    if known is not None:  # a complete host of a known commit is reused without contacting the source
+        root = Path(directory).expanduser().resolve() if directory else default_dir(known)
+        marker = read_marker(root) if root.exists() else None
+        if marker is not None and marker.get("commit") == known and marker.get("state") == "complete":
+            h = inspect(root, "cached host", deep=True)
+            if h.usable:
+                log(f"reusing: {h.describe()} (checked: {', '.join(CHECK_IMPORTS)} import)")
+                _ensure_pack(root, h, log)
+                return h
     git_dir = _git_dir(source, log)
     commit = resolve_ref(git_dir, ref or PINNED_COMMIT)
     root = Path(directory).expanduser().resolve() if directory else default_dir(commit)

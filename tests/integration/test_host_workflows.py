@@ -84,16 +84,21 @@ def test_runner_cli_reports_validation_errors(comfy_server, tmp_path):
     assert "node 1 (EmptyImage) input 'width'" in r.stderr, r.stderr
 
 
-@pytest.mark.slow
 def test_runner_cli_starts_and_stops_its_own_server(comfyui_path, tmp_path):
-    """The README command: start ComfyUI from PATH, run, stop it by pid (no tiny checkpoints needed here)."""
+    """The README command: start ComfyUI, run, stop it by pid (no tiny checkpoints needed here). On ditkit's
+    cached host it is started the README's way, with no --comfyui and no COMFYUI_PATH."""
+    from ditkit.host import read_marker
+
     wf = tmp_path / "smoke.json"
     wf.write_text(json.dumps(SMOKE))
     models = tmp_path / "models"
     models.mkdir()
-    r = _runner(wf, "--comfyui", comfyui_path, "--out", tmp_path / "out", "--models", models, "--only-ditkit",
-                timeout=600)
+    cached = read_marker(comfyui_path) is not None and not os.environ.get("COMFYUI_PATH")
+    where = [] if cached else ["--comfyui", comfyui_path]
+    r = _runner(wf, *where, "--out", tmp_path / "out", "--models", models, "--only-ditkit", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
+    origin = "cached host" if cached else "--comfyui"
+    assert f"ComfyUI host: {comfyui_path} (from {origin})" in r.stdout, r.stdout
     m = [ln for ln in r.stderr.splitlines() if "stopped (exit status" in ln]
     assert m, r.stderr
     pid = int(m[0].split("server pid ")[1].split()[0])

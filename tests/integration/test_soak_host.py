@@ -6,6 +6,10 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # about 4 minutes on 2 cores; DITKIT_SLOW=1 runs it
+
 SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
