@@ -137,6 +137,7 @@ def _has(mod: str) -> bool:
 def tiny_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu_check_tiny")
     p = _run("--device", "cpu", "--tiny", "--out", f"{d}{os.sep}", cwd=d, env=_env(TRITON_INTERPRET="1"), timeout=600)
+    assert (d / "gpu_check.json").exists(), f"exit {p.returncode}, no JSON:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
     doc = json.loads((d / "gpu_check.json").read_text())
     return p, doc, d
 
