@@ -604,7 +604,8 @@ def sec_kernels(ctx: Ctx, c: dict) -> None:
             with ctx.guard(sec, "top-k selection", shp, dts):
                 kt = pk(kx, lay_d.tile_src)
                 qp, kp = pool_tiles(xt, lay_d.sizes), pool_tiles(kt, lay_d.sizes)
-                ok_p, figs_p = err_stats(qp, pooled64(x, tid, T), 1e-5, 1e-6)
+                # fp32 means of 64 rows (summation order differs by device): 1e-4 still catches any wrong pooling
+                ok_p, figs_p = err_stats(qp, pooled64(x, tid, T), 1e-4, 1e-5)
                 scores = qp @ kp.transpose(-1, -2) / math.sqrt(D)
                 kv = lay.topk(c["keep"])
                 sel = REGISTRY.resolve("vsa_select", dev, torch.float32, D)
