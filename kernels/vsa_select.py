@@ -149,15 +149,25 @@ def h3_block_mask(scores: torch.Tensor, num_prefix_tiles: int, num_video_tiles: 
     return mask
 
 
-def mask_to_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mask_to_index(mask: torch.Tensor, chunk_elems: int = 1 << 24) -> tuple[torch.Tensor, torch.Tensor]:
     """Bool ``[..., Tq, Tk]`` -> int32 key-tile lists ``[..., Tq, Tk]`` (the selected tiles ascending, then the
     others ascending) and int32 counts ``[..., Tq]``: the ``q2k_index`` / ``q2k_num`` contract of every fine-stage
-    backend. Each row is a permutation written by one deterministic scatter."""
+    backend. Each row is a permutation written by one deterministic scatter, in row chunks of about
+    ``chunk_elems`` entries (the int64 scatter index is 8 bytes an entry)."""
     Tk = mask.shape[-1]
-    cs = mask.cumsum(dim=-1, dtype=torch.int32)                 # selected tiles up to and including j
-    num = cs[..., -1].contiguous() if Tk else torch.zeros(mask.shape[:-1], dtype=torch.int32, device=mask.device)
+    if mask.numel() == 0:
+        return (torch.empty(mask.shape, dtype=torch.int32, device=mask.device),
+                torch.zeros(mask.shape[:-1], dtype=torch.int32, device=mask.device))
+    flat = mask.reshape(-1, Tk)
+    idx = torch.empty(flat.shape, dtype=torch.int32, device=mask.device)
+    num = torch.zeros(flat.shape[0], dtype=torch.int32, device=mask.device)
     j = torch.arange(Tk, dtype=torch.int32, device=mask.device)
-    slot = torch.where(mask, cs - 1, num[..., None] + j - cs)
-    idx = torch.empty(mask.shape, dtype=torch.int32, device=mask.device)
-    idx.scatter_(-1, slot.long(), j.expand(mask.shape))
-    return idx, num
+    step = max(1, chunk_elems // Tk)
+    for r0 in range(0, flat.shape[0], step):
+        m = flat[r0:r0 + step]
+        cs = m.cumsum(dim=-1, dtype=torch.int32)                # selected tiles up to and including j
+        n = cs[:, -1:]
+        slot = torch.where(m, cs - 1, n + j - cs)
+        idx[r0:r0 + step].scatter_(-1, slot.long(), j.expand(m.shape))
+        num[r0:r0 + step] = n[:, 0]
+    return idx.view(mask.shape), num.view(mask.shape[:-1])
