@@ -194,8 +194,6 @@ def _need(backend, dtype=torch.float32):
             load_extension()
         except RuntimeError as e:
             pytest.skip(f"cpu_native extension unavailable here: {e}")
-    if backend == "flex" and dtype == torch.float16 and DEVICE == "cpu":
-        pytest.skip("CPU FlexAttention has no fp16 kernel")
 
 
 def _tile_constant(rows_per_tile, vecs):
@@ -237,8 +235,8 @@ def _h3_oracle(q, k, v, lay, sparsity):
     return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=m[:, :, tid][:, :, :, tid]), m
 
 
-H3_CASES = [(b, d) for b in ("reference", "cpu_batched", "cpu_native", "triton") for d in (torch.float32, torch.float16)
-            if not (b == "cpu_native" and d != torch.float32)]
+H3_CASES = [(b, d) for b in ("reference", "cpu_batched", "cpu_native", "triton", "flex")
+            for d in (torch.float32, torch.float16) if not (b == "cpu_native" and d != torch.float32)]
 
 
 @pytest.mark.parametrize("backend,dtype", H3_CASES)
