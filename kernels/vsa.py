@@ -28,6 +28,7 @@ from . import block_sparse, block_sparse_cpu, block_sparse_cpu_native, tile_pack
 from ._triton import HAS_TRITON
 from .registry import REGISTRY, Selection
 from .vsa_layout import TILE, H3TileLayout, check_seq_len
+from .vsa_select import fused_topk_mask, h3_block_mask, mask_to_index
 
 LOG2E = block_sparse.LOG2E
 
@@ -116,10 +117,9 @@ def pool_tiles(x: torch.Tensor, sizes: torch.Tensor, tile: int = TILE) -> torch.
 
 
 def topk_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k key tiles per query tile as ascending int32 lists (``[B,H,T,k]``, ``num``)."""
-    top = scores.topk(k, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
-    num = torch.full(scores.shape[:-1], k, dtype=torch.int32, device=scores.device)
-    return top.contiguous(), num
+    """FastVideo ``fused_topk_mask(scores, k)`` (``vsa_select``; not always exactly k on ties) as ascending int32
+    key-tile lists ``[B,H,T,Tk]`` and their counts."""
+    return mask_to_index(fused_topk_mask(scores, k))
 
 
 def video_sparse_attn(q, k, v, variable_block_sizes, q_variable_block_sizes, topk: int, block_size=64,
@@ -137,7 +137,13 @@ def video_sparse_attn(q, k, v, variable_block_sizes, q_variable_block_sizes, top
     if variable_block_sizes.numel() != Tk or q_variable_block_sizes.numel() != T:
         raise DitKitError(f"variable_block_sizes needs {Tk} entries and q_variable_block_sizes {T}; got "
                           f"{variable_block_sizes.numel()} and {q_variable_block_sizes.numel()}")
-    topk = max(1, min(int(topk), Tk))
+    if int(topk) < 1:
+        raise DitKitError(f"topk must be >= 1 key tile per query tile, got {topk}")
+    topk = min(int(topk), Tk)                                      # fused_topk_mask: min(topk, kv_blocks)
+    for name, vbs in (("variable_block_sizes", variable_block_sizes), ("q_variable_block_sizes", q_variable_block_sizes)):
+        if vbs.numel() and (int(vbs.min()) < 1 or int(vbs.max()) > TILE):
+            raise DitKitError(f"{name} must hold live rows per tile in 1..{TILE} (a 0 would make the pooled mean "
+                              f"NaN); got min {int(vbs.min())}, max {int(vbs.max())}")
     qc = pool_tiles(q, q_variable_block_sizes).to(q.dtype)
     kc = pool_tiles(k, variable_block_sizes).to(k.dtype)
     vc = pool_tiles(v, variable_block_sizes).to(v.dtype)
@@ -155,28 +161,12 @@ def video_sparse_attn(q, k, v, variable_block_sizes, q_variable_block_sizes, top
 # VSA-H3
 def select_h3(scores: torch.Tensor, num_prefix_tiles: int, num_video_tiles: int, k_vid: int,
               exempt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """FastVideo ``_build_block_mask`` as ascending int32 index lists ``(q2k_index [B,H,T,T], q2k_num)``."""
-    B, H, T, _ = scores.shape
-    npre = num_prefix_tiles
-    dev = scores.device
-    idx = torch.arange(T, device=dev, dtype=torch.int32).expand(B, H, T, T).clone()
-    num = torch.full((B, H, T), T, device=dev, dtype=torch.int32)
-    if k_vid >= num_video_tiles:
-        return idx, num
-    if exempt or npre == 0:
-        top = scores[:, :, npre:, npre:].topk(k_vid, dim=-1).indices + npre
-        top = top.sort(dim=-1).values.to(torch.int32)
-        idx[:, :, npre:, npre:npre + k_vid] = top
-        num[:, :, npre:] = npre + k_vid
-    else:
-        kt = min(k_vid + npre, T)
-        top = scores[:, :, npre:, :].topk(kt, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
-        idx[:, :, npre:, :kt] = top
-        num[:, :, npre:] = kt
-    return idx, num
+    """FastVideo ``_build_block_mask`` (``vsa_select.h3_block_mask``: exactly ``k_vid`` video tiles, ties to the
+    lowest index) as ascending int32 index lists ``(q2k_index [B,H,T,T], q2k_num)``."""
+    return mask_to_index(h3_block_mask(scores, num_prefix_tiles, num_video_tiles, k_vid, exempt))
 
 
-REGISTRY.op("vsa_select", select_h3)   # pooled-score top-k: reference only (torch.topk is fine on GPU too)
+REGISTRY.op("vsa_select", select_h3)   # pooled-score top-k: one implementation for every fine-stage backend
 
 
 @dataclass
@@ -194,8 +184,13 @@ class VSAStats:
 
 
 def vsa_h3_attention(q, k, v, layout: H3TileLayout, keep: float, gate: Optional[torch.Tensor] = None,
-                     exempt: bool = True, backend: Optional[str] = None) -> tuple[torch.Tensor, VSAStats]:
-    """VSA-H3 over the packed sequence ``[B,H,S,D]`` -> (output in packed order, stats)."""
+                     exempt: bool = True, backend: Optional[str] = None,
+                     sparsity: Optional[float] = None) -> tuple[torch.Tensor, VSAStats]:
+    """VSA-H3 over the packed sequence ``[B,H,S,D]`` -> (output in packed order, stats).
+
+    The video tiles kept per query tile are FastVideo's ``compute_topk(sparsity, n_video)``; ``sparsity`` is
+    FastVideo's ``VSA_sparsity`` (give it when known, e.g. from :func:`.vsa_select.sparsity_from_keep_percent`),
+    else ``1 - keep``."""
     _check_qkv(q, k, v)
     check_seq_len(layout, q.shape[2])
     if gate is not None and gate.shape != q.shape:
@@ -208,7 +203,7 @@ def vsa_h3_attention(q, k, v, layout: H3TileLayout, keep: float, gate: Optional[
     qp = pool_tiles(qt, lay.sizes)
     kp = pool_tiles(kt, lay.sizes)
     scores = torch.matmul(qp, kp.transpose(-2, -1)) / (D ** 0.5)
-    k_vid = layout.topk(keep)
+    k_vid = layout.topk_sparsity(sparsity) if sparsity is not None else layout.topk(keep)
     sel_k = REGISTRY.resolve("vsa_select", q.device, torch.float32, D)
     idx, num = sel_k.fn(scores, lay.num_prefix_tiles, lay.num_video_tiles, k_vid, exempt)
     sel = REGISTRY.resolve("block_sparse_attn", q.device, q.dtype, D, backend)

@@ -19,6 +19,7 @@ from .vsa_layout import H3TileLayout, build_h3_layout
 @dataclass
 class VSAH3Config:
     keep: float                      # fraction of video tiles kept (0.1 = FastH3 Preview v1, 0.2 = V2)
+    sparsity: Optional[float] = None   # FastVideo VSA_sparsity (sets the count); None -> 1 - keep
     sigma_start: float = float("inf")  # sparse while sigma_end <= sigma <= sigma_start
     sigma_end: float = 0.0
     backend: Optional[str] = None    # None/"auto" -> registry choice
@@ -94,7 +95,7 @@ class VSAH3Runtime:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardCtx,
                   gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         out, st = vsa_h3_attention(q, k, v, ctx.layout, self.cfg.keep, gate=gate, exempt=self.cfg.exempt,
-                                   backend=self.cfg.backend)
+                                   backend=self.cfg.backend, sparsity=self.cfg.sparsity)
         with self._lock:
             self.calls["sparse"] += 1
             self.steps_sparse.add(_step_key(ctx.sigma))
@@ -115,7 +116,7 @@ class VSAH3Runtime:
         return self.block_pairs / self.block_pairs_dense if self.block_pairs_dense else None
 
     def as_dict(self) -> dict:
-        return {"keep": self.cfg.keep, "backend_requested": self.cfg.backend or "auto",
+        return {"keep": self.cfg.keep, "sparsity": self.cfg.sparsity, "backend_requested": self.cfg.backend or "auto",
                 "backends_used": dict(self.backends), "calls": dict(self.calls),
                 "steps_sparse": len(self.steps_sparse), "steps_dense": len(self.steps_dense),
                 "steps_without_attention": len(self.steps_idle),

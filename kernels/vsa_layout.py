@@ -21,6 +21,7 @@ from functools import lru_cache
 import torch
 
 from ..errors import DitKitError
+from .vsa_select import compute_topk  # noqa: F401  (FastVideo's count; re-exported)
 
 TILE = 64
 VIDEO_CUBE = (4, 4, 4)
@@ -65,21 +66,16 @@ class H3TileLayout:
         return _layout_on(self, device)
 
     def topk(self, keep: float) -> int:
-        """FastVideo ``compute_topk``: ceil(keep * n_video_tiles) clamped to [1, n_video_tiles]."""
+        """Video tiles kept at fraction ``keep``: FastVideo ``compute_topk(1 - keep, n_video_tiles)``."""
         return compute_topk(1.0 - keep, self.num_video_tiles)
+
+    def topk_sparsity(self, sparsity: float) -> int:
+        """Video tiles kept at FastVideo ``VSA_sparsity``: ``compute_topk(sparsity, n_video_tiles)``."""
+        return compute_topk(sparsity, self.num_video_tiles)
 
     def describe(self) -> str:
         return (f"prefix={self.prefix_segments} video={self.video_shape} tiles={self.num_prefix_tiles}+"
                 f"{self.num_video_tiles} padded={self.padded_len} rows for {self.seq_len}")
-
-
-def compute_topk(sparsity: float, num_blocks: int) -> int:
-    """FastVideo's rule: clamp(ceil((1 - sparsity) * num_blocks), 1, num_blocks)."""
-    if num_blocks <= 0:
-        return 0
-    # round to 9 decimals first so 0.1 * 30 does not become 3.0000000000000004 -> 4
-    k = math.ceil(round((1.0 - float(sparsity)) * num_blocks, 9))
-    return max(1, min(int(k), num_blocks))
 
 
 def video_tile_partition(video_shape: tuple[int, int, int], cube=VIDEO_CUBE) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from ..errors import BackendError, UnsupportedModelError
 from ..kernels import REGISTRY
 from ..kernels.vsa_h3_runtime import CTX_KEY, GATE_KEY, VSAH3Config, VSAH3Runtime, make_attention_override
 from ..kernels.vsa_layout import prefix_segments_from_spans
+from ..kernels.vsa_select import sparsity_from_keep_percent
 from ._common import send_report, ui_report
 
 NODE_ID = "DitKitSparseAttention"
@@ -135,9 +136,11 @@ class DitKitSparseAttention(io.ComfyNode):
             raise BackendError(f"{NODE_ID}: unknown gate option {gate!r}; choose one of {GATE_CHOICES}")
         if start_percent > end_percent:
             raise BackendError(f"{NODE_ID}: start_percent {start_percent} is after end_percent {end_percent}")
-        keep = (RECIPES[recipe] if RECIPES[recipe] is not None else float(keep_percent)) / 100.0
+        pct = RECIPES[recipe] if RECIPES[recipe] is not None else float(keep_percent)
+        keep = pct / 100.0
         ms = model.get_model_object("model_sampling")
-        cfg = VSAH3Config(keep=keep, sigma_start=float(ms.percent_to_sigma(start_percent)),
+        cfg = VSAH3Config(keep=keep, sparsity=sparsity_from_keep_percent(pct),
+                          sigma_start=float(ms.percent_to_sigma(start_percent)),
                           sigma_end=float(ms.percent_to_sigma(end_percent)),
                           backend=None if backend == "auto" else backend, min_tokens=int(min_tokens))
         if cfg.backend is not None:
@@ -197,7 +200,8 @@ class DitKitSparseAttention(io.ComfyNode):
                    f"sigma window [{cfg.sigma_end:.4g}, {cfg.sigma_start:.4g}], min_tokens {min_tokens}, "
                    f"gate {gate_src}" + (f"; chains previous attention override {prev_name} for dense calls"
                                          if prev is not None else ""))
-        data = {"keep": keep, "recipe": recipe, "backend": backend, "gate": gate_src, "chained_override": prev_name,
+        data = {"keep": keep, "vsa_sparsity": cfg.sparsity, "recipe": recipe, "backend": backend, "gate": gate_src,
+                "chained_override": prev_name,
                 "backends_here": REGISTRY.explain("block_sparse_attn", model.load_device, torch.float32,
                                                   dm.blocks[0].attn.head_dim)}
         payload = send_report(node_id, NODE_ID, "install", summary, data)

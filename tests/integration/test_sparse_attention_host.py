@@ -59,7 +59,8 @@ def _oracle_override(keep, prefix, grid, seen):
     onehot = torch.zeros(T, S, dtype=torch.float64)
     onehot[tid, torch.arange(S)] = 1.0
     onehot /= onehot.sum(1, keepdim=True)
-    k_vid = max(1, min(nvid, math.ceil(round(keep * nvid, 9))))
+    sparsity = (100 - keep * 100) / 100                   # FastVideo VSA_sparsity for the node's keep_percent
+    k_vid = max(1, min(nvid, math.ceil((1 - sparsity) * nvid)))   # FastVideo compute_topk, unrounded
 
     def override(func, q, k, v, heads, *a, mask=None, skip_reshape=False, transformer_options=None, **kw):
         if q.shape[2] != S:
@@ -69,7 +70,8 @@ def _oracle_override(keep, prefix, grid, seen):
         qd, kd, vd = (x.double() for x in (q, k, v))
         sc = (onehot @ qd) @ (onehot @ kd).transpose(-1, -2) / math.sqrt(q.shape[-1])
         m = torch.zeros(sc.shape, dtype=torch.bool)
-        m.scatter_(-1, sc[..., npre:].topk(k_vid, -1).indices + npre, True)
+        # FastVideo's set (CUDA topk): the k largest, ties to the lowest index
+        m.scatter_(-1, sc[..., npre:].sort(dim=-1, descending=True, stable=True).indices[..., :k_vid] + npre, True)
         m[..., :npre] = True
         m[:, :, :npre, :] = True
         out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=m[:, :, tid][:, :, :, tid])
