@@ -183,7 +183,7 @@ class DitKitFastH3Schedule(io.ComfyNode):
 
         summary = sched.summary() + (f" ({note})" if contract is not None else "")
         if before != (sched.video_shift, sched.audio_shift):
-            summary += f"; the model's shifts were {before[0]:g} / {before[1] if before[1] is not None else 'none'}"
+            summary += f"; the model's shifts were {before[0]:g} / " + (f"{before[1]:g}" if before[1] is not None else "none")
         data = sched.as_dict()
         data.update(previous_shifts=list(before), contract_source=note)
         payload = send_report(node_id, NODE_ID, "schedule", summary, data)
