@@ -57,6 +57,7 @@ CONTRACT_SCHEMA = "fasth3-inference-contract-v1"
 MAX_CONTRACT_BYTES = 64 * 1024
 TIME_SCALE = 1000
 FROM_CONTRACT = "from_contract"
+SHIFT_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,17 @@ def _check_rungs(rungs, where: str) -> tuple[int, ...]:
 def _positive_finite(value, key: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ScheduleError(f"{where}: {key} must be a positive finite number")
+    if not SHIFT_RANGE[0] <= value <= SHIFT_RANGE[1]:
+        raise ScheduleError(f"{where}: {key} {value:g} is outside {SHIFT_RANGE[0]:g}..{SHIFT_RANGE[1]:g} (the range of "
+                            "ComfyUI's MiniMaxH3SigmaShift; float32 sigmas degenerate beyond it)")
     return float(value)
+
+
+def _check_sigmas(t: torch.Tensor, what: str) -> None:
+    if not bool(torch.isfinite(t).all()) or t[-1].item() != 0.0 or t[0].item() > 1.0 \
+            or not bool((t[1:] < t[:-1]).all()):
+        raise ScheduleError(f"{what}: the shifted ladder is not finite and strictly decreasing from <= 1 to 0 "
+                            f"({t.tolist()})")
 
 
 @dataclass(frozen=True)
@@ -244,6 +255,8 @@ class FastH3Schedule:
         self.video_sigmas = shifted_sigmas(self.positions, self.video_shift)
         self.audio_sigmas = shifted_sigmas(self.positions, self.audio_shift)
         self.audio_from_video = audio_from_video(self.video_sigmas, self.video_shift, self.audio_shift)
+        _check_sigmas(self.video_sigmas, f"{self.label} video (shift {self.video_shift:g})")
+        _check_sigmas(self.audio_sigmas, f"{self.label} audio (shift {self.audio_shift:g})")
 
     @property
     def forwards(self) -> int:

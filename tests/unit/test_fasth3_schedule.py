@@ -168,6 +168,10 @@ def test_from_contract_without_contract_and_unknown_recipe():
     (v2_contract(audio_scheduler_shift=True), "audio_scheduler_shift must be a positive finite"),
     (v2_contract(audio_scheduler_shift="3"), "audio_scheduler_shift must be a positive finite"),
     (v2_contract(video_scheduler_shift=1e400), "video_scheduler_shift must be a positive finite"),
+    # positive finite but degenerate in float32 (all zeros / NaN sigmas before the range check)
+    (v2_contract(video_scheduler_shift=1e-300), r"video_scheduler_shift 1e-300 is outside 0.01..100"),
+    (v2_contract(audio_scheduler_shift=1e300), r"audio_scheduler_shift 1e\+300 is outside 0.01..100"),
+    (v2_contract(video_scheduler_shift=100.5), "is outside 0.01..100"),
 ])
 def test_contract_rules(obj, words):
     with pytest.raises(ScheduleError, match=words):
@@ -205,3 +209,52 @@ def test_contract_errors_never_echo_file_strings(tmp_path):
 def test_missing_contract_file_is_a_ditkit_error(tmp_path):
     with pytest.raises(DitKitError, match="cannot be read"):
         f.load_contract(tmp_path / "nope.json")
+
+
+# ------------------------------------------------------------------------------------------------ fuzz
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ = settings(max_examples=200, derandomize=True, deadline=2000, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+_scalars = st.none() | st.booleans() | st.integers(-2**64, 2**64) | st.floats(allow_nan=False) | st.text(max_size=8)
+_values = st.recursive(_scalars, lambda ch: st.lists(ch, max_size=9) | st.dictionaries(st.text(max_size=8), ch,
+                                                                                       max_size=4), max_leaves=12)
+_keys = st.sampled_from(["schema_version", "dmd_denoising_steps", "num_inference_steps", "transformer_forwards",
+                         "video_scheduler_shift", "audio_scheduler_shift", "pdd_steps", "model_id", "vsa_sparsity"])
+
+
+@settings(FUZZ, max_examples=100)
+@given(st.dictionaries(_keys, _values, max_size=4), st.sampled_from(f.RECIPE_CHOICES))
+def test_fuzz_contract_mutations_raise_only_schedule_errors(mutation, recipe):
+    obj = v2_contract()
+    obj.update(mutation)
+    try:
+        c = f.parse_contract(obj, "fuzz.json")
+        s = f.resolve_schedule(recipe, c)
+    except ScheduleError:
+        return
+    # accepted: a valid ladder, shifted once, finite, strictly decreasing to 0
+    assert list(s.rungs) == sorted(set(s.rungs), reverse=True) and all(0 < r <= 1000 for r in s.rungs)
+    for t in (s.video_sigmas, s.audio_sigmas):
+        assert torch.isfinite(t).all() and t[-1] == 0 and bool((t[1:] < t[:-1]).all())
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_fuzz_contract_bytes_raise_only_schedule_errors(tmp_path, raw):
+    p = tmp_path / "fastvideo_inference.json"
+    p.write_bytes(raw)
+    try:
+        f.load_contract(p)
+    except ScheduleError:
+        pass
+
+
+@pytest.mark.parametrize("sv,sa", [(0.01, 100.0), (100.0, 0.01), (1.0, 1.0)])
+def test_from_contract_shift_range_edges_give_valid_ladders(sv, sa):
+    s = f.resolve_schedule("from_contract", f.parse_contract(v2_contract(video_scheduler_shift=sv,
+                                                                         audio_scheduler_shift=sa), "x.json"))
+    for t, shift in ((s.video_sigmas, sv), (s.audio_sigmas, sa)):
+        assert torch.equal(t, _f32(V2_RUNGS, shift)) and torch.isfinite(t).all() and bool((t[1:] < t[:-1]).all())
