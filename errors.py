@@ -45,3 +45,7 @@ class WorkflowError(DitKitError):
 
 class CacheStackError(DitKitError):
     """A step cache was asked to stack on another one (EasyCache, LazyCache or another ditkit cache)."""
+
+
+class ScheduleError(DitKitError):
+    """A sampling schedule or inference contract is malformed, or disagrees with the recipe asked for."""

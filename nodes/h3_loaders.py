@@ -62,6 +62,7 @@ def resolve(name: str) -> str:
 
 
 GATE_ATTACHMENT = "ditkit_h3_gate_compress"
+SOURCE_ATTACHMENT = "ditkit_h3_source"  # read by nodes/fasth3.py
 
 
 def model_options(weight_dtype: str) -> dict:
@@ -109,6 +110,8 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
     if gates:
         model.set_attachments(GATE_ATTACHMENT, gates)
         report.converted["to_gate_compress -> sparse-attention attachment"] = len(gates)
+    # where it came from: DitKitFastH3Schedule looks for the export's fastvideo_inference.json there
+    model.set_attachments(SOURCE_ATTACHMENT, path)
     return model, report
 
 

@@ -67,6 +67,12 @@ PAYLOADS = {
     "calib_live": {"node": "7", "kind": "teacache_calibration_progress", "summary": "s", "data": {
         "pairs": 12, "step": 3, "steps": 6}},
     "error": {"node": "2", "kind": "error", "summary": "UnsupportedModelError: " + "y" * 100, "data": {}},
+    "schedule": {"node": "4", "kind": "schedule", "summary": "s", "data": {
+        "recipe": "fasth3_8step_v2", "label": "FastH3 8-Step V2", "video_shift": 10.0, "audio_shift": 3.0,
+        "forwards": 8, "contract": {"path": "p"}}},
+    "schedule_none": {"node": "4", "kind": "schedule", "summary": "s", "data": {
+        "recipe": "fasth3_preview_4step", "label": "FastH3 Preview v1 (4-step)", "video_shift": 12.0,
+        "audio_shift": 3.0, "forwards": 4, "contract": None}},
     "load": {"node": "1", "kind": "load", "summary": "H3 official layout, 2 shards " + "x" * 80, "data": {}},
 }
 EXPECTED = {
@@ -82,6 +88,8 @@ EXPECTED = {
     "calib_pairs": ["calib 10 pairs · 1/3 prompts"],
     "calib_live": ["calib recording: 12 pairs (step 3/6)"],
     "error": ["error: UnsupportedModelError: " + "y" * 33 + "…"],
+    "schedule": ["FastH3 8-Step V2 · shifts 10/3", "8 forwards · contract ok"],
+    "schedule_none": ["FastH3 Preview v1 (4-step) · shifts 12/3", "4 forwards · no contract"],
 }
 
 

@@ -101,6 +101,11 @@ export function badgeSpecs(p) {
     }
     case "error":  // a ditkit node raised: the exception message (DitKitError texts say what to do)
       return [{ text: shorten(`error: ${p.summary}`, 64), color: BAD }];
+    case "schedule": {  // DitKitFastH3Schedule: recipe, shifts, forwards, contract check
+      const c = d.contract ? "contract ok" : "no contract";
+      return [{ text: shorten(`${d.label || d.recipe} · shifts ${d.video_shift}/${d.audio_shift}`), color: OK },
+              { text: `${d.forwards} forwards · ${c}`, color: d.contract ? OK : INFO }];
+    }
     case "video_save":
       return [{ text: shorten(`saved ${d.frames} frames, ${d.chunks} chunks`), color: OK }];
     default:
