@@ -528,3 +528,37 @@ def test_every_format_exact_through_comfy(models, tmp_path, fam, fmt):
     ref = u.expected({k: base[k] for k, _, _ in expect}, expect, 0.6)
     worst = max((patched(m, k).double() - r).abs().max().item() / r.abs().max().item() for k, r in ref.items())
     assert worst <= 1e-6, worst
+
+
+def test_node_scale_input_and_undetermined_scale(models, comfy, tmp_path):
+    """A PEFT-layout file without its adapter_config.json: the node refuses it (naming the file's problem and the
+    'scale' input) and leaves the model alone; with scale set, the patched weight is base + strength * scale *
+    kron(w1, w2) (float64 oracle from the file's tensors). Non-finite strength / scale are refused."""
+    import folder_paths
+
+    from ditkit.nodes.lokr import DitKitLoKrLoader
+
+    d = ci.ZIMAGE["dim"]
+    sd = _zimage_module("base_model.model.layers.0.attention.to_k")
+    sd.pop("base_model.model.layers.0.attention.to_k.alpha")
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    save_file(sd, loras / "peft_noconfig.safetensors")
+    folder_paths.add_model_folder_path("loras", str(loras))
+    model = models["zimage"]
+    before = base_sd(model)
+    with pytest.raises(AdapterError, match=r"adapter_config\.json.*'scale' input"):
+        DitKitLoKrLoader.execute(model, "peft_noconfig.safetensors", 1.0)
+    for bad in ({"strength": float("nan")}, {"strength": 1.0, "scale": float("inf")}):
+        with pytest.raises(AdapterError, match="finite"):
+            DitKitLoKrLoader.execute(model, "peft_noconfig.safetensors", **bad)
+    assert model.patches == {} or "diffusion_model.layers.0.attention.qkv.weight" not in model.patches
+    m, report = DitKitLoKrLoader.execute(model, "peft_noconfig.safetensors", -0.8, scale=0.25).result
+    assert "scale 0.25 (node input)" in report
+    k = "diffusion_model.layers.0.attention.qkv.weight"
+    pre = "base_model.model.layers.0.attention.to_k"
+    w2 = sd[pre + ".lokr_w2_a"].double() @ sd[pre + ".lokr_w2_b"].double()
+    ref = before[k].double().clone()
+    ref[d:2 * d] += -0.8 * 0.25 * kron64(sd[pre + ".lokr_w1"], w2)
+    got = patched(m, k).double()
+    assert (got - ref).abs().max().item() / ref.abs().max().item() <= 1e-6

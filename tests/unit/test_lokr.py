@@ -6,6 +6,7 @@ The oracle rebuilds ΔW from the raw file tensors in float64 with an explicit ou
 """
 from __future__ import annotations
 
+
 import pytest
 import torch
 
@@ -128,6 +129,10 @@ def build_file(fam, fmt, kinds, factors):
             o = rows[1] - rows[0]
         kind = kinds[i % len(kinds)]
         f, scale = make_module(o, n, kind, factors[i % len(factors)])
+        if fmt == "musubi" and kind == "full":
+            # musubi-tuner PR #901 (the writer of 'lokr_factor'): a full w2 is scaled alpha / max(w2.shape)
+            f["alpha"] = torch.tensor(3.0)
+            scale = 3.0 / max(f["lokr_w2"].shape)
         key = name_for(fmt, fam, name)
         for suf, t in f.items():
             if fmt == "peft" and suf == "alpha":
@@ -135,9 +140,9 @@ def build_file(fam, fmt, kinds, factors):
             sd[f"{key}.{suf}"] = t
         if fmt == "peft":
             scale = 8.0 / 4.0  # config alpha 8, r 4: PEFT scales alpha/r always (also full-rank)
-        if fmt == "musubi":
-            sd[f"{key}.lokr_factor"] = torch.tensor(factors[i % len(factors)])
         expect.append((wk, rows, oracle_delta(f) * scale))
+    if fmt == "musubi":
+        sd["lokr_factor"] = torch.tensor(factors[0], dtype=torch.int64)  # network buffer, no module prefix
     return sd, expect
 
 
@@ -181,7 +186,6 @@ def test_exact_every_format(fam, fmt, factors):
     parsed = core.parse_lokr(sd, peft_config=peft_cfg)
     shapes = shapes_of(fam)
     plan = core.plan(parsed, shapes)
-    musubi_meta = {k for k in sd if k.endswith(".lokr_factor")}
     assert set(plan.unused) == set(), plan.unused
     assert not plan.refused
     assert len(plan.items) == len(expect)
@@ -189,12 +193,14 @@ def test_exact_every_format(fam, fmt, factors):
     got = apply_core(plan, base, 0.75)
     ref = expected(base, expect, 0.75)
     assert max_rel(got, ref) <= 1e-6
-    assert all(k in {kk for it in plan.items for kk in it.module.keys} for k in musubi_meta)
+    if fmt == "musubi":
+        assert any("lokr_factor" in n and "#901" in n for n in plan.notes)
 
 
 def test_writer_detection():
     assert core.detect_writer(["lycoris_layers_0_attention_to_q.lokr_w1"]) == "lycoris"
-    assert core.detect_writer(["lora_unet_x.lokr_w1", "lora_unet_x.lokr_factor"]) == "musubi-tuner"
+    assert core.detect_writer(["lora_unet_x.lokr_w1", "lokr_factor"]) == "musubi-tuner"
+    assert core.detect_writer(["lora_unet_x.lokr_w1", "lora_unet_x.alpha"]) == "kohya/musubi-tuner"
     assert core.detect_writer(["base_model.model.x.lokr_w1"]) == "peft"
     assert core.detect_writer(["lora_transformer_x.lokr_w1"]) == "onetrainer"
 
@@ -258,9 +264,6 @@ def test_scale_rules():
     p = core.parse_lokr(sd)
     assert p.modules["lycoris_a"].scale == 1.0  # ai-toolkit 1e10 placeholder ignored
     assert p.modules["lycoris_b"].scale == 0.5
-    del lr["alpha"]
-    p = core.parse_lokr({f"lycoris_b.{k}": v for k, v in lr.items()})
-    assert p.modules["lycoris_b"].scale == 1.0  # LyCORIS: missing alpha = rank
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -360,8 +363,188 @@ def test_diffusers_export_with_peft_metadata_uses_peft_scaling():
     cfg = core.peft_config_from_metadata({"lora_adapter_metadata": json.dumps({"r": 4, "alpha": 2})})
     p = core.parse_lokr(sd, peft_config=cfg)
     assert p.modules["transformer.layers.0.attention.to_q"].scale == 0.5
-    assert any("PEFT scaling" in n for n in p.notes)
+    assert any("PEFT alpha / r from" in n for n in p.notes)
     # with per-module alpha keys the LyCORIS rule wins (full-rank -> 1.0) and the note says so
     p = core.parse_lokr({**sd, "transformer.layers.0.attention.to_q.alpha": torch.tensor(3.0)}, peft_config=cfg)
     assert p.modules["transformer.layers.0.attention.to_q"].scale == 1.0
     assert any("LyCORIS scaling used" in n for n in p.notes)
+
+
+# ---------------------------------------------------------------------------------------------- scale sources
+D = ci.ZIMAGE["dim"]
+
+
+def _w2lr(prefix, rank=4, alpha=None, factor=8):
+    """One decomposed-w2 module on a Z-Image q slice (D x D); alpha None: no alpha key."""
+    f, _ = make_module(D, D, "w2lr", factor, rank=rank, alpha=alpha if alpha is not None else 1.0)
+    if alpha is None:
+        del f["alpha"]
+    return {f"{prefix}.{k}": v for k, v in f.items()}, {k: v for k, v in f.items() if k != "alpha"}
+
+
+def _delta_of(plan, prefix) -> torch.Tensor:
+    (it,) = [it for it in plan.items if it.module.prefix == prefix]
+    return core.module_delta(it).double()
+
+
+def test_pipeline_level_diffusers_metadata_prefixed_fields():
+    """diffusers save_lora_weights writes 'transformer.r', 'transformer.alpha', ... (component-prefixed); the old
+    reader found no r/alpha there and merged at 1.0. Oracle: PEFT's alpha / r with rank_pattern / alpha_pattern."""
+    import json
+
+    q, fq = _w2lr("transformer.layers.0.attention.to_q", rank=4)
+    k, fk = _w2lr("transformer.layers.0.attention.to_k", rank=2)
+    meta = {"lora_adapter_metadata": json.dumps({"transformer.r": 4, "transformer.alpha": 8, "transformer.peft_type": "LOKR",
+                                                 "transformer.rank_pattern": {"to_k": 2},
+                                                 "transformer.alpha_pattern": {"to_k": 3}})}
+    cfg, where = core.config_from_metadata(meta)
+    assert cfg["r"] == 4 and "transformer.*" in where
+    plan = core.plan(core.parse_lokr(q | k, peft_config=cfg, config_source=where), shapes_of("zimage"))
+    assert (_delta_of(plan, "transformer.layers.0.attention.to_q") - oracle_delta(fq) * 8 / 4).abs().max() < 1e-6
+    assert (_delta_of(plan, "transformer.layers.0.attention.to_k") - oracle_delta(fk) * 3 / 2).abs().max() < 1e-6
+    assert any("PEFT alpha / r from safetensors metadata" in n for n in plan.notes)
+    # model-level save_lora_adapter: the same fields without the prefix
+    cfg2, where2 = core.config_from_metadata({"lora_adapter_metadata": json.dumps({"r": 4, "alpha": 2})})
+    assert cfg2 == {"r": 4, "alpha": 2} and "save_lora_adapter" in where2
+    with pytest.raises(AdapterError, match="ambiguous"):
+        core.config_from_metadata({"lora_adapter_metadata": json.dumps({"r": 4, "transformer.r": 4})})
+
+
+def test_peft_file_without_config_is_refused_and_scale_input_applies():
+    """A PEFT-layout file without adapter_config.json was merged at 1.0 with a note; PEFT scales by alpha / r from
+    that config, so the scale is unknown: refused naming what is missing; the node's scale input applies it."""
+    sd, f = _w2lr("base_model.model.layers.0.attention.to_q")
+    with pytest.raises(AdapterError, match=r"adapter_config\.json.*'scale' input"):
+        core.plan(core.parse_lokr(sd), shapes_of("zimage"))
+    plan = core.plan(core.parse_lokr(sd, scale_override=-0.25), shapes_of("zimage"))
+    (it,) = plan.items
+    assert it.module.scale == -0.25 and it.module.scale_kind == "input" and "undetermined" in it.module.scale_rule
+    assert (_delta_of(plan, "base_model.model.layers.0.attention.to_q") + 0.25 * oracle_delta(f)).abs().max() < 1e-6
+    with pytest.raises(AdapterError, match="finite"):
+        core.parse_lokr(sd, scale_override=float("nan"))
+
+
+@pytest.mark.parametrize("prefix,outcome", [
+    ("lycoris_layers_0_attention_to_q", "refused"),                 # LyCORIS' loader needs alpha
+    ("lora_transformer_layers_0_attention_to_q", "refused"),        # OneTrainer: strict load
+    ("diffusion_model.layers.0.attention.to_q", "refused"),         # ai-toolkit: alpha from its job config
+    ("lora_unet_layers_0_attention_to_q", "musubi-tuner"),          # musubi merge_weights_to_tensor: alpha = dim
+    ("transformer.layers.0.attention.to_q", "diffusers"),           # diffusers _create_lokr_config: alpha = r
+    ("layers.0.attention.to_q", "diffusers"),
+])
+def test_decomposed_module_without_alpha(prefix, outcome):
+    """No alpha key, no config: the writer's own code decides (module docstring table), else refused."""
+    sd, f = _w2lr(prefix)
+    parsed = core.parse_lokr(sd)
+    if outcome == "refused":
+        with pytest.raises(AdapterError, match=r"does not determine the scale.*'\.alpha' key.*'scale' input"):
+            core.plan(parsed, shapes_of("zimage"))
+        plan = core.plan(core.parse_lokr(sd, scale_override=0.5), shapes_of("zimage"))
+        assert (_delta_of(plan, prefix) - 0.5 * oracle_delta(f)).abs().max() < 1e-6
+        return
+    plan = core.plan(parsed, shapes_of("zimage"))
+    (it,) = plan.items
+    assert it.module.scale == 1.0 and it.module.scale_kind == "convention"
+    note = [n for n in plan.notes if n.startswith("scale convention")]
+    assert note and outcome in note[0]
+    assert ("merge_weights_to_tensor" if outcome == "musubi-tuner" else "_create_lokr_config") in note[0]
+
+
+def test_full_rank_without_alpha_is_determined():
+    """Both factors full: LyCORIS (and ai-toolkit / OneTrainer / musubi #900) use scale 1 whatever the alpha."""
+    f, _ = make_module(D, D, "full", 8)
+    del f["alpha"]
+    plan = core.plan(core.parse_lokr({f"lycoris_layers_0_attention_to_q.{k}": v for k, v in f.items()}), shapes_of("zimage"))
+    assert plan.items[0].module.scale == 1.0 and plan.items[0].module.scale_kind == "file"
+
+
+def test_musubi_pr901_full_w2_scale():
+    """musubi-tuner PR #901 (the code that saves 'lokr_factor'): get_weight / merge_weights_to_tensor use
+    dim = max(w2.shape) for a full w2, so scale = alpha / max(w2.shape), not LyCORIS' 1.0."""
+    f, _ = make_module(D, D, "full", 8)
+    f["alpha"] = torch.tensor(4.0)
+    sd = {f"lora_unet_layers_0_attention_to_q.{k}": v for k, v in f.items()} | {"lokr_factor": torch.tensor(8)}
+    plan = core.plan(core.parse_lokr(sd), shapes_of("zimage"))
+    want = 4.0 / max(f["lokr_w2"].shape)
+    assert abs(plan.items[0].module.scale - want) < 1e-12
+    sd.pop("lokr_factor")  # the merged musubi-tuner (#900) / LyCORIS: full factors -> 1.0
+    assert core.plan(core.parse_lokr(sd), shapes_of("zimage")).items[0].module.scale == 1.0
+    with pytest.raises(AdapterError, match="lokr_factor"):
+        core.parse_lokr({**sd, "lokr_factor": torch.tensor(0.5)})
+
+
+def test_peft_config_checks():
+    sd, f = _w2lr("base_model.model.layers.0.attention.to_q", rank=4)
+    shapes = shapes_of("zimage")
+    # negative alpha keeps its sign (PEFT: scaling = alpha / r, no sign check)
+    plan = core.plan(core.parse_lokr(sd, peft_config={"r": 4, "alpha": -2}), shapes)
+    assert plan.items[0].module.scale == -0.5
+    for cfg, pat in (({"r": 4}, r"no 'alpha'"), ({"alpha": 4}, r"no 'r'"),
+                     ({"r": 4, "alpha": 4, "peft_type": "LORA"}, "not 'LOKR'"),
+                     ({"r": 8, "alpha": 4}, r"rank 4 .* r = 8"), ({"r": 4, "alpha": 0}, "non-zero"),
+                     ({"r": 4, "alpha": 4, "rank_pattern": {"(to_q)+": 4}}, "not a plain module name")):
+        with pytest.raises(AdapterError, match=pat):
+            core.plan(core.parse_lokr(sd, peft_config=cfg), shapes)
+
+
+def test_peft_pattern_matching_as_get_pattern_key():
+    """PEFT get_pattern_key: first key (file order) with re.match(rf"(.*\\.)?({key})$", name); '^' anchors at the
+    start of the module name (relative to the model PEFT wrapped)."""
+    sd, _ = _w2lr("base_model.model.layers.0.attention.to_q", rank=2)
+    shapes = shapes_of("zimage")
+
+    def scale(cfg):
+        return core.plan(core.parse_lokr(sd, peft_config=cfg), shapes).items[0].module.scale
+
+    base = {"r": 2, "alpha": 2}
+    assert scale({**base, "alpha_pattern": {"to_q": 6}}) == 3.0
+    assert scale({**base, "alpha_pattern": {"^layers.0.attention.to_q": 6}}) == 3.0
+    assert scale({**base, "alpha_pattern": {"^attention.to_q": 6}}) == 1.0      # anchored elsewhere: no match
+    assert scale({**base, "alpha_pattern": {"o_q": 6}}) == 1.0                  # PEFT needs a '.'-boundary
+    assert scale({**base, "alpha_pattern": {"attention.to_q": 4, "to_q": 6}}) == 2.0  # first match wins
+
+
+def test_different_ranks_in_both_factors_refused():
+    f, _ = make_module(D, D, "both", 8, rank=2)
+    f["lokr_w1_a"], f["lokr_w1_b"] = torch.randn(8, 3, generator=G), torch.randn(3, 8, generator=G)
+    sd = {f"lycoris_layers_0_attention_to_q.{k}": v for k, v in f.items()}
+    with pytest.raises(AdapterError, match="different ranks"):
+        core.plan(core.parse_lokr(sd), shapes_of("zimage"))
+
+
+def test_read_adapter_file_config_sources(tmp_path):
+    """Where the PEFT config comes from: the file's metadata (both diffusers layouts), else adapter_config.json next
+    to a PEFT-layout file only; the sidecar is bounded and strictly parsed."""
+    import json
+
+    from ditkit.loaders.safetensors_io import save_file
+
+    sd, _ = _w2lr("base_model.model.layers.0.attention.to_q")
+    save_file(sd, tmp_path / "adapter_model.safetensors")
+    f = core.read_adapter_file(tmp_path / "adapter_model.safetensors")
+    assert f.peft_config is None
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LOKR", "r": 4, "alpha": 6}))
+    f = core.read_adapter_file(tmp_path / "adapter_model.safetensors")
+    assert f.peft_config["alpha"] == 6 and f.config_source == "adapter_config.json next to the file"
+    ly, _ = _w2lr("lycoris_layers_0_attention_to_q", alpha=2.0)
+    save_file(ly, tmp_path / "ly.safetensors")
+    f = core.read_adapter_file(tmp_path / "ly.safetensors")
+    assert f.peft_config is None and any("not used" in n for n in f.notes)
+    tr, _ = _w2lr("transformer.layers.0.attention.to_q")
+    save_file(tr, tmp_path / "tr.safetensors",
+              metadata={"lora_adapter_metadata": json.dumps({"transformer.r": 4, "transformer.alpha": 2})})
+    f = core.read_adapter_file(tmp_path / "tr.safetensors")
+    assert f.peft_config == {"r": 4, "alpha": 2} and "save_lora_weights" in f.config_source
+    (tmp_path / "adapter_config.json").write_text('{"r": 4, "r": 8}')
+    with pytest.raises(AdapterError, match="duplicate"):
+        core.read_adapter_file(tmp_path / "adapter_model.safetensors")
+    (tmp_path / "adapter_config.json").write_bytes(b" " * (core.MAX_CONFIG_BYTES + 1))
+    with pytest.raises(AdapterError, match="not a PEFT adapter config"):
+        core.read_adapter_file(tmp_path / "adapter_model.safetensors")
+
+
+def test_node_inputs_checked_finite():
+    assert core.check_scale_input(-2) == -2.0
+    for bad in (float("nan"), float("inf"), "1", True, None):
+        with pytest.raises(AdapterError, match="finite number"):
+            core.check_scale_input(bad, "strength")
