@@ -16,7 +16,8 @@ Steps, all pure functions:
    ``norm_out.linear`` [scale; shift] -> ComfyUI's [shift; scale] row swap.
 4. :func:`plan` maps modules onto targets and validates everything before any model is touched (shapes,
    NaN/Inf, alpha 0, factor consistency, a scale the file does not determine); :func:`module_delta`
-   materialises one module's ΔW (fp32) for its target slice. Nothing is re-factorised: a row-slice
+   materialises one module's ΔW (fp32) for its target slice and :func:`apply_patch_` adds
+   ``strength * ΔW`` in place (the function the ComfyUI patch calls). Nothing is re-factorised: a row-slice
    adapter is materialised into its own rows, a fused adapter onto the whole fused weight, so the result is
    exact whatever the Kronecker alignment.
 
@@ -80,7 +81,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import AdapterError, CheckpointError, UnsupportedModelError
-from .lokr_math import delta_weight
+from .lokr_math import add_delta_, delta_weight
 from .safetensors_io import SafeFile, strict_json_loads
 
 FACTOR_KEYS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
@@ -824,3 +825,26 @@ def module_delta(item: PlanItem, dtype=torch.float32, device=None) -> torch.Tens
 def swap_halves(d: torch.Tensor) -> torch.Tensor:
     n = d.shape[0] // 2
     return torch.cat([d[n:], d[:n]], dim=0)
+
+
+# ---------------------------------------------------------------------------------------------- patching
+def patch_payload(item: PlanItem) -> tuple:
+    """What a lazy ComfyUI patch keeps for one module: its factors in :data:`FACTOR_KEYS` order (None where
+    absent), then scale, target shape, swap_halves."""
+    f = item.module.factors
+    return tuple(f.get(k) for k in FACTOR_KEYS) + (float(item.module.scale), tuple(item.target.shape),
+                                                   bool(item.target.swap_halves))
+
+
+def apply_patch_(weight: torch.Tensor, payload: tuple, strength: float, function=None,
+                 key: str = "?") -> torch.Tensor:
+    """``weight += function(strength * scale * kron(w1, w2))`` in place (fp32 products, one Kronecker row block
+    at a time); ``weight`` is the target slice ComfyUI hands the patch. Signs of strength and scale are kept."""
+    n = len(FACTOR_KEYS)
+    factors = {k: t.to(weight.device) for k, t in zip(FACTOR_KEYS, payload[:n]) if t is not None}
+    scale, shape, swap = payload[n:n + 3]
+    if tuple(weight.shape) != tuple(shape):
+        raise AdapterError(f"DitKitLoKrLoader: patch for '{key}' expects shape {tuple(shape)}, weight is "
+                           f"{tuple(weight.shape)}")
+    add_delta_(weight, factors, float(scale) * float(strength), swap_halves=swap, function=function)
+    return weight

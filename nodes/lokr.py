@@ -17,17 +17,16 @@ from comfy_api.latest import io
 
 from ..errors import AdapterError
 from ..loaders import lokr as core
-from ..loaders.lokr_math import add_delta_
 from ._common import send_report, ui_report
 
 NODE_ID = "DitKitLoKrLoader"
-_FACTOR_ORDER = core.FACTOR_KEYS  # order of tensors in DitKitLoKrPatch.weights
 _SUPPORTED_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class DitKitLoKrPatch(WeightAdapterBase):
-    """Lazy LoKr patch: ``weights`` = (*factors in FACTOR_KEYS order (None where absent), scale, shape,
-    swap_halves). Constructor signature ``(loaded_keys, weights)`` as ComfyUI's prefetch path expects."""
+    """Lazy LoKr patch: ``weights`` = :func:`core.patch_payload` (factors in FACTOR_KEYS order (None where
+    absent), scale, shape, swap_halves). Constructor signature ``(loaded_keys, weights)`` as ComfyUI's prefetch
+    path expects."""
 
     name = "ditkit_lokr"
 
@@ -37,21 +36,12 @@ class DitKitLoKrPatch(WeightAdapterBase):
 
     @classmethod
     def from_item(cls, item: core.PlanItem) -> "DitKitLoKrPatch":
-        f = item.module.factors
-        w = tuple(f.get(k) for k in _FACTOR_ORDER) + (float(item.module.scale), tuple(item.target.shape),
-                                                      bool(item.target.swap_halves))
-        return cls(set(item.module.keys), w)
+        return cls(set(item.module.keys), core.patch_payload(item))
 
     def calculate_weight(self, weight, key, strength, strength_model, offset, function,
                          intermediate_dtype=torch.float32, original_weights=None):
-        n = len(_FACTOR_ORDER)
-        factors = {k: t.to(weight.device) for k, t in zip(_FACTOR_ORDER, self.weights[:n]) if t is not None}
-        scale, shape, swap = self.weights[n:n + 3]
-        if tuple(weight.shape) != tuple(shape):
-            raise AdapterError(f"{NODE_ID}: patch for '{key}' expects shape {tuple(shape)}, weight is {tuple(weight.shape)}")
         # fp32 products, added one Kronecker row block at a time (the full ΔW is never held)
-        add_delta_(weight, factors, float(scale) * float(strength), swap_halves=swap, function=function)
-        return weight
+        return core.apply_patch_(weight, self.weights, strength, function, key=key)
 
 
 def model_shapes(model) -> dict[str, tuple[int, ...]]:

@@ -543,6 +543,43 @@ def test_read_adapter_file_config_sources(tmp_path):
         core.read_adapter_file(tmp_path / "adapter_model.safetensors")
 
 
+# ---------------------------------------------------------------------------------------------- sign through the node's function
+@pytest.mark.parametrize("alpha,strength", [(2.0, -0.7), (-2.0, 0.5), (-2.0, -1.5)])
+@pytest.mark.parametrize("chunk", [1, 1 << 22])
+def test_patch_sign_of_strength_and_alpha(alpha, strength, chunk, monkeypatch):
+    """core.apply_patch_ is what DitKitLoKrPatch.calculate_weight calls (ComfyUI hands it the weight slice and the
+    strength): negative strength and negative alpha keep their sign, on the chunked path, the whole-ΔW path
+    (norm_out row swap) and a row slice of a fused weight. Oracle: float64 from the raw file tensors."""
+    import ditkit.loaders.lokr_math as lm
+
+    monkeypatch.setattr(lm.add_delta_, "__defaults__", (False, None, chunk))
+    h = ci.FLUX2["hidden"]
+    rank = 4
+    fq_h, _ = make_module(h, h, "w2lr", 8, rank=rank, alpha=alpha)
+    fn, _ = make_module(2 * h, h, "both", 8, rank=rank, alpha=alpha)
+    sd = {f"transformer.transformer_blocks.0.attn.to_q.{k}": v for k, v in fq_h.items()}
+    sd |= {f"transformer.norm_out.linear.{k}": v for k, v in fn.items()}
+    plan = core.plan(core.parse_lokr(sd), shapes_of("flux2"))
+    got = {}
+    g = torch.Generator().manual_seed(3)
+    for it in plan.items:
+        base = torch.randn(it.target.shape, generator=g)
+        w = core.apply_patch_(base.clone(), core.patch_payload(it), strength, None, key="k")
+        got[it.target.describe()] = (base, w)
+    s = alpha / rank * strength
+    dq = oracle_delta({k: v for k, v in fq_h.items() if k != "alpha"}) * s
+    dn = oracle_delta({k: v for k, v in fn.items() if k != "alpha"}) * s
+    dn = torch.cat([dn[h:], dn[:h]])  # diffusers [scale; shift] -> ComfyUI [shift; scale]
+    for name, ref in (("double_blocks.0.img_attn.qkv[0:128]", dq), ("final_layer.adaLN_modulation.1", dn)):
+        base, w = got[name]
+        want = base.double() + ref
+        err = (w.double() - want).abs().max().item() / want.abs().max().item()
+        assert err <= 1e-6, (name, err)
+        assert ((w.double() - base.double()) * ref).sum() > 0  # ΔW points the oracle's way
+    with pytest.raises(AdapterError, match="expects shape"):
+        core.apply_patch_(torch.zeros(3, 3), core.patch_payload(plan.items[0]), 1.0)
+
+
 def test_node_inputs_checked_finite():
     assert core.check_scale_input(-2) == -2.0
     for bad in (float("nan"), float("inf"), "1", True, None):
