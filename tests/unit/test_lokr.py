@@ -6,6 +6,11 @@ The oracle rebuilds ΔW from the raw file tensors in float64 with an explicit ou
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -585,3 +590,227 @@ def test_node_inputs_checked_finite():
     for bad in (float("nan"), float("inf"), "1", True, None):
         with pytest.raises(AdapterError, match="finite number"):
             core.check_scale_input(bad, "strength")
+
+
+# ---------------------------------------------------------------------------------------------- files written by the writers
+# The writers' own code makes the files (tiny module trees with the diffusers module names and the tiny models'
+# sizes) and is the oracle: PEFT's merge, diffusers' own LoKr loader + fuse_lora, LyCORIS' own loader + merge_to.
+# They are optional test dependencies (the `dev` extra installs them); without them these tests skip with the
+# reason, except under CI (CI=true), where `pip install -e ".[dev]"` must have installed them.
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def _clean_path():
+    """The checkout's top-level ``kernels`` folder shadows HF ``kernels`` for transformers (imported by PEFT)."""
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if Path(os.path.abspath(p or ".")) != REPO]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def writer(name: str):
+    with _clean_path():
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:
+            msg = f"{name} not installed ({e}); `pip install -e '.[dev]'` installs it"
+            if os.environ.get("CI"):
+                pytest.fail(msg + " (CI installs the dev extra: a missing writer is a failure here)")
+            pytest.skip(msg)
+
+
+def zimage_writer_modules():
+    return [(f"layers.{i}.attention.to_{p}", (D, D)) for i in range(2) for p in "qkv"] + \
+           [("layers.0.attention.to_out.0", (D, D))]
+
+
+def flux2_writer_modules():
+    h = ci.FLUX2["hidden"]
+    s = shapes_of("flux2")
+    return [("transformer_blocks.0.attn.to_q", (h, h)), ("transformer_blocks.0.attn.add_v_proj", (h, h)),
+            ("transformer_blocks.1.ff.linear_in", tuple(s["diffusion_model.double_blocks.1.img_mlp.0.weight"])),
+            ("single_transformer_blocks.0.attn.to_qkv_mlp_proj", tuple(s["diffusion_model.single_blocks.0.linear1.weight"])),
+            ("single_transformer_blocks.1.attn.to_out", tuple(s["diffusion_model.single_blocks.1.linear2.weight"]))]
+
+
+def make_tree(mods, cls=torch.nn.Module, seed=0):
+    """Bias-free Linear layers at the given dotted names (out, in), deterministic weights."""
+    g = torch.Generator().manual_seed(seed)
+    root = cls()
+    for name, (o, i) in mods:
+        parent = root
+        for part in name.split(".")[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        lin = torch.nn.Linear(i, o, bias=False)
+        lin.weight.data.copy_(torch.randn(o, i, generator=g) * 0.02)
+        parent.add_module(name.split(".")[-1], lin)
+    return root
+
+
+def linear_weights(tree) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, m in tree.named_modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, torch.nn.Linear) and isinstance(w, torch.Tensor):
+            out[n.replace(".base_layer", "")] = w.detach().double().clone()
+    return out
+
+
+def ditkit_deltas(path, fam, strength=1.0, scale=None):
+    """ΔW per module name as the node computes it: read_adapter_file -> parse -> plan -> apply_patch_."""
+    f = core.read_adapter_file(path)
+    parsed = core.parse_lokr(f.tensors, peft_config=f.peft_config, source=Path(path).name,
+                             config_source=f.config_source, scale_override=scale, metadata=f.metadata)
+    parsed.notes[:0] = f.notes
+    plan = core.plan(parsed, shapes_of(fam))
+    out = {}
+    for it in plan.items:
+        w = core.apply_patch_(torch.zeros(it.target.shape), core.patch_payload(it), strength, None)
+        if it.target.swap_halves:
+            w = core.swap_halves(w)
+        out[it.name] = w.double()
+    return plan, out
+
+
+def assert_deltas(got: dict, ref: dict, tol=1e-5):
+    assert set(got) == set(ref), (sorted(got), sorted(ref))
+    worst = max((got[k] - ref[k]).abs().max().item() / ref[k].abs().max().item() for k in ref)
+    assert worst <= tol, worst
+
+
+def peft_lokr_math(tree_state: dict, cfg: dict, names) -> dict:
+    """Float64 oracle from PEFT's documented math: ΔW = kron(w1, w2) * alpha / r, r/alpha per module from the
+    config the test chose (rank_pattern / alpha_pattern keys here are plain leaf names)."""
+    out = {}
+    for n in names:
+        f = {k.rsplit(".", 1)[1]: v for k, v in tree_state.items() if k.rsplit(".", 1)[0] == n}
+        leaf = n.rsplit(".", 1)[-1] if not n.endswith(".0") else n.rsplit(".", 2)[-2] + ".0"
+        r = cfg.get("rank_pattern", {}).get(leaf, cfg["r"])
+        a = cfg.get("alpha_pattern", {}).get(leaf, cfg["alpha"])
+        out[n] = oracle_delta(f) * a / r
+    return out
+
+
+@pytest.mark.parametrize("fam", ["zimage", "flux2"])
+@pytest.mark.parametrize("with_metadata", [True, False], ids=["metadata", "no-metadata"])
+def test_diffusers_pipeline_written_files(tmp_path, fam, with_metadata):
+    """diffusers' pipeline-level save_lora_weights (ZImage / Flux2 loader mixins) of a PEFT LoKr. With metadata
+    ('transformer.r', 'transformer.alpha', rank/alpha patterns): ditkit = PEFT's own merge = float64 alpha / r math
+    = diffusers' own loader + fuse_lora. Without: ditkit applies diffusers' convention (alpha = r) and equals
+    diffusers' own loader of that file."""
+    peft = writer("peft")
+    with _clean_path():
+        from diffusers.loaders.lora_pipeline import Flux2LoraLoaderMixin, ZImageLoraLoaderMixin
+        from diffusers.loaders.peft import PeftAdapterMixin
+    mixin = ZImageLoraLoaderMixin if fam == "zimage" else Flux2LoraLoaderMixin
+    mods = zimage_writer_modules() if fam == "zimage" else flux2_writer_modules()
+    leaves = sorted({n.rsplit(".", 1)[-1] if not n.endswith(".0") else "to_out.0" for n, _ in mods})
+    pat_leaf = "to_k" if fam == "zimage" else "add_v_proj"
+    cfg = {"r": 4, "alpha": 6, "rank_pattern": {pat_leaf: 2}, "alpha_pattern": {pat_leaf: -3}}
+    tree = make_tree(mods)
+    base = linear_weights(tree)
+    pc = peft.LoKrConfig(target_modules=leaves, decompose_factor=8, init_weights=False, **cfg)
+    peft.inject_adapter_in_model(pc, tree)
+    state = peft.get_peft_model_state_dict(tree)
+    mixin.save_lora_weights(str(tmp_path), transformer_lora_layers=state,
+                            transformer_lora_adapter_metadata=pc.to_dict() if with_metadata else None)
+    path = tmp_path / "pytorch_lora_weights.safetensors"
+    # diffusers' own loader of the file it wrote, onto a fresh copy of the base tree
+    loaded = make_tree(mods, cls=type("Tree", (torch.nn.Module, PeftAdapterMixin), {}))
+    with _clean_path():
+        sd, meta = mixin.lora_state_dict(str(tmp_path), weight_name=path.name, return_lora_metadata=True)
+        loaded.load_lora_adapter(sd, prefix="transformer", metadata=meta, adapter_name="t")
+        loaded.fuse_lora()
+    by_diffusers = {n: w - base[n] for n, w in linear_weights(loaded).items()}
+    plan, ours = ditkit_deltas(path, fam)
+    assert not plan.unused and not plan.refused and len(plan.items) == len(mods)
+    assert_deltas(ours, by_diffusers)
+    if with_metadata:
+        for m in tree.modules():  # PEFT's own merge of the adapter it trained
+            if isinstance(m, peft.tuners.lokr.LoKrLayer):
+                m.merge()
+        by_peft = {n: w - base[n] for n, w in linear_weights(tree).items()}
+        assert_deltas(ours, by_peft)
+        assert_deltas(ours, peft_lokr_math(state, cfg, [n for n, _ in mods]))
+        assert {it.module.scale_kind for it in plan.items} == {"config"}
+        assert any("'transformer.*' fields" in n for n in plan.notes)
+        assert any(it.module.scale < 0 for it in plan.items)  # the negative pattern alpha kept its sign
+    else:
+        assert {it.module.scale for it in plan.items} == {1.0}
+        assert any("_create_lokr_config" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("r,alpha,factor,both", [(4, 8, 8, False), (2, 3, -1, True), (4, -4, 16, False)])
+def test_peft_save_pretrained_files(tmp_path, r, alpha, factor, both):
+    """PEFT's save_pretrained (adapter_model.safetensors + adapter_config.json): ditkit = PEFT's merge_and_unload.
+    Without the config the file is refused, and the node's scale input then applies."""
+    peft = writer("peft")
+    mods = zimage_writer_modules()
+    tree = make_tree(mods)
+    base = linear_weights(tree)
+    with _clean_path():
+        pc = peft.LoKrConfig(r=r, alpha=alpha, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                             decompose_factor=factor, decompose_both=both, init_weights=False)
+        pm = peft.get_peft_model(tree, pc)
+        pm.save_pretrained(str(tmp_path))
+        merged = pm.merge_and_unload()
+    by_peft = {n: w - base[n] for n, w in linear_weights(merged).items()}
+    plan, ours = ditkit_deltas(tmp_path / "adapter_model.safetensors", "zimage", strength=1.0)
+    assert plan.writer == "peft" and not plan.unused and not plan.refused
+    assert all(it.module.scale == alpha / r for it in plan.items)
+    assert_deltas(ours, by_peft)
+    (tmp_path / "adapter_config.json").unlink()
+    with pytest.raises(AdapterError, match=r"adapter_config\.json"):
+        ditkit_deltas(tmp_path / "adapter_model.safetensors", "zimage")
+    _, scaled = ditkit_deltas(tmp_path / "adapter_model.safetensors", "zimage", scale=alpha / r)
+    assert_deltas(scaled, by_peft)
+
+
+def forward_delta(module, w0: torch.Tensor) -> torch.Tensor:
+    """ΔW of an adapted Linear from its own forward: y = I @ (W + ΔW)^T."""
+    with torch.no_grad():
+        y = module(torch.eye(w0.shape[1]))
+    return y.double().T - w0
+
+
+@pytest.mark.parametrize("fam", ["zimage", "flux2"])
+def test_lycoris_written_files(tmp_path, fam):
+    """lycoris-lora's create_lycoris + save_weights (decomposed w2, factor -1, full matrix, decompose_both, a
+    negative alpha); the oracle is LyCORIS' own loader (create_lycoris_from_weights) and the adapted layers'
+    forward (the function it trains), also at a negative multiplier. (Not ``merge_to``: in lycoris-lora 4.1.3
+    ``LokrModule.get_diff_weight`` multiplies by ``self.scale`` on top of ``get_weight``'s, i.e. alpha/rank twice,
+    unlike its forward and ComfyUI.)"""
+    lycoris = writer("lycoris")
+    mods = zimage_writer_modules() if fam == "zimage" else flux2_writer_modules()
+    seen = set()
+    for i, cfg in enumerate(({"factor": 8, "linear_dim": 4, "linear_alpha": 2},
+                             {"factor": -1, "linear_dim": 4, "linear_alpha": 1},
+                             {"factor": 16, "linear_dim": 100000, "linear_alpha": 1, "full_matrix": True},
+                             {"factor": 16, "linear_dim": 2, "linear_alpha": -3, "decompose_both": True})):
+        tree = make_tree(mods)
+        with _clean_path():
+            net = lycoris.create_lycoris(tree, 1.0, algo="lokr", **cfg)
+            net.apply_to()
+            g = torch.Generator().manual_seed(11 + i)
+            for p in net.parameters():
+                p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            path = tmp_path / f"lyco_{i}.safetensors"
+            net.save_weights(str(path), torch.float32, None)
+        for strength in (1.0, -0.6):
+            fresh = make_tree(mods)
+            base = linear_weights(fresh)
+            with _clean_path():
+                loaded, _ = lycoris.create_lycoris_from_weights(strength, str(path), fresh)
+                loaded.apply_to()
+            by_lycoris = {n: forward_delta(m, base[n]) for n, m in fresh.named_modules() if n in base}
+            plan, ours = ditkit_deltas(path, fam, strength=strength)
+            assert plan.writer == "lycoris" and not plan.unused and not plan.refused
+            assert_deltas(ours, by_lycoris)
+        seen |= {tuple(sorted(it.module.factors)) for it in plan.items}
+    assert ("lokr_w1", "lokr_w2") in seen and ("lokr_w1", "lokr_w2_a", "lokr_w2_b") in seen
+    assert ("lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b") in seen
