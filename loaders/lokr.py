@@ -332,6 +332,7 @@ class _ScaleContext:
     config_source: str
     config_strip: str                 # prefix removed from module prefixes before PEFT pattern matching
     override: float | None
+    config_problem: str | None = None  # why the file's config is unusable (only kept when a scale is given)
 
 
 def check_scale_input(value, what: str = "scale") -> float:
@@ -389,14 +390,20 @@ def parse_lokr(sd: dict[str, torch.Tensor], peft_config: dict | None = None, sou
     # metadata and no per-module alpha
     use_config = peft_config is not None and (writer == "peft" or not has_alpha)
     where = config_source or "the adapter config"
+    config_problem = None
     if use_config:
-        _check_config(peft_config, source, where)
-        if has_alpha:
+        try:
+            _check_config(peft_config, source, where)
+        except AdapterError as e:
+            if scale_override is None:
+                raise
+            config_problem, use_config = str(e), False  # the explicit scale replaces what the config would give
+        if has_alpha and use_config:
             notes.append(f"per-module '.alpha' keys ignored: a PEFT-layout file is scaled by its config ({where})")
     elif peft_config is not None:
         notes.append(f"a PEFT config was found ({where}) but the file has per-module alpha keys: LyCORIS scaling used")
     strip = "base_model.model." if writer == "peft" else DIFFUSERS_COMPONENT + "."
-    ctx = _ScaleContext(writer, peft_config if use_config else None, where, strip, scale_override)
+    ctx = _ScaleContext(writer, peft_config if use_config else None, where, strip, scale_override, config_problem)
     modules: dict[str, LoKrModule] = {}
     for prefix, parts in groups.items():
         if not any(s in parts for s in ("lokr_w1", "lokr_w1_a", "lokr_w2", "lokr_w2_a")):
@@ -469,7 +476,12 @@ def _set_scale(m: LoKrModule, ctx: _ScaleContext, source: str) -> None:
     if m.alpha is not None and (not math.isfinite(m.alpha) or m.alpha == 0.0):
         raise AdapterError(f"{source}: key '{m.prefix}.alpha' is {m.alpha!r}; alpha must be finite and non-zero "
                            "(LyCORIS would silently read 0 as 'alpha = rank'; re-export the adapter with its real alpha)")
-    scale, rule, kind = _file_scale(m, ctx, source)
+    try:
+        scale, rule, kind = _file_scale(m, ctx, source)
+    except AdapterError as e:
+        if ctx.override is None:
+            raise
+        scale, rule, kind = float("nan"), str(e), "undetermined"
     if ctx.override is not None:
         m.scale, m.scale_kind = ctx.override, "input"
         m.scale_rule = (f"node 'scale' input {ctx.override:g} (the file gives: "
@@ -492,6 +504,8 @@ def _set_scale(m: LoKrModule, ctx: _ScaleContext, source: str) -> None:
 def _file_scale(m: LoKrModule, ctx: _ScaleContext, source: str) -> tuple[float, str, str]:
     """(scale, rule, kind) as the module's writer defines it; kind "undetermined" with the reason as rule."""
     f = m.factors
+    if ctx.config_problem is not None:
+        return float("nan"), ctx.config_problem, "undetermined"
     if ctx.config is not None:
         cfg = ctx.config
         name = m.prefix.removeprefix(ctx.config_strip)

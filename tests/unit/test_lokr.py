@@ -490,6 +490,9 @@ def test_peft_config_checks():
                      ({"r": 4, "alpha": 4, "rank_pattern": {"(to_q)+": 4}}, "not a plain module name")):
         with pytest.raises(AdapterError, match=pat):
             core.plan(core.parse_lokr(sd, peft_config=cfg), shapes)
+        # the error says to set the scale input: with it, the config's problem no longer blocks the file
+        (it,) = core.plan(core.parse_lokr(sd, peft_config=cfg, scale_override=0.5), shapes).items
+        assert it.module.scale == 0.5 and "undetermined" in it.module.scale_rule
 
 
 def test_peft_pattern_matching_as_get_pattern_key():
