@@ -1,43 +1,124 @@
 """LoKr adapters for ComfyUI's Z-Image and FLUX.2 layouts (plain torch; no ComfyUI imports).
 
-Three steps, all pure functions:
+Steps, all pure functions:
 
-1. :func:`parse_lokr` groups a state dict into LoKr modules (LyCORIS ``lycoris_*`` / kohya ``lora_unet_*``,
-   PEFT ``base_model.model.*`` without alpha keys, ai-toolkit ``diffusion_model.*``, musubi-tuner
-   ``lora_unet_*`` + ``lokr_factor``, OneTrainer ``lora_transformer_*``, SimpleTuner ``transformer.*`` /
-   ``lycoris_*``, bare diffusers paths) and computes each module's scale with LyCORIS semantics: ``alpha / rank``
-   when a factor is decomposed (rank from ``w2_b``, else ``w1_b``), 1.0 when both factors are full (the saved
-   alpha, e.g. ai-toolkit's ~1e10 placeholder, is ignored). PEFT files carry no alpha: their ``alpha / r``
-   comes from the adapter config (``adapter_config.json`` or diffusers' ``lora_adapter_metadata``), always,
-   as PEFT does. Keys that are not LoKr weights are reported with the reason.
-2. :func:`build_targets` lists every name an adapter may use for a weight of the ComfyUI model (native
+1. :func:`read_adapter_file` reads the tensors, the safetensors metadata and the PEFT ``LoKrConfig`` wherever
+   a writer puts it (see *Scale* below) and says where it came from.
+2. :func:`parse_lokr` groups a state dict into LoKr modules (LyCORIS ``lycoris_*``, kohya / musubi-tuner
+   ``lora_unet_*``, PEFT ``base_model.model.*``, ai-toolkit ``diffusion_model.*``, OneTrainer
+   ``lora_transformer_*``, diffusers / SimpleTuner ``transformer.*``, bare diffusers paths) and gives every
+   module its scale by the rules of the writer that made it (table below). Keys that are not LoKr weights
+   are reported with the reason.
+3. :func:`build_targets` lists every name an adapter may use for a weight of the ComfyUI model (native
    ComfyUI/BFL module paths, diffusers paths incl. FLUX.2 global modulation / time+guidance embedders and
    FLUX.2's 6h single-block MLP, underscored forms) and where it lands: the whole weight or a row range of a
    fused weight (``attention.qkv``, ``img_attn.qkv``/``txt_attn.qkv``, ``linear1``), plus diffusers'
    ``norm_out.linear`` [scale; shift] -> ComfyUI's [shift; scale] row swap.
-3. :func:`plan` maps modules onto targets and validates everything before any model is touched (shapes,
-   NaN/Inf, alpha 0, factor consistency); :func:`module_delta` materialises one module's ΔW (fp32) for its
-   target slice. Nothing is re-factorised: a row-slice adapter is materialised into its own rows, a fused
-   adapter onto the whole fused weight, so the result is exact whatever the Kronecker alignment.
+4. :func:`plan` maps modules onto targets and validates everything before any model is touched (shapes,
+   NaN/Inf, alpha 0, factor consistency, a scale the file does not determine); :func:`module_delta`
+   materialises one module's ΔW (fp32) for its target slice and :func:`apply_patch_` adds
+   ``strength * ΔW`` in place (the function the ComfyUI patch calls). Nothing is re-factorised: a row-slice
+   adapter is materialised into its own rows, a fused adapter onto the whole fused weight, so the result is
+   exact whatever the Kronecker alignment.
+
+Scale (ΔW = scale · kron(w1, w2)): where each writer keeps rank and alpha, and what fixes the scale when the
+file does not carry them. "Refused" means :func:`plan` raises :class:`AdapterError` naming what is missing;
+the node's ``scale`` input (``scale_override`` here) then sets the scale explicitly. Whatever rule was used
+is in every module's ``scale_rule`` and in the plan's notes.
+
+=========================== ============================================ ================================= ==========================================
+writer (detected by)        rank / alpha in the file                     scale                             no alpha / no config in the file
+=========================== ============================================ ================================= ==========================================
+LyCORIS ``lycoris_*``;      ``<module>.alpha``, saved as                 decomposed factor: alpha / rank;  refused: LyCORIS' own loader
+SimpleTuner saves through   ``alpha * lora_dim / r_factor`` so           both factors full: 1.0 (alpha     (``LokrModule.make_module_from_state_dict``)
+it (``simpletuner/helpers/  rs_lora is folded in                         is set to lora_dim)               needs the alpha (``float(alpha)``)
+training/save_hooks.py::    (``KohakuBlueleaf/LyCORIS:lycoris/modules/
+_save_lycoris``)            lokr.py`` ``LokrModule.__init__``,
+                            ``custom_state_dict``)
+ai-toolkit                  ``.alpha`` always saved; full rank stores    as LyCORIS                        refused: ai-toolkit takes alpha from the
+``diffusion_model.*``       the 9999999999 placeholder                                                     job config, not the file
+                            (``ostris/ai-toolkit:toolkit/models/
+                            lokr.py`` ``LokrModule.__init__``,
+                            ``toolkit/config_modules.py``
+                            ``NetworkConfig``)
+OneTrainer                  ``.alpha`` buffer, scale alpha / dim         as LyCORIS (alpha filled with     refused: its ``load_state_dict`` is strict
+``lora_transformer_*``      (``Nerogar/OneTrainer:modules/module/        dim when both factors are full)
+                            LoRAModule.py`` ``LoKrModule``)
+musubi-tuner (#900) /       ``.alpha`` (``kohya-ss/musubi-tuner:src/     decomposed w2: alpha / rank;      convention: alpha = dim, scale 1.0
+kohya ``lora_unet_*``       musubi_tuner/networks/lokr.py``              full w2: 1.0                      (``merge_weights_to_tensor``)
+                            ``LoKrModule.__init__``)
+musubi-tuner PR #901        ``.alpha`` = network_alpha as given          decomposed w2: alpha / rank;      convention: alpha = dim, scale 1.0
+(``lokr_factor`` key)       (``networks/lokr.py`` of refs/pull/901,      full w2: alpha / max(w2.shape)    (same ``merge_weights_to_tensor``)
+                            ``LoKrModule.get_weight``,
+                            ``merge_weights_to_tensor``)
+PEFT ``base_model.model.*`` no alpha key; ``r``, ``alpha``,              alpha / r for every module, also  refused (PEFT itself cannot load the file
+                            ``rank_pattern``, ``alpha_pattern`` in       full-rank ones                    without its config)
+                            ``adapter_config.json`` next to the file     (``LoKrLayer.update_layer``; keys
+                            (``huggingface/peft:src/peft/tuners/lokr/    matched as ``get_pattern_key``)
+                            layer.py``, ``PeftModel.save_pretrained``)
+diffusers model-level       LoKrConfig as JSON in metadata               alpha / r (PEFT)                  —
+``save_lora_adapter``       ``lora_adapter_metadata``
+(bare module paths)         (``src/diffusers/loaders/peft.py``)
+diffusers pipeline-level    ``lora_adapter_metadata`` with component-    alpha / r (PEFT)                  convention: alpha = r, scale 1.0: diffusers
+``save_lora_weights``       prefixed fields ``transformer.r``,                                             loads such files that way ("alpha baked
+(``transformer.*``, also    ``transformer.alpha``, ...                                                     into the weights",
+bare paths)                 (``loaders/lora_base.py::_save_lora_weights``                                  ``src/diffusers/utils/peft_utils.py::
+                            -> ``_pack_dict_with_prefix``)                                                 _create_lokr_config``); a module with an
+                                                                                                           ``.alpha`` key follows LyCORIS, as
+                                                                                                           ``_bake_lokr_alpha_`` does
+=========================== ============================================ ================================= ==========================================
+
+A LyCORIS ``scalar`` key multiplies the scale. A decomposed module whose two factors have different ranks is
+refused (LyCORIS reads the rank from ``w1_a``, ComfyUI from ``w2_b``; no writer produces such a file).
 """
 from __future__ import annotations
 
 import math
+import os
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import AdapterError, CheckpointError, UnsupportedModelError
-from .lokr_math import delta_weight
-from .safetensors_io import strict_json_loads
+from .lokr_math import add_delta_, delta_weight
+from .safetensors_io import SafeFile, strict_json_loads
 
 FACTOR_KEYS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 AUX_KEYS = ("alpha", "dora_scale", "scalar", "lokr_t1", "lokr_factor")
 _SUFFIXES = tuple(sorted(FACTOR_KEYS + AUX_KEYS, key=len, reverse=True))
+NETWORK_KEYS = ("lokr_factor",)   # network-level buffer musubi-tuner PR #901 saves (no module prefix)
 
 DOTTED_PREFIXES = ("base_model.model.transformer.", "base_model.model.", "model.diffusion_model.",
                    "diffusion_model.", "transformer.", "")
 UNDERSCORE_PREFIXES = ("lycoris_", "lora_unet_", "lora_transformer_")
+
+PEFT_CONFIG_NAME = "adapter_config.json"
+MAX_CONFIG_BYTES = 1 << 20
+METADATA_CONFIG_KEY = "lora_adapter_metadata"
+DIFFUSERS_COMPONENT = "transformer"
+
+# Writers whose own code fixes the scale of a module that has no alpha key (see the module docstring).
+NO_ALPHA_CONVENTIONS = {
+    "kohya/musubi-tuner": ("musubi-tuner: a module without '.alpha' merges with alpha = dim (scale 1.0)",
+                           "kohya-ss/musubi-tuner:src/musubi_tuner/networks/lokr.py::merge_weights_to_tensor"),
+    "musubi-tuner": ("musubi-tuner PR #901: a module without '.alpha' merges with alpha = dim (scale 1.0)",
+                     "kohya-ss/musubi-tuner refs/pull/901 src/musubi_tuner/networks/lokr.py::merge_weights_to_tensor"),
+    "simpletuner/diffusers": ("diffusers: a LoKr file without 'lora_adapter_metadata' is loaded with alpha = r "
+                              "(scale 1.0; alpha expected baked into the factors)",
+                              "huggingface/diffusers:src/diffusers/utils/peft_utils.py::_create_lokr_config"),
+    "bare-diffusers": ("diffusers: a LoKr file without 'lora_adapter_metadata' is loaded with alpha = r "
+                       "(scale 1.0; alpha expected baked into the factors)",
+                       "huggingface/diffusers:src/diffusers/loaders/lora_pipeline.py::Flux2LoraLoaderMixin."
+                       "lora_state_dict -> utils/peft_utils.py::_create_lokr_config"),
+}
+# Writers whose files cannot be read without their alpha keys: why (for the error message).
+NO_ALPHA_UNDETERMINED = {
+    "lycoris": "LyCORIS' own loader (LokrModule.make_module_from_state_dict) needs each module's alpha",
+    "onetrainer": "OneTrainer loads its LoKr state dicts strictly, alpha included",
+    "ai-toolkit/comfy": "ai-toolkit takes alpha from its job config (network.linear_alpha), not from the file",
+}
+DIFFUSERS_LAYOUTS = ("simpletuner/diffusers", "bare-diffusers")
 
 
 # ---------------------------------------------------------------------------------------------- parsing
@@ -51,6 +132,8 @@ class LoKrModule:
     rank: int | None = None
     scale: float = 1.0
     scale_rule: str = ""
+    scale_kind: str = ""              # "file" | "config" | "convention" | "input" | "undetermined"
+    undetermined: str | None = None   # why the file does not determine the scale (refused by plan unless overridden)
     unsupported: str | None = None    # reason (DoRA, lokr_t1...) -> not applied, reported
 
     @property
@@ -81,9 +164,20 @@ class ParsedLoKr:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass
+class AdapterFile:
+    """What :func:`read_adapter_file` found: tensors, safetensors metadata, the PEFT config and its source."""
+    path: str
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    peft_config: dict | None = None
+    config_source: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
 def detect_writer(keys) -> str:
     ks = list(keys)
-    if any(k.endswith(".lokr_factor") for k in ks):
+    if any(k in NETWORK_KEYS or k.endswith(".lokr_factor") for k in ks):
         return "musubi-tuner"
     if any(k.startswith("base_model.model.") for k in ks):
         return "peft"
@@ -92,7 +186,7 @@ def detect_writer(keys) -> str:
     if any(k.startswith("lora_transformer_") for k in ks):
         return "onetrainer"
     if any(k.startswith("lora_unet_") for k in ks):
-        return "kohya-lycoris"
+        return "kohya/musubi-tuner"
     if any(k.startswith("diffusion_model.") for k in ks):
         return "ai-toolkit/comfy"
     if any(k.startswith("transformer.") for k in ks):
@@ -100,66 +194,217 @@ def detect_writer(keys) -> str:
     return "bare-diffusers"
 
 
-def peft_config_from_metadata(metadata: dict | None) -> dict | None:
-    """diffusers writes the PEFT config as JSON in ``lora_adapter_metadata``."""
+def config_from_metadata(metadata: dict | None) -> tuple[dict, str] | None:
+    """The PEFT LoKrConfig diffusers writes as JSON in ``lora_adapter_metadata``, and where it came from.
+
+    Two layouts: ``save_lora_adapter`` (model level) writes the config's own fields (``r``, ``alpha``, ...);
+    ``save_lora_weights`` (pipeline level: Z-Image, FLUX.2) prefixes every field with its component
+    (``transformer.r``, ``transformer.alpha``, ...; ``_pack_dict_with_prefix``). Fields of other components
+    are left out (their adapters are not Z-Image / FLUX.2 transformer weights)."""
     if not metadata:
         return None
-    raw = metadata.get("lora_adapter_metadata")
+    raw = metadata.get(METADATA_CONFIG_KEY)
     if raw is None:
         return None
+    where = f"LoKr metadata '{METADATA_CONFIG_KEY}'"
     if not isinstance(raw, str):
-        raise AdapterError("LoKr metadata 'lora_adapter_metadata' must be a JSON string")
+        raise AdapterError(f"{where} must be a JSON string")
     try:
-        cfg = strict_json_loads(raw, "LoKr metadata 'lora_adapter_metadata'")
+        cfg = strict_json_loads(raw, where)
     except CheckpointError as e:
         raise AdapterError(f"{e} (re-export the adapter, or remove the metadata key and put the PEFT config in "
-                           "adapter_config.json next to the file)") from None
-    return cfg if isinstance(cfg, dict) else None
+                           f"{PEFT_CONFIG_NAME} next to the file)") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{where} must be a JSON object (a PEFT LoKrConfig), got a {type(cfg).__name__}")
+    comp = DIFFUSERS_COMPONENT + "."
+    prefixed = {k[len(comp):]: v for k, v in cfg.items() if k.startswith(comp)}
+    plain = {k: v for k, v in cfg.items() if "." not in k}
+    if prefixed and plain:
+        raise AdapterError(f"{where} has both '{comp}*' fields (diffusers save_lora_weights) and plain LoKrConfig "
+                           f"fields ({', '.join(sorted(plain)[:3])}): which one applies is ambiguous")
+    if prefixed:
+        return prefixed, (f"safetensors metadata '{METADATA_CONFIG_KEY}', '{comp}*' fields "
+                          "(diffusers save_lora_weights)")
+    if plain:
+        return plain, f"safetensors metadata '{METADATA_CONFIG_KEY}' (diffusers save_lora_adapter)"
+    return None
+
+
+def peft_config_from_metadata(metadata: dict | None) -> dict | None:
+    """The PEFT config in ``lora_adapter_metadata`` (either diffusers layout), or None."""
+    found = config_from_metadata(metadata)
+    return found[0] if found is not None else None
+
+
+def read_peft_config_file(path: str) -> dict:
+    """``adapter_config.json`` (PEFT ``save_pretrained``), bounded and strictly parsed."""
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_CONFIG_BYTES:
+            raise AdapterError(f"'{path}' is {size} bytes (> {MAX_CONFIG_BYTES}); not a PEFT adapter config")
+        with open(path, "rb") as fh:
+            text = fh.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
+    except OSError as e:
+        raise AdapterError(f"'{path}' cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise AdapterError(f"'{path}' is not UTF-8 text ({e})") from None
+    try:
+        cfg = strict_json_loads(text, f"'{path}'")
+    except CheckpointError as e:
+        raise AdapterError(str(e)) from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"'{path}' must be a JSON object (a PEFT LoKrConfig), got a {type(cfg).__name__}")
+    return cfg
+
+
+def read_adapter_file(path: str) -> AdapterFile:
+    """Tensors + metadata of a LoKr ``.safetensors`` file and the PEFT config that belongs to it: from the
+    file's ``lora_adapter_metadata`` (diffusers), else, for a PEFT-layout file (``base_model.model.*``),
+    from the ``adapter_config.json`` PEFT's ``save_pretrained`` writes next to it."""
+    path = os.fspath(path)
+    try:
+        with SafeFile(path) as f:
+            tensors = {k: f.get(k) for k in f.keys()}
+            metadata = dict(f.metadata)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"LoKr file '{path}' cannot be read ({type(e).__name__}: {e}); truncated or not "
+                              "safetensors?") from None
+    out = AdapterFile(path, tensors, metadata)
+    found = config_from_metadata(metadata)
+    side = os.path.join(os.path.dirname(path), PEFT_CONFIG_NAME)
+    if found is not None:
+        out.peft_config, out.config_source = found
+    elif detect_writer(tensors) == "peft":
+        if os.path.isfile(side):
+            out.peft_config, out.config_source = read_peft_config_file(side), f"{PEFT_CONFIG_NAME} next to the file"
+    elif os.path.isfile(side):
+        out.notes.append(f"{PEFT_CONFIG_NAME} next to the file not used: only PEFT-layout files (base_model.model.* "
+                         "keys) take their config from it")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- scale
+_PATTERN_OK = re.compile(r"[A-Za-z0-9_.\-^]+")
 
 
 def _pattern_lookup(pattern, name: str, key: str, source: str):
+    """PEFT's ``get_pattern_key``: the first key of ``pattern`` (file order) for which
+    ``re.match(rf"(.*\\.)?({key})$", name)`` matches. Keys are limited to module-name characters (plus ``^``),
+    so matching stays linear; a key with other regular-expression syntax is refused."""
     if not pattern:
         return None
     if not isinstance(pattern, dict):
         raise AdapterError(f"{source}: PEFT config '{key}' must be an object mapping module name -> value, got a "
                            f"{type(pattern).__name__}")
-    for pat, val in pattern.items():
-        if name == pat or name.endswith("." + pat) or name.endswith(pat):
+    for i, (pat, val) in enumerate(pattern.items()):
+        if not isinstance(pat, str) or len(pat) > 512 or not _PATTERN_OK.fullmatch(pat):
+            raise AdapterError(f"{source}: PEFT config '{key}' entry {i} is not a plain module name (regular-"
+                               "expression syntax is not evaluated from files); set the node's 'scale' input")
+        if re.match(rf"(.*\.)?({pat})$", name):
             return val
     return None
 
 
-def parse_lokr(sd: dict[str, torch.Tensor], peft_config: dict | None = None, source: str = "adapter") -> ParsedLoKr:
+def _dim0(t: torch.Tensor | None) -> int | None:
+    return int(t.shape[0]) if t is not None and t.dim() >= 1 else None
+
+
+def _peft_number(v, what: str, name: str, source: str, integer: bool) -> float:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+    ok = ok and (float(v) > 0 if integer else float(v) != 0)
+    if ok and integer and float(v) != int(v):
+        ok = False
+    if not ok:
+        shown = repr(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else f"a {type(v).__name__}"
+        raise AdapterError(f"{source}: PEFT config {what} for '{name}' is {shown}; it must be a "
+                           + ("positive integer" if integer else "finite non-zero number")
+                           + f" (fix 'r'/'alpha'/'rank_pattern'/'alpha_pattern' in {PEFT_CONFIG_NAME} or the "
+                           f"'{METADATA_CONFIG_KEY}')")
+    return float(v)
+
+
+@dataclass
+class _ScaleContext:
+    writer: str
+    config: dict | None               # PEFT LoKrConfig fields, when they apply to this file
+    config_source: str
+    config_strip: str                 # prefix removed from module prefixes before PEFT pattern matching
+    override: float | None
+    config_problem: str | None = None  # why the file's config is unusable (only kept when a scale is given)
+
+
+def check_scale_input(value, what: str = "scale") -> float:
+    """A finite number from a node input (ComfyUI's JSON parser lets NaN/Infinity through)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(float(value)):
+        raise AdapterError(f"DitKitLoKrLoader input '{what}' is {value!r}; it must be a finite number")
+    return float(value)
+
+
+def _check_config(cfg: dict, source: str, where: str) -> None:
+    pt = cfg.get("peft_type")
+    if pt is not None and pt != "LOKR":
+        raise AdapterError(f"{source}: the PEFT config from {where} is for peft_type {pt!r}, not 'LOKR' (config of "
+                           "another adapter?)" if isinstance(pt, str) and len(pt) <= 32 else
+                           f"{source}: the PEFT config from {where} has a peft_type that is not 'LOKR'")
+    missing = [k for k in ("r", "alpha") if k not in cfg]
+    if missing:
+        raise AdapterError(f"{source}: the PEFT config from {where} has no {' / '.join(repr(k) for k in missing)}: "
+                           "the LoKr scale alpha / r is not in the file (PEFT would fill in its own defaults; ditkit "
+                           "does not guess); add the field, or set the node's 'scale' input")
+
+
+def parse_lokr(sd: dict[str, torch.Tensor], peft_config: dict | None = None, source: str = "adapter", *,
+               config_source: str | None = None, scale_override: float | None = None,
+               metadata: dict | None = None) -> ParsedLoKr:
+    """``peft_config``: the PEFT LoKrConfig of the file (see :func:`read_adapter_file`), ``config_source``:
+    where it came from (for the report). ``scale_override``: an explicit scale (the node's ``scale`` input)
+    that replaces every module's alpha/rank scale. ``metadata``: the safetensors metadata (names only, for
+    hints in errors)."""
     writer = detect_writer(sd.keys())
     groups: dict[str, dict[str, str]] = {}
     unused: dict[str, str] = {}
+    notes: list[str] = []
     for k in sd:
+        if k in NETWORK_KEYS:
+            t = sd[k]
+            if t.numel() != 1 or t.is_floating_point() or t.is_complex():
+                raise AdapterError(f"{source}: key '{k}' must be a single integer (musubi-tuner's LoKr factor), got "
+                                   f"{t.dtype} of shape {tuple(t.shape)}")
+            notes.append(f"'{k}' = {int(t.item())}: musubi-tuner PR #901 native LoKr (its scale rules are used)")
+            continue
         for suf in _SUFFIXES:
             if k.endswith("." + suf):
                 groups.setdefault(k[: -len(suf) - 1], {})[suf] = k
                 break
         else:
             unused[k] = "not a LoKr tensor (no lokr_w1/lokr_w2/alpha/... suffix)"
-    notes: list[str] = []
-    modules: dict[str, LoKrModule] = {}
     has_alpha = any(k.endswith(".alpha") for k in sd)
-    # PEFT scaling (alpha / r from the config, also for full-rank factors) for PEFT files, and for diffusers
-    # exports that carry their PEFT config in the metadata and no per-module alpha
-    is_peft = writer == "peft" or (peft_config is not None and not has_alpha)
-    if is_peft and peft_config is None:
-        notes.append("PEFT file without adapter config: alpha/r unknown, assumed alpha == r (scale 1.0)")
-    elif is_peft:
-        def _n(v) -> str:
-            return str(len(v)) if isinstance(v, dict) else ("0" if not v else "?")
-
-        def _v(v) -> str:
-            return repr(v) if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) else f"<{type(v).__name__}>"
-
-        notes.append(f"PEFT scaling alpha/r from the adapter config (r={_v(peft_config.get('r'))}, "
-                     f"alpha={_v(peft_config.get('alpha'))}, rank_pattern/alpha_pattern: "
-                     f"{_n(peft_config.get('rank_pattern'))}/{_n(peft_config.get('alpha_pattern'))} entries)")
+    if scale_override is not None:
+        scale_override = check_scale_input(scale_override)
+        if scale_override == 0.0:
+            raise AdapterError("DitKitLoKrLoader input 'scale' is 0 here; 0 means 'from the file' and is not passed "
+                               "as an override")
+    # which PEFT config applies: PEFT files always use theirs; a diffusers export carries its config in the
+    # metadata and no per-module alpha
+    use_config = peft_config is not None and (writer == "peft" or not has_alpha)
+    where = config_source or "the adapter config"
+    config_problem = None
+    if use_config:
+        try:
+            _check_config(peft_config, source, where)
+        except AdapterError as e:
+            if scale_override is None:
+                raise
+            config_problem, use_config = str(e), False  # the explicit scale replaces what the config would give
+        if has_alpha and use_config:
+            notes.append(f"per-module '.alpha' keys ignored: a PEFT-layout file is scaled by its config ({where})")
     elif peft_config is not None:
-        notes.append("an adapter config was found but the file has per-module alpha keys: LyCORIS scaling used")
+        notes.append(f"a PEFT config was found ({where}) but the file has per-module alpha keys: LyCORIS scaling used")
+    strip = "base_model.model." if writer == "peft" else DIFFUSERS_COMPONENT + "."
+    ctx = _ScaleContext(writer, peft_config if use_config else None, where, strip, scale_override, config_problem)
+    modules: dict[str, LoKrModule] = {}
     for prefix, parts in groups.items():
         if not any(s in parts for s in ("lokr_w1", "lokr_w1_a", "lokr_w2", "lokr_w2_a")):
             for s, k in parts.items():
@@ -186,64 +431,123 @@ def parse_lokr(sd: dict[str, torch.Tensor], peft_config: dict | None = None, sou
             m.unsupported = f"DoRA ('{parts['dora_scale']}'): weight-decomposed LoKr is not supported"
         if "lokr_t1" in parts:
             m.unsupported = f"'{parts['lokr_t1']}' (Tucker core on w1) is not supported"
-        _set_scale(m, is_peft, peft_config, source)
+        _set_scale(m, ctx, source)
         modules[prefix] = m
+    notes.extend(_scale_notes(modules, ctx, metadata))
     return ParsedLoKr(modules=modules, unused=unused, writer=writer, notes=notes)
 
 
-def _dim0(t: torch.Tensor | None) -> int | None:
-    return int(t.shape[0]) if t is not None and t.dim() >= 1 else None
+def _scale_notes(modules: dict[str, LoKrModule], ctx: _ScaleContext, metadata: dict | None) -> list[str]:
+    out = []
+    kinds: dict[str, int] = {}
+    for m in modules.values():
+        kinds[m.scale_kind] = kinds.get(m.scale_kind, 0) + 1
+    if ctx.override is not None:
+        out.append(f"scale: the node's 'scale' input {ctx.override:g} replaces the file's alpha/rank scale on all "
+                   f"{len(modules)} modules")
+    elif ctx.config is not None:
+        cfg = ctx.config
+
+        def _n(v) -> str:
+            return str(len(v)) if isinstance(v, dict) else ("0" if not v else "?")
+
+        def _v(v) -> str:
+            return repr(v) if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) else f"<{type(v).__name__}>"
+
+        out.append(f"scale: PEFT alpha / r from {ctx.config_source} (r={_v(cfg.get('r'))}, alpha={_v(cfg.get('alpha'))}, "
+                   f"rank_pattern/alpha_pattern: {_n(cfg.get('rank_pattern'))}/{_n(cfg.get('alpha_pattern'))} entries)")
+    if kinds.get("convention") and ctx.override is None:
+        text, cite = NO_ALPHA_CONVENTIONS[ctx.writer]
+        out.append(f"scale convention for {kinds['convention']} module(s) without alpha in the file: {text} [{cite}]")
+    if kinds.get("undetermined") and metadata:
+        hints = sorted(k for k in metadata if any(w in k.lower() for w in ("alpha", "network_dim", "rank", "lycoris")))
+        if hints:
+            out.append("metadata fields " + ", ".join(repr(h[:40]) for h in hints[:4]) + " are informational: the "
+                       "writers do not read them when merging; if they give alpha and rank, set 'scale' = alpha / rank")
+    return out
 
 
-def _peft_number(v, what: str, name: str, source: str, integer: bool) -> float:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)) and float(v) > 0
-    if ok and integer and float(v) != int(v):
-        ok = False
-    if not ok:
-        shown = repr(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else f"a {type(v).__name__}"
-        raise AdapterError(f"{source}: PEFT config {what} for '{name}' is {shown}; it must be a "
-                           + ("positive integer" if integer else "finite number > 0")
-                           + " (fix 'r'/'alpha'/'rank_pattern'/'alpha_pattern' in adapter_config.json or the "
-                           "'lora_adapter_metadata')")
-    return float(v)
-
-
-def _set_scale(m: LoKrModule, is_peft: bool, peft_config: dict | None, source: str) -> None:
+def _set_scale(m: LoKrModule, ctx: _ScaleContext, source: str) -> None:
     """Scale of one module. Never raises on factor shapes (a module that maps to no target is only reported);
     a module whose rank cannot be read gets scale NaN with the reason in ``scale_rule`` and :func:`validate_module`
-    refuses it if it is used."""
+    refuses it if it is used; a module whose scale the file does not determine is refused by :func:`plan`."""
     f = m.factors
     m.rank = _dim0(f.get("lokr_w2_b")) if "lokr_w2_b" in f else _dim0(f.get("lokr_w1_b"))
     if m.alpha is not None and (not math.isfinite(m.alpha) or m.alpha == 0.0):
         raise AdapterError(f"{source}: key '{m.prefix}.alpha' is {m.alpha!r}; alpha must be finite and non-zero "
                            "(LyCORIS would silently read 0 as 'alpha = rank'; re-export the adapter with its real alpha)")
-    if is_peft:
-        cfg = peft_config or {}
-        name = m.prefix.removeprefix("base_model.model.").removeprefix("transformer.")
+    try:
+        scale, rule, kind = _file_scale(m, ctx, source)
+    except AdapterError as e:
+        if ctx.override is None:
+            raise
+        scale, rule, kind = float("nan"), str(e), "undetermined"
+    if ctx.override is not None:
+        m.scale, m.scale_kind = ctx.override, "input"
+        m.scale_rule = (f"node 'scale' input {ctx.override:g} (the file gives: "
+                        + ("undetermined: " if kind == "undetermined" else "") + f"{rule})")
+    elif kind == "undetermined":
+        m.scale, m.scale_kind, m.scale_rule, m.undetermined = float("nan"), kind, f"undetermined: {rule}", rule
+        return
+    else:
+        m.scale, m.scale_rule, m.scale_kind = scale, rule, kind
+    if not math.isfinite(m.scale):
+        return  # unusable rank: validate_module refuses the module if it is used
+    if m.scalar != 1.0:
+        m.scale *= m.scalar
+        m.scale_rule += f" x scalar {m.scalar:g}"
+    if not math.isfinite(m.scale):
+        raise AdapterError(f"{source}: module '{m.prefix}' has a non-finite scale ({m.scale_rule}); the adapter's "
+                           "alpha/rank/scalar values are unusable")
+
+
+def _file_scale(m: LoKrModule, ctx: _ScaleContext, source: str) -> tuple[float, str, str]:
+    """(scale, rule, kind) as the module's writer defines it; kind "undetermined" with the reason as rule."""
+    f = m.factors
+    if ctx.config_problem is not None:
+        return float("nan"), ctx.config_problem, "undetermined"
+    if ctx.config is not None:
+        cfg = ctx.config
+        name = m.prefix.removeprefix(ctx.config_strip)
         r = _pattern_lookup(cfg.get("rank_pattern"), name, "rank_pattern", source)
         r = cfg.get("r") if r is None else r
         alpha = _pattern_lookup(cfg.get("alpha_pattern"), name, "alpha_pattern", source)
         alpha = cfg.get("alpha") if alpha is None else alpha
-        if r is None or alpha is None:
-            m.scale, m.scale_rule = 1.0, "peft: alpha/r unknown -> 1.0"
-        else:
-            rf = _peft_number(r, "r", name, source, integer=True)
-            af = _peft_number(alpha, "alpha", name, source, integer=False)
-            m.scale, m.scale_rule = af / rf, f"peft alpha/r = {af:g}/{rf:g}"
-    elif m.decomposed:
-        if m.rank is None or m.rank == 0:
-            m.scale, m.scale_rule = float("nan"), "decomposed factor without a usable rank (lokr_w1_b/lokr_w2_b)"
-            return
-        alpha = m.alpha if m.alpha is not None else float(m.rank)
-        m.scale = alpha / float(m.rank)
-        m.scale_rule = f"alpha/rank = {alpha:g}/{m.rank}"
-    else:
-        m.scale, m.scale_rule = 1.0, "full-rank factors -> 1.0 (saved alpha ignored)"
-    m.scale *= m.scalar
-    if not math.isfinite(m.scale):
-        raise AdapterError(f"{source}: module '{m.prefix}' has a non-finite scale ({m.scale_rule}, scalar "
-                           f"{m.scalar:g}); the adapter's alpha/rank/scalar values are unusable")
-
+        rf = _peft_number(r, "r", name, source, integer=True)
+        af = _peft_number(alpha, "alpha", name, source, integer=False)
+        if m.decomposed and m.rank is not None and m.rank != int(rf):
+            raise AdapterError(f"{source}: module '{m.prefix}' has factors of rank {m.rank} but the PEFT config "
+                               f"({ctx.config_source}) gives r = {int(rf)} for it: the config belongs to another "
+                               "adapter? (set the node's 'scale' input to override)")
+        return af / rf, f"PEFT alpha/r = {af:g}/{rf:g}", "config"
+    if ctx.writer == "peft":
+        return float("nan"), (f"PEFT-layout file (base_model.model.* keys) without its {PEFT_CONFIG_NAME} next to it "
+                              f"and without '{METADATA_CONFIG_KEY}': PEFT scales every module by alpha / r from that "
+                              "config"), "undetermined"
+    full = "lokr_w1" in f and "lokr_w2" in f
+    if ctx.writer == "musubi-tuner" and "lokr_w1" in f and "lokr_t2" not in f:
+        # PR #901: dim = rank of w2 when decomposed, max(w2.shape) when w2 is full; scale alpha / dim
+        dim = m.rank if "lokr_w2" not in f else max(int(s) for s in f["lokr_w2"].shape)
+        if not dim:
+            return float("nan"), "decomposed factor without a usable rank (lokr_w2_b)", "file"
+        if m.alpha is None:
+            return 1.0, f"no alpha: alpha = dim ({dim}) -> 1.0", "convention"
+        what = "max(lokr_w2.shape)" if "lokr_w2" in f else "rank"
+        return m.alpha / dim, f"musubi-tuner PR #901 alpha/dim = {m.alpha:g}/{dim} (dim = {what})", "file"
+    if ctx.writer in DIFFUSERS_LAYOUTS and m.alpha is None:
+        return 1.0, "no alpha, no lora_adapter_metadata: diffusers convention alpha = r -> 1.0", "convention"
+    if full:
+        return 1.0, ("full-rank factors -> 1.0 (LyCORIS" + (f"; saved alpha {m.alpha:g} not used)" if m.alpha is not None
+                                                           else ")")), "file"
+    if m.rank is None or m.rank == 0:
+        return float("nan"), "decomposed factor without a usable rank (lokr_w1_b/lokr_w2_b)", "file"
+    if m.alpha is not None:
+        return m.alpha / float(m.rank), f"alpha/rank = {m.alpha:g}/{m.rank}", "file"
+    if ctx.writer in NO_ALPHA_CONVENTIONS:
+        return 1.0, f"no alpha: alpha = rank ({m.rank}) -> 1.0", "convention"
+    why = NO_ALPHA_UNDETERMINED.get(ctx.writer, "no known writer defines a scale for it")
+    return float("nan"), (f"decomposed factors without an '.alpha' key and no adapter config in the file ({why})"), \
+        "undetermined"
 
 # ---------------------------------------------------------------------------------------------- targets
 @dataclass(frozen=True)
@@ -408,7 +712,8 @@ class LoKrPlan:
     def as_dict(self) -> dict:
         return {"family": self.family, "writer": self.writer,
                 "applied": [{"module": it.module.prefix, "target": it.target.describe(), "via": it.target.via,
-                             "scale": it.module.scale, "scale_rule": it.module.scale_rule} for it in self.items],
+                             "scale": it.module.scale, "scale_rule": it.module.scale_rule,
+                             "scale_kind": it.module.scale_kind} for it in self.items],
                 "unused": dict(self.unused), "refused": dict(self.refused), "notes": list(self.notes)}
 
 
@@ -458,7 +763,11 @@ def validate_module(m: LoKrModule, source: str) -> None:
         if not ok:
             raise AdapterError(f"{source}: '{m.prefix}' w2 factors do not fit: lokr_w2_a {tuple(a.shape)}, lokr_w2_b "
                                f"{tuple(b.shape)}" + (f", lokr_t2 {tuple(f['lokr_t2'].shape)}" if "lokr_t2" in f else ""))
-    if not math.isfinite(m.scale):
+    if "lokr_w1_b" in f and "lokr_w2_b" in f and f["lokr_w1_b"].shape[0] != f["lokr_w2_b"].shape[0]:
+        raise AdapterError(f"{source}: module '{m.prefix}' has two decomposed factors of different ranks "
+                           f"(lokr_w1_b {f['lokr_w1_b'].shape[0]}, lokr_w2_b {f['lokr_w2_b'].shape[0]}): which one the "
+                           "alpha divides is ambiguous (LyCORIS takes w1's, ComfyUI w2's); no writer produces this")
+    if m.undetermined is None and not math.isfinite(m.scale):
         raise AdapterError(f"{source}: module '{m.prefix}' has no usable scale ({m.scale_rule})")
 
 
@@ -468,6 +777,7 @@ def plan(parsed: ParsedLoKr, shapes: dict[str, tuple[int, ...]], source: str = "
     items: list[PlanItem] = []
     unused = dict(parsed.unused)
     refused: dict[str, str] = {}
+    undetermined: list[LoKrModule] = []
     for prefix, m in parsed.modules.items():
         hit = resolve(prefix, tm)
         if hit is None:
@@ -479,12 +789,20 @@ def plan(parsed: ParsedLoKr, shapes: dict[str, tuple[int, ...]], source: str = "
             refused[prefix] = m.unsupported
             continue
         validate_module(m, source)
+        if m.undetermined is not None:
+            undetermined.append(m)
         got = m.shape()
         if tuple(got) != tuple(tgt.shape):
             raise AdapterError(f"{source}: module '{prefix}' builds ΔW of shape {tuple(got)} but its target "
                                f"'{tgt.describe()}' ({tm.family}) has shape {tuple(tgt.shape)}: adapter for another "
                                "model size/family?")
         items.append(PlanItem(m, name, tgt))
+    if undetermined:
+        m = undetermined[0]
+        raise AdapterError(f"{source}: the file does not determine the scale (alpha / rank) of {len(undetermined)} "
+                           f"LoKr module(s) ({parsed.writer} naming; first: '{m.prefix}'): {m.undetermined}. Nothing was "
+                           "applied. Set the DitKitLoKrLoader 'scale' input to the adapter's alpha / rank (what its "
+                           "trainer used, e.g. 1.0 when alpha == rank)")
     notes = list(parsed.notes)
     if not items:
         fams = _guess_family(parsed)
@@ -521,3 +839,26 @@ def module_delta(item: PlanItem, dtype=torch.float32, device=None) -> torch.Tens
 def swap_halves(d: torch.Tensor) -> torch.Tensor:
     n = d.shape[0] // 2
     return torch.cat([d[n:], d[:n]], dim=0)
+
+
+# ---------------------------------------------------------------------------------------------- patching
+def patch_payload(item: PlanItem) -> tuple:
+    """What a lazy ComfyUI patch keeps for one module: its factors in :data:`FACTOR_KEYS` order (None where
+    absent), then scale, target shape, swap_halves."""
+    f = item.module.factors
+    return tuple(f.get(k) for k in FACTOR_KEYS) + (float(item.module.scale), tuple(item.target.shape),
+                                                   bool(item.target.swap_halves))
+
+
+def apply_patch_(weight: torch.Tensor, payload: tuple, strength: float, function=None,
+                 key: str = "?") -> torch.Tensor:
+    """``weight += function(strength * scale * kron(w1, w2))`` in place (fp32 products, one Kronecker row block
+    at a time); ``weight`` is the target slice ComfyUI hands the patch. Signs of strength and scale are kept."""
+    n = len(FACTOR_KEYS)
+    factors = {k: t.to(weight.device) for k, t in zip(FACTOR_KEYS, payload[:n]) if t is not None}
+    scale, shape, swap = payload[n:n + 3]
+    if tuple(weight.shape) != tuple(shape):
+        raise AdapterError(f"DitKitLoKrLoader: patch for '{key}' expects shape {tuple(shape)}, weight is "
+                           f"{tuple(weight.shape)}")
+    add_delta_(weight, factors, float(scale) * float(strength), swap_halves=swap, function=function)
+    return weight

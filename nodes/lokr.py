@@ -15,20 +15,18 @@ import torch
 from comfy.weight_adapter.base import WeightAdapterBase
 from comfy_api.latest import io
 
-from ..errors import AdapterError, CheckpointError
+from ..errors import AdapterError
 from ..loaders import lokr as core
-from ..loaders.lokr_math import add_delta_
-from ..loaders.safetensors_io import SafeFile, strict_json_loads
 from ._common import send_report, ui_report
 
 NODE_ID = "DitKitLoKrLoader"
-_FACTOR_ORDER = core.FACTOR_KEYS  # order of tensors in DitKitLoKrPatch.weights
 _SUPPORTED_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class DitKitLoKrPatch(WeightAdapterBase):
-    """Lazy LoKr patch: ``weights`` = (*factors in FACTOR_KEYS order (None where absent), scale, shape,
-    swap_halves). Constructor signature ``(loaded_keys, weights)`` as ComfyUI's prefetch path expects."""
+    """Lazy LoKr patch: ``weights`` = :func:`core.patch_payload` (factors in FACTOR_KEYS order (None where
+    absent), scale, shape, swap_halves). Constructor signature ``(loaded_keys, weights)`` as ComfyUI's prefetch
+    path expects."""
 
     name = "ditkit_lokr"
 
@@ -38,43 +36,12 @@ class DitKitLoKrPatch(WeightAdapterBase):
 
     @classmethod
     def from_item(cls, item: core.PlanItem) -> "DitKitLoKrPatch":
-        f = item.module.factors
-        w = tuple(f.get(k) for k in _FACTOR_ORDER) + (float(item.module.scale), tuple(item.target.shape),
-                                                      bool(item.target.swap_halves))
-        return cls(set(item.module.keys), w)
+        return cls(set(item.module.keys), core.patch_payload(item))
 
     def calculate_weight(self, weight, key, strength, strength_model, offset, function,
                          intermediate_dtype=torch.float32, original_weights=None):
-        n = len(_FACTOR_ORDER)
-        factors = {k: t.to(weight.device) for k, t in zip(_FACTOR_ORDER, self.weights[:n]) if t is not None}
-        scale, shape, swap = self.weights[n:n + 3]
-        if tuple(weight.shape) != tuple(shape):
-            raise AdapterError(f"{NODE_ID}: patch for '{key}' expects shape {tuple(shape)}, weight is {tuple(weight.shape)}")
         # fp32 products, added one Kronecker row block at a time (the full ΔW is never held)
-        add_delta_(weight, factors, float(scale) * float(strength), swap_halves=swap, function=function)
-        return weight
-
-
-def read_adapter(path: str) -> tuple[dict, dict]:
-    try:
-        with SafeFile(path) as f:
-            return {k: f.get(k) for k in f.keys()}, dict(f.metadata)
-    except CheckpointError:
-        raise
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"LoKr file '{path}' cannot be read ({type(e).__name__}: {e}); truncated or not safetensors?") from None
-
-
-def peft_config_for(path: str, metadata: dict) -> dict | None:
-    cfg = core.peft_config_from_metadata(metadata)
-    if cfg is not None:
-        return cfg
-    side = os.path.join(os.path.dirname(path), "adapter_config.json")
-    if os.path.isfile(side):
-        with open(side, encoding="utf-8") as fh:
-            cfg = strict_json_loads(fh.read(), side)
-        return cfg if isinstance(cfg, dict) else None
-    return None
+        return core.apply_patch_(weight, self.weights, strength, function, key=key)
 
 
 def model_shapes(model) -> dict[str, tuple[int, ...]]:
@@ -116,11 +83,17 @@ def check_weight_formats(model, plan: core.LoKrPlan) -> dict[str, str]:
     return handled
 
 
-def apply_lokr(model, path: str, strength: float, source: str | None = None):
-    """Returns (patched clone, plan). Raises a DitKitError before touching anything on bad input."""
+def apply_lokr(model, path: str, strength: float, source: str | None = None, scale: float | None = None):
+    """Returns (patched clone, plan). ``scale``: explicit alpha/rank scale for every module (None: from the
+    file). Raises a DitKitError before touching anything on bad input."""
     source = source or os.path.basename(path)
-    sd, meta = read_adapter(path)
-    parsed = core.parse_lokr(sd, peft_config=peft_config_for(path, meta), source=source)
+    strength = core.check_scale_input(strength, "strength")
+    if scale is not None:
+        scale = core.check_scale_input(scale, "scale")
+    f = core.read_adapter_file(path)
+    parsed = core.parse_lokr(f.tensors, peft_config=f.peft_config, source=source, config_source=f.config_source,
+                             scale_override=scale, metadata=f.metadata)
+    parsed.notes[:0] = f.notes
     plan = core.plan(parsed, model_shapes(model), source=source)
     quant = check_weight_formats(model, plan)
     if quant:
@@ -165,8 +138,9 @@ class _Chain(WeightAdapterBase):
         return weight
 
 
-def report_text(plan: core.LoKrPlan, file: str, strength: float) -> str:
-    lines = [f"{plan.summary()} | file {file}, strength {strength:g}"]
+def report_text(plan: core.LoKrPlan, file: str, strength: float, scale: float | None = None) -> str:
+    lines = [f"{plan.summary()} | file {file}, strength {strength:g}"
+             + (f", scale {scale:g} (node input)" if scale is not None else ", scale from the file")]
     for it in plan.items:
         lines.append(f"applied {it.module.prefix} -> {it.target.describe()} ({it.target.via}; scale "
                      f"{it.module.scale:g}: {it.module.scale_rule})")
@@ -196,6 +170,12 @@ class DitKitLoKrLoader(io.ComfyNode):
                                tooltip="LoKr adapter file (.safetensors) in models/loras."),
                 io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01,
                                tooltip="Multiplier on ΔW (after the adapter's own alpha/rank scale)."),
+                io.Float.Input("scale", default=0.0, min=-1000.0, max=1000.0, step=0.001, round=0.000001,
+                               optional=True,
+                               tooltip="0 = from the file (alpha/rank, PEFT alpha/r from its config or metadata, "
+                                       "or the writer's documented convention; the report names which). Any other "
+                                       "value replaces every module's alpha/rank scale: set it when the loader "
+                                       "says the file does not determine the scale."),
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model with the LoKr patches registered."),
                      io.String.Output(display_name="report",
@@ -204,12 +184,13 @@ class DitKitLoKrLoader(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, lokr_name: str, strength: float) -> io.NodeOutput:
+    def execute(cls, model, lokr_name: str, strength: float, scale: float = 0.0) -> io.NodeOutput:
+        override = None if core.check_scale_input(scale, "scale") == 0.0 else float(scale)
         path = folder_paths.get_full_path_or_raise("loras", lokr_name)
-        patched, plan = apply_lokr(model, path, strength, source=lokr_name)
-        text = report_text(plan, lokr_name, strength)
+        patched, plan = apply_lokr(model, path, strength, source=lokr_name, scale=override)
+        text = report_text(plan, lokr_name, strength, override)
         payload = send_report(cls.hidden.unique_id if cls.hidden is not None else None, NODE_ID, "lokr", plan.summary(),
-                              {**plan.as_dict(), "file": lokr_name, "strength": strength})
+                              {**plan.as_dict(), "file": lokr_name, "strength": strength, "scale_input": override})
         return io.NodeOutput(patched, text, ui=ui_report(payload))
 
 

@@ -238,6 +238,9 @@ def _lokr_cases():
                                     for s, shape in (("lokr_w1", (4, 4)), ("lokr_w2", (8, 8)))},
          ["no LoKr module applies", "UNet"]),
         ("lokr_not_lokr", {"some.random.tensor": r(4, 4)}, ["no LoKr module applies", "not a LoKr tensor"]),
+        # ai-toolkit naming, decomposed w2, no alpha: ai-toolkit takes alpha from its job config, so the file does
+        # not say which scale to use (the node's 'scale' input sets it)
+        ("lokr_no_alpha_undetermined", decomposed(alpha=None), ["does not determine the scale", "'scale' input"]),
     ]
     out = [(cid, ".safetensors", _st(sd), "lokr", "AdapterError", w) for cid, sd, w in cases]
     out.append(("lokr_truncated", ".safetensors", _truncated_lokr(), "lokr", "CheckpointError",

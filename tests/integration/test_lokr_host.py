@@ -5,7 +5,6 @@ written by the real third-party writers (``lycoris-lora``, ``peft``) when they a
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -322,11 +321,8 @@ def _clean_path():
 
 
 def _optional(name):
-    with _clean_path():
-        try:
-            return importlib.import_module(name)
-        except ImportError as e:
-            pytest.skip(f"{name} not installed ({e})")
+    """The writer package (the `dev` extra installs it): skips with the reason without it, fails under CI."""
+    return _unit_suite().writer(name)
 
 
 class _Att(torch.nn.Module):
@@ -528,3 +524,80 @@ def test_every_format_exact_through_comfy(models, tmp_path, fam, fmt):
     ref = u.expected({k: base[k] for k, _, _ in expect}, expect, 0.6)
     worst = max((patched(m, k).double() - r).abs().max().item() / r.abs().max().item() for k, r in ref.items())
     assert worst <= 1e-6, worst
+
+
+def test_node_scale_input_and_undetermined_scale(models, comfy, tmp_path):
+    """A PEFT-layout file without its adapter_config.json: the node refuses it (naming the file's problem and the
+    'scale' input) and leaves the model alone; with scale set, the patched weight is base + strength * scale *
+    kron(w1, w2) (float64 oracle from the file's tensors). Non-finite strength / scale are refused."""
+    import folder_paths
+
+    from ditkit.nodes.lokr import DitKitLoKrLoader
+
+    d = ci.ZIMAGE["dim"]
+    sd = _zimage_module("base_model.model.layers.0.attention.to_k")
+    sd.pop("base_model.model.layers.0.attention.to_k.alpha")
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    save_file(sd, loras / "peft_noconfig.safetensors")
+    folder_paths.add_model_folder_path("loras", str(loras))
+    model = models["zimage"]
+    before = base_sd(model)
+    with pytest.raises(AdapterError, match=r"adapter_config\.json.*'scale' input"):
+        DitKitLoKrLoader.execute(model, "peft_noconfig.safetensors", 1.0)
+    for bad in ({"strength": float("nan")}, {"strength": 1.0, "scale": float("inf")}):
+        with pytest.raises(AdapterError, match="finite"):
+            DitKitLoKrLoader.execute(model, "peft_noconfig.safetensors", **bad)
+    assert model.patches == {} or "diffusion_model.layers.0.attention.qkv.weight" not in model.patches
+    m, report = DitKitLoKrLoader.execute(model, "peft_noconfig.safetensors", -0.8, scale=0.25).result
+    assert "scale 0.25 (node input)" in report
+    k = "diffusion_model.layers.0.attention.qkv.weight"
+    pre = "base_model.model.layers.0.attention.to_k"
+    w2 = sd[pre + ".lokr_w2_a"].double() @ sd[pre + ".lokr_w2_b"].double()
+    ref = before[k].double().clone()
+    ref[d:2 * d] += -0.8 * 0.25 * kron64(sd[pre + ".lokr_w1"], w2)
+    got = patched(m, k).double()
+    assert (got - ref).abs().max().item() / ref.abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("fam", ["zimage", "flux2"])
+def test_diffusers_pipeline_file_through_comfy(models, tmp_path, fam):
+    """A file written by diffusers' pipeline-level save_lora_weights (metadata 'transformer.r', 'transformer.alpha',
+    rank/alpha patterns) through ComfyUI's patch path: each patched row range minus the base equals PEFT's own merge
+    of the adapter it trained (the old reader found no r/alpha in that metadata and merged at 1.0)."""
+    from ditkit.nodes.lokr import apply_lokr
+
+    u = _unit_suite()
+    peft = _optional("peft")
+    with _clean_path():
+        from diffusers.loaders.lora_pipeline import Flux2LoraLoaderMixin, ZImageLoraLoaderMixin
+    mixin = ZImageLoraLoaderMixin if fam == "zimage" else Flux2LoraLoaderMixin
+    mods = u.zimage_writer_modules() if fam == "zimage" else u.flux2_writer_modules()
+    leaves = sorted({n.rsplit(".", 1)[-1] if not n.endswith(".0") else "to_out.0" for n, _ in mods})
+    tree = u.make_tree(mods)
+    w0 = u.linear_weights(tree)
+    with _clean_path():
+        pc = peft.LoKrConfig(r=4, alpha=6, target_modules=leaves, decompose_factor=8, init_weights=False,
+                             rank_pattern={leaves[0]: 2}, alpha_pattern={leaves[0]: 5})
+        peft.inject_adapter_in_model(pc, tree)
+        state = peft.get_peft_model_state_dict(tree)
+        mixin.save_lora_weights(str(tmp_path), transformer_lora_layers=state,
+                                transformer_lora_adapter_metadata=pc.to_dict())
+        for mod in tree.modules():
+            if isinstance(mod, peft.tuners.lokr.LoKrLayer):
+                mod.merge()
+    by_peft = {n: w - w0[n] for n, w in u.linear_weights(tree).items()}
+    model = models[fam]
+    base = base_sd(model)
+    m, plan = apply_lokr(model, str(tmp_path / "pytorch_lora_weights.safetensors"), 1.0)
+    assert not plan.unused and not plan.refused and len(plan.items) == len(mods)
+    assert any(it.module.scale not in (1.0,) for it in plan.items)
+    worst = 0.0
+    for it in plan.items:
+        t = it.target
+        got = patched(m, t.weight_key).double() - base[t.weight_key].double()
+        if t.rows is not None:
+            got = got[t.rows[0]:t.rows[1]]
+        ref = by_peft[it.name]
+        worst = max(worst, (got - ref).abs().max().item() / ref.abs().max().item())
+    assert worst <= 1e-5, worst

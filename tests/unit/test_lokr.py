@@ -6,6 +6,12 @@ The oracle rebuilds ΔW from the raw file tensors in float64 with an explicit ou
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -128,6 +134,10 @@ def build_file(fam, fmt, kinds, factors):
             o = rows[1] - rows[0]
         kind = kinds[i % len(kinds)]
         f, scale = make_module(o, n, kind, factors[i % len(factors)])
+        if fmt == "musubi" and kind == "full":
+            # musubi-tuner PR #901 (the writer of 'lokr_factor'): a full w2 is scaled alpha / max(w2.shape)
+            f["alpha"] = torch.tensor(3.0)
+            scale = 3.0 / max(f["lokr_w2"].shape)
         key = name_for(fmt, fam, name)
         for suf, t in f.items():
             if fmt == "peft" and suf == "alpha":
@@ -135,9 +145,9 @@ def build_file(fam, fmt, kinds, factors):
             sd[f"{key}.{suf}"] = t
         if fmt == "peft":
             scale = 8.0 / 4.0  # config alpha 8, r 4: PEFT scales alpha/r always (also full-rank)
-        if fmt == "musubi":
-            sd[f"{key}.lokr_factor"] = torch.tensor(factors[i % len(factors)])
         expect.append((wk, rows, oracle_delta(f) * scale))
+    if fmt == "musubi":
+        sd["lokr_factor"] = torch.tensor(factors[0], dtype=torch.int64)  # network buffer, no module prefix
     return sd, expect
 
 
@@ -181,7 +191,6 @@ def test_exact_every_format(fam, fmt, factors):
     parsed = core.parse_lokr(sd, peft_config=peft_cfg)
     shapes = shapes_of(fam)
     plan = core.plan(parsed, shapes)
-    musubi_meta = {k for k in sd if k.endswith(".lokr_factor")}
     assert set(plan.unused) == set(), plan.unused
     assert not plan.refused
     assert len(plan.items) == len(expect)
@@ -189,12 +198,14 @@ def test_exact_every_format(fam, fmt, factors):
     got = apply_core(plan, base, 0.75)
     ref = expected(base, expect, 0.75)
     assert max_rel(got, ref) <= 1e-6
-    assert all(k in {kk for it in plan.items for kk in it.module.keys} for k in musubi_meta)
+    if fmt == "musubi":
+        assert any("lokr_factor" in n and "#901" in n for n in plan.notes)
 
 
 def test_writer_detection():
     assert core.detect_writer(["lycoris_layers_0_attention_to_q.lokr_w1"]) == "lycoris"
-    assert core.detect_writer(["lora_unet_x.lokr_w1", "lora_unet_x.lokr_factor"]) == "musubi-tuner"
+    assert core.detect_writer(["lora_unet_x.lokr_w1", "lokr_factor"]) == "musubi-tuner"
+    assert core.detect_writer(["lora_unet_x.lokr_w1", "lora_unet_x.alpha"]) == "kohya/musubi-tuner"
     assert core.detect_writer(["base_model.model.x.lokr_w1"]) == "peft"
     assert core.detect_writer(["lora_transformer_x.lokr_w1"]) == "onetrainer"
 
@@ -258,9 +269,6 @@ def test_scale_rules():
     p = core.parse_lokr(sd)
     assert p.modules["lycoris_a"].scale == 1.0  # ai-toolkit 1e10 placeholder ignored
     assert p.modules["lycoris_b"].scale == 0.5
-    del lr["alpha"]
-    p = core.parse_lokr({f"lycoris_b.{k}": v for k, v in lr.items()})
-    assert p.modules["lycoris_b"].scale == 1.0  # LyCORIS: missing alpha = rank
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -360,8 +368,452 @@ def test_diffusers_export_with_peft_metadata_uses_peft_scaling():
     cfg = core.peft_config_from_metadata({"lora_adapter_metadata": json.dumps({"r": 4, "alpha": 2})})
     p = core.parse_lokr(sd, peft_config=cfg)
     assert p.modules["transformer.layers.0.attention.to_q"].scale == 0.5
-    assert any("PEFT scaling" in n for n in p.notes)
+    assert any("PEFT alpha / r from" in n for n in p.notes)
     # with per-module alpha keys the LyCORIS rule wins (full-rank -> 1.0) and the note says so
     p = core.parse_lokr({**sd, "transformer.layers.0.attention.to_q.alpha": torch.tensor(3.0)}, peft_config=cfg)
     assert p.modules["transformer.layers.0.attention.to_q"].scale == 1.0
     assert any("LyCORIS scaling used" in n for n in p.notes)
+
+
+# ---------------------------------------------------------------------------------------------- scale sources
+D = ci.ZIMAGE["dim"]
+
+
+def _w2lr(prefix, rank=4, alpha=None, factor=8):
+    """One decomposed-w2 module on a Z-Image q slice (D x D); alpha None: no alpha key."""
+    f, _ = make_module(D, D, "w2lr", factor, rank=rank, alpha=alpha if alpha is not None else 1.0)
+    if alpha is None:
+        del f["alpha"]
+    return {f"{prefix}.{k}": v for k, v in f.items()}, {k: v for k, v in f.items() if k != "alpha"}
+
+
+def _delta_of(plan, prefix) -> torch.Tensor:
+    (it,) = [it for it in plan.items if it.module.prefix == prefix]
+    return core.module_delta(it).double()
+
+
+def test_pipeline_level_diffusers_metadata_prefixed_fields():
+    """diffusers save_lora_weights writes 'transformer.r', 'transformer.alpha', ... (component-prefixed); the old
+    reader found no r/alpha there and merged at 1.0. Oracle: PEFT's alpha / r with rank_pattern / alpha_pattern."""
+    import json
+
+    q, fq = _w2lr("transformer.layers.0.attention.to_q", rank=4)
+    k, fk = _w2lr("transformer.layers.0.attention.to_k", rank=2)
+    meta = {"lora_adapter_metadata": json.dumps({"transformer.r": 4, "transformer.alpha": 8, "transformer.peft_type": "LOKR",
+                                                 "transformer.rank_pattern": {"to_k": 2},
+                                                 "transformer.alpha_pattern": {"to_k": 3}})}
+    cfg, where = core.config_from_metadata(meta)
+    assert cfg["r"] == 4 and "transformer.*" in where
+    plan = core.plan(core.parse_lokr(q | k, peft_config=cfg, config_source=where), shapes_of("zimage"))
+    assert (_delta_of(plan, "transformer.layers.0.attention.to_q") - oracle_delta(fq) * 8 / 4).abs().max() < 1e-6
+    assert (_delta_of(plan, "transformer.layers.0.attention.to_k") - oracle_delta(fk) * 3 / 2).abs().max() < 1e-6
+    assert any("PEFT alpha / r from safetensors metadata" in n for n in plan.notes)
+    # model-level save_lora_adapter: the same fields without the prefix
+    cfg2, where2 = core.config_from_metadata({"lora_adapter_metadata": json.dumps({"r": 4, "alpha": 2})})
+    assert cfg2 == {"r": 4, "alpha": 2} and "save_lora_adapter" in where2
+    with pytest.raises(AdapterError, match="ambiguous"):
+        core.config_from_metadata({"lora_adapter_metadata": json.dumps({"r": 4, "transformer.r": 4})})
+
+
+def test_peft_file_without_config_is_refused_and_scale_input_applies():
+    """A PEFT-layout file without adapter_config.json was merged at 1.0 with a note; PEFT scales by alpha / r from
+    that config, so the scale is unknown: refused naming what is missing; the node's scale input applies it."""
+    sd, f = _w2lr("base_model.model.layers.0.attention.to_q")
+    with pytest.raises(AdapterError, match=r"adapter_config\.json.*'scale' input"):
+        core.plan(core.parse_lokr(sd), shapes_of("zimage"))
+    plan = core.plan(core.parse_lokr(sd, scale_override=-0.25), shapes_of("zimage"))
+    (it,) = plan.items
+    assert it.module.scale == -0.25 and it.module.scale_kind == "input" and "undetermined" in it.module.scale_rule
+    assert (_delta_of(plan, "base_model.model.layers.0.attention.to_q") + 0.25 * oracle_delta(f)).abs().max() < 1e-6
+    with pytest.raises(AdapterError, match="finite"):
+        core.parse_lokr(sd, scale_override=float("nan"))
+
+
+@pytest.mark.parametrize("prefix,outcome", [
+    ("lycoris_layers_0_attention_to_q", "refused"),                 # LyCORIS' loader needs alpha
+    ("lora_transformer_layers_0_attention_to_q", "refused"),        # OneTrainer: strict load
+    ("diffusion_model.layers.0.attention.to_q", "refused"),         # ai-toolkit: alpha from its job config
+    ("lora_unet_layers_0_attention_to_q", "musubi-tuner"),          # musubi merge_weights_to_tensor: alpha = dim
+    ("transformer.layers.0.attention.to_q", "diffusers"),           # diffusers _create_lokr_config: alpha = r
+    ("layers.0.attention.to_q", "diffusers"),
+])
+def test_decomposed_module_without_alpha(prefix, outcome):
+    """No alpha key, no config: the writer's own code decides (module docstring table), else refused."""
+    sd, f = _w2lr(prefix)
+    parsed = core.parse_lokr(sd)
+    if outcome == "refused":
+        with pytest.raises(AdapterError, match=r"does not determine the scale.*'\.alpha' key.*'scale' input"):
+            core.plan(parsed, shapes_of("zimage"))
+        plan = core.plan(core.parse_lokr(sd, scale_override=0.5), shapes_of("zimage"))
+        assert (_delta_of(plan, prefix) - 0.5 * oracle_delta(f)).abs().max() < 1e-6
+        return
+    plan = core.plan(parsed, shapes_of("zimage"))
+    (it,) = plan.items
+    assert it.module.scale == 1.0 and it.module.scale_kind == "convention"
+    note = [n for n in plan.notes if n.startswith("scale convention")]
+    assert note and outcome in note[0]
+    assert ("merge_weights_to_tensor" if outcome == "musubi-tuner" else "_create_lokr_config") in note[0]
+
+
+def test_full_rank_without_alpha_is_determined():
+    """Both factors full: LyCORIS (and ai-toolkit / OneTrainer / musubi #900) use scale 1 whatever the alpha."""
+    f, _ = make_module(D, D, "full", 8)
+    del f["alpha"]
+    plan = core.plan(core.parse_lokr({f"lycoris_layers_0_attention_to_q.{k}": v for k, v in f.items()}), shapes_of("zimage"))
+    assert plan.items[0].module.scale == 1.0 and plan.items[0].module.scale_kind == "file"
+
+
+def test_musubi_pr901_full_w2_scale():
+    """musubi-tuner PR #901 (the code that saves 'lokr_factor'): get_weight / merge_weights_to_tensor use
+    dim = max(w2.shape) for a full w2, so scale = alpha / max(w2.shape), not LyCORIS' 1.0."""
+    f, _ = make_module(D, D, "full", 8)
+    f["alpha"] = torch.tensor(4.0)
+    sd = {f"lora_unet_layers_0_attention_to_q.{k}": v for k, v in f.items()} | {"lokr_factor": torch.tensor(8)}
+    plan = core.plan(core.parse_lokr(sd), shapes_of("zimage"))
+    want = 4.0 / max(f["lokr_w2"].shape)
+    assert abs(plan.items[0].module.scale - want) < 1e-12
+    sd.pop("lokr_factor")  # the merged musubi-tuner (#900) / LyCORIS: full factors -> 1.0
+    assert core.plan(core.parse_lokr(sd), shapes_of("zimage")).items[0].module.scale == 1.0
+    with pytest.raises(AdapterError, match="lokr_factor"):
+        core.parse_lokr({**sd, "lokr_factor": torch.tensor(0.5)})
+
+
+def test_peft_config_checks():
+    sd, f = _w2lr("base_model.model.layers.0.attention.to_q", rank=4)
+    shapes = shapes_of("zimage")
+    # negative alpha keeps its sign (PEFT: scaling = alpha / r, no sign check)
+    plan = core.plan(core.parse_lokr(sd, peft_config={"r": 4, "alpha": -2}), shapes)
+    assert plan.items[0].module.scale == -0.5
+    for cfg, pat in (({"r": 4}, r"no 'alpha'"), ({"alpha": 4}, r"no 'r'"),
+                     ({"r": 4, "alpha": 4, "peft_type": "LORA"}, "not 'LOKR'"),
+                     ({"r": 8, "alpha": 4}, r"rank 4 .* r = 8"), ({"r": 4, "alpha": 0}, "non-zero"),
+                     ({"r": 4, "alpha": 4, "rank_pattern": {"(to_q)+": 4}}, "not a plain module name")):
+        with pytest.raises(AdapterError, match=pat):
+            core.plan(core.parse_lokr(sd, peft_config=cfg), shapes)
+        # the error says to set the scale input: with it, the config's problem no longer blocks the file
+        (it,) = core.plan(core.parse_lokr(sd, peft_config=cfg, scale_override=0.5), shapes).items
+        assert it.module.scale == 0.5 and "undetermined" in it.module.scale_rule
+
+
+def test_peft_pattern_matching_as_get_pattern_key():
+    """PEFT get_pattern_key: first key (file order) with re.match(rf"(.*\\.)?({key})$", name); '^' anchors at the
+    start of the module name (relative to the model PEFT wrapped)."""
+    sd, _ = _w2lr("base_model.model.layers.0.attention.to_q", rank=2)
+    shapes = shapes_of("zimage")
+
+    def scale(cfg):
+        return core.plan(core.parse_lokr(sd, peft_config=cfg), shapes).items[0].module.scale
+
+    base = {"r": 2, "alpha": 2}
+    assert scale({**base, "alpha_pattern": {"to_q": 6}}) == 3.0
+    assert scale({**base, "alpha_pattern": {"^layers.0.attention.to_q": 6}}) == 3.0
+    assert scale({**base, "alpha_pattern": {"^attention.to_q": 6}}) == 1.0      # anchored elsewhere: no match
+    assert scale({**base, "alpha_pattern": {"o_q": 6}}) == 1.0                  # PEFT needs a '.'-boundary
+    assert scale({**base, "alpha_pattern": {"attention.to_q": 4, "to_q": 6}}) == 2.0  # first match wins
+
+
+def test_different_ranks_in_both_factors_refused():
+    f, _ = make_module(D, D, "both", 8, rank=2)
+    f["lokr_w1_a"], f["lokr_w1_b"] = torch.randn(8, 3, generator=G), torch.randn(3, 8, generator=G)
+    sd = {f"lycoris_layers_0_attention_to_q.{k}": v for k, v in f.items()}
+    with pytest.raises(AdapterError, match="different ranks"):
+        core.plan(core.parse_lokr(sd), shapes_of("zimage"))
+
+
+def test_read_adapter_file_config_sources(tmp_path):
+    """Where the PEFT config comes from: the file's metadata (both diffusers layouts), else adapter_config.json next
+    to a PEFT-layout file only; the sidecar is bounded and strictly parsed."""
+    import json
+
+    from ditkit.loaders.safetensors_io import save_file
+
+    sd, _ = _w2lr("base_model.model.layers.0.attention.to_q")
+    save_file(sd, tmp_path / "adapter_model.safetensors")
+    f = core.read_adapter_file(tmp_path / "adapter_model.safetensors")
+    assert f.peft_config is None
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LOKR", "r": 4, "alpha": 6}))
+    f = core.read_adapter_file(tmp_path / "adapter_model.safetensors")
+    assert f.peft_config["alpha"] == 6 and f.config_source == "adapter_config.json next to the file"
+    ly, _ = _w2lr("lycoris_layers_0_attention_to_q", alpha=2.0)
+    save_file(ly, tmp_path / "ly.safetensors")
+    f = core.read_adapter_file(tmp_path / "ly.safetensors")
+    assert f.peft_config is None and any("not used" in n for n in f.notes)
+    tr, _ = _w2lr("transformer.layers.0.attention.to_q")
+    save_file(tr, tmp_path / "tr.safetensors",
+              metadata={"lora_adapter_metadata": json.dumps({"transformer.r": 4, "transformer.alpha": 2})})
+    f = core.read_adapter_file(tmp_path / "tr.safetensors")
+    assert f.peft_config == {"r": 4, "alpha": 2} and "save_lora_weights" in f.config_source
+    (tmp_path / "adapter_config.json").write_text('{"r": 4, "r": 8}')
+    with pytest.raises(AdapterError, match="duplicate"):
+        core.read_adapter_file(tmp_path / "adapter_model.safetensors")
+    (tmp_path / "adapter_config.json").write_bytes(b" " * (core.MAX_CONFIG_BYTES + 1))
+    with pytest.raises(AdapterError, match="not a PEFT adapter config"):
+        core.read_adapter_file(tmp_path / "adapter_model.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------- sign through the node's function
+@pytest.mark.parametrize("alpha,strength", [(2.0, -0.7), (-2.0, 0.5), (-2.0, -1.5)])
+@pytest.mark.parametrize("chunk", [1, 1 << 22])
+def test_patch_sign_of_strength_and_alpha(alpha, strength, chunk, monkeypatch):
+    """core.apply_patch_ is what DitKitLoKrPatch.calculate_weight calls (ComfyUI hands it the weight slice and the
+    strength): negative strength and negative alpha keep their sign, on the chunked path, the whole-ΔW path
+    (norm_out row swap) and a row slice of a fused weight. Oracle: float64 from the raw file tensors."""
+    import ditkit.loaders.lokr_math as lm
+
+    monkeypatch.setattr(lm.add_delta_, "__defaults__", (False, None, chunk))
+    h = ci.FLUX2["hidden"]
+    rank = 4
+    fq_h, _ = make_module(h, h, "w2lr", 8, rank=rank, alpha=alpha)
+    fn, _ = make_module(2 * h, h, "both", 8, rank=rank, alpha=alpha)
+    sd = {f"transformer.transformer_blocks.0.attn.to_q.{k}": v for k, v in fq_h.items()}
+    sd |= {f"transformer.norm_out.linear.{k}": v for k, v in fn.items()}
+    plan = core.plan(core.parse_lokr(sd), shapes_of("flux2"))
+    got = {}
+    g = torch.Generator().manual_seed(3)
+    for it in plan.items:
+        base = torch.randn(it.target.shape, generator=g)
+        w = core.apply_patch_(base.clone(), core.patch_payload(it), strength, None, key="k")
+        got[it.target.describe()] = (base, w)
+    s = alpha / rank * strength
+    dq = oracle_delta({k: v for k, v in fq_h.items() if k != "alpha"}) * s
+    dn = oracle_delta({k: v for k, v in fn.items() if k != "alpha"}) * s
+    dn = torch.cat([dn[h:], dn[:h]])  # diffusers [scale; shift] -> ComfyUI [shift; scale]
+    for name, ref in (("double_blocks.0.img_attn.qkv[0:128]", dq), ("final_layer.adaLN_modulation.1", dn)):
+        base, w = got[name]
+        want = base.double() + ref
+        err = (w.double() - want).abs().max().item() / want.abs().max().item()
+        assert err <= 1e-6, (name, err)
+        assert ((w.double() - base.double()) * ref).sum() > 0  # ΔW points the oracle's way
+    with pytest.raises(AdapterError, match="expects shape"):
+        core.apply_patch_(torch.zeros(3, 3), core.patch_payload(plan.items[0]), 1.0)
+
+
+def test_node_inputs_checked_finite():
+    assert core.check_scale_input(-2) == -2.0
+    for bad in (float("nan"), float("inf"), "1", True, None):
+        with pytest.raises(AdapterError, match="finite number"):
+            core.check_scale_input(bad, "strength")
+
+
+# ---------------------------------------------------------------------------------------------- files written by the writers
+# The writers' own code makes the files (tiny module trees with the diffusers module names and the tiny models'
+# sizes) and is the oracle: PEFT's merge, diffusers' own LoKr loader + fuse_lora, LyCORIS' own loader + merge_to.
+# They are optional test dependencies (the `dev` extra installs them); without them these tests skip with the
+# reason, except under CI (CI=true), where `pip install -e ".[dev]"` must have installed them.
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def _clean_path():
+    """The checkout's top-level ``kernels`` folder shadows HF ``kernels`` for transformers (imported by PEFT)."""
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if Path(os.path.abspath(p or ".")) != REPO]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def writer(name: str):
+    with _clean_path():
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:
+            msg = f"{name} not installed ({e}); `pip install -e '.[dev]'` installs it"
+            if os.environ.get("CI"):
+                pytest.fail(msg + " (CI installs the dev extra: a missing writer is a failure here)")
+            pytest.skip(msg)
+
+
+def zimage_writer_modules():
+    return [(f"layers.{i}.attention.to_{p}", (D, D)) for i in range(2) for p in "qkv"] + \
+           [("layers.0.attention.to_out.0", (D, D))]
+
+
+def flux2_writer_modules():
+    h = ci.FLUX2["hidden"]
+    s = shapes_of("flux2")
+    return [("transformer_blocks.0.attn.to_q", (h, h)), ("transformer_blocks.0.attn.add_v_proj", (h, h)),
+            ("transformer_blocks.1.ff.linear_in", tuple(s["diffusion_model.double_blocks.1.img_mlp.0.weight"])),
+            ("single_transformer_blocks.0.attn.to_qkv_mlp_proj", tuple(s["diffusion_model.single_blocks.0.linear1.weight"])),
+            ("single_transformer_blocks.1.attn.to_out", tuple(s["diffusion_model.single_blocks.1.linear2.weight"]))]
+
+
+def make_tree(mods, cls=torch.nn.Module, seed=0):
+    """Bias-free Linear layers at the given dotted names (out, in), deterministic weights."""
+    g = torch.Generator().manual_seed(seed)
+    root = cls()
+    for name, (o, i) in mods:
+        parent = root
+        for part in name.split(".")[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        lin = torch.nn.Linear(i, o, bias=False)
+        lin.weight.data.copy_(torch.randn(o, i, generator=g) * 0.02)
+        parent.add_module(name.split(".")[-1], lin)
+    return root
+
+
+def linear_weights(tree) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, m in tree.named_modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, torch.nn.Linear) and isinstance(w, torch.Tensor):
+            out[n.replace(".base_layer", "")] = w.detach().double().clone()
+    return out
+
+
+def ditkit_deltas(path, fam, strength=1.0, scale=None):
+    """ΔW per module name as the node computes it: read_adapter_file -> parse -> plan -> apply_patch_."""
+    f = core.read_adapter_file(path)
+    parsed = core.parse_lokr(f.tensors, peft_config=f.peft_config, source=Path(path).name,
+                             config_source=f.config_source, scale_override=scale, metadata=f.metadata)
+    parsed.notes[:0] = f.notes
+    plan = core.plan(parsed, shapes_of(fam))
+    out = {}
+    for it in plan.items:
+        w = core.apply_patch_(torch.zeros(it.target.shape), core.patch_payload(it), strength, None)
+        if it.target.swap_halves:
+            w = core.swap_halves(w)
+        out[it.name] = w.double()
+    return plan, out
+
+
+def assert_deltas(got: dict, ref: dict, tol=1e-5):
+    assert set(got) == set(ref), (sorted(got), sorted(ref))
+    worst = max((got[k] - ref[k]).abs().max().item() / ref[k].abs().max().item() for k in ref)
+    assert worst <= tol, worst
+
+
+def peft_lokr_math(tree_state: dict, cfg: dict, names) -> dict:
+    """Float64 oracle from PEFT's documented math: ΔW = kron(w1, w2) * alpha / r, r/alpha per module from the
+    config the test chose (rank_pattern / alpha_pattern keys here are plain leaf names)."""
+    out = {}
+    for n in names:
+        f = {k.rsplit(".", 1)[1]: v for k, v in tree_state.items() if k.rsplit(".", 1)[0] == n}
+        leaf = n.rsplit(".", 1)[-1] if not n.endswith(".0") else n.rsplit(".", 2)[-2] + ".0"
+        r = cfg.get("rank_pattern", {}).get(leaf, cfg["r"])
+        a = cfg.get("alpha_pattern", {}).get(leaf, cfg["alpha"])
+        out[n] = oracle_delta(f) * a / r
+    return out
+
+
+@pytest.mark.parametrize("fam", ["zimage", "flux2"])
+@pytest.mark.parametrize("with_metadata", [True, False], ids=["metadata", "no-metadata"])
+def test_diffusers_pipeline_written_files(tmp_path, fam, with_metadata):
+    """diffusers' pipeline-level save_lora_weights (ZImage / Flux2 loader mixins) of a PEFT LoKr. With metadata
+    ('transformer.r', 'transformer.alpha', rank/alpha patterns): ditkit = PEFT's own merge = float64 alpha / r math
+    = diffusers' own loader + fuse_lora. Without: ditkit applies diffusers' convention (alpha = r) and equals
+    diffusers' own loader of that file."""
+    peft = writer("peft")
+    with _clean_path():
+        from diffusers.loaders.lora_pipeline import Flux2LoraLoaderMixin, ZImageLoraLoaderMixin
+        from diffusers.loaders.peft import PeftAdapterMixin
+    mixin = ZImageLoraLoaderMixin if fam == "zimage" else Flux2LoraLoaderMixin
+    mods = zimage_writer_modules() if fam == "zimage" else flux2_writer_modules()
+    leaves = sorted({n.rsplit(".", 1)[-1] if not n.endswith(".0") else "to_out.0" for n, _ in mods})
+    pat_leaf = "to_k" if fam == "zimage" else "add_v_proj"
+    cfg = {"r": 4, "alpha": 6, "rank_pattern": {pat_leaf: 2}, "alpha_pattern": {pat_leaf: -3}}
+    tree = make_tree(mods)
+    base = linear_weights(tree)
+    pc = peft.LoKrConfig(target_modules=leaves, decompose_factor=8, init_weights=False, **cfg)
+    peft.inject_adapter_in_model(pc, tree)
+    state = peft.get_peft_model_state_dict(tree)
+    mixin.save_lora_weights(str(tmp_path), transformer_lora_layers=state,
+                            transformer_lora_adapter_metadata=pc.to_dict() if with_metadata else None)
+    path = tmp_path / "pytorch_lora_weights.safetensors"
+    # diffusers' own loader of the file it wrote, onto a fresh copy of the base tree
+    loaded = make_tree(mods, cls=type("Tree", (torch.nn.Module, PeftAdapterMixin), {}))
+    with _clean_path():
+        sd, meta = mixin.lora_state_dict(str(tmp_path), weight_name=path.name, return_lora_metadata=True)
+        loaded.load_lora_adapter(sd, prefix="transformer", metadata=meta, adapter_name="t")
+        loaded.fuse_lora()
+    by_diffusers = {n: w - base[n] for n, w in linear_weights(loaded).items()}
+    plan, ours = ditkit_deltas(path, fam)
+    assert not plan.unused and not plan.refused and len(plan.items) == len(mods)
+    assert_deltas(ours, by_diffusers)
+    if with_metadata:
+        for m in tree.modules():  # PEFT's own merge of the adapter it trained
+            if isinstance(m, peft.tuners.lokr.LoKrLayer):
+                m.merge()
+        by_peft = {n: w - base[n] for n, w in linear_weights(tree).items()}
+        assert_deltas(ours, by_peft)
+        assert_deltas(ours, peft_lokr_math(state, cfg, [n for n, _ in mods]))
+        assert {it.module.scale_kind for it in plan.items} == {"config"}
+        assert any("'transformer.*' fields" in n for n in plan.notes)
+        assert any(it.module.scale < 0 for it in plan.items)  # the negative pattern alpha kept its sign
+    else:
+        assert {it.module.scale for it in plan.items} == {1.0}
+        assert any("_create_lokr_config" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("r,alpha,factor,both", [(4, 8, 8, False), (2, 3, -1, True), (4, -4, 16, False)])
+def test_peft_save_pretrained_files(tmp_path, r, alpha, factor, both):
+    """PEFT's save_pretrained (adapter_model.safetensors + adapter_config.json): ditkit = PEFT's merge_and_unload.
+    Without the config the file is refused, and the node's scale input then applies."""
+    peft = writer("peft")
+    mods = zimage_writer_modules()
+    tree = make_tree(mods)
+    base = linear_weights(tree)
+    with _clean_path():
+        pc = peft.LoKrConfig(r=r, alpha=alpha, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                             decompose_factor=factor, decompose_both=both, init_weights=False)
+        pm = peft.get_peft_model(tree, pc)
+        pm.save_pretrained(str(tmp_path))
+        merged = pm.merge_and_unload()
+    by_peft = {n: w - base[n] for n, w in linear_weights(merged).items()}
+    plan, ours = ditkit_deltas(tmp_path / "adapter_model.safetensors", "zimage", strength=1.0)
+    assert plan.writer == "peft" and not plan.unused and not plan.refused
+    assert all(it.module.scale == alpha / r for it in plan.items)
+    assert_deltas(ours, by_peft)
+    (tmp_path / "adapter_config.json").unlink()
+    with pytest.raises(AdapterError, match=r"adapter_config\.json"):
+        ditkit_deltas(tmp_path / "adapter_model.safetensors", "zimage")
+    _, scaled = ditkit_deltas(tmp_path / "adapter_model.safetensors", "zimage", scale=alpha / r)
+    assert_deltas(scaled, by_peft)
+
+
+def forward_delta(module, w0: torch.Tensor) -> torch.Tensor:
+    """ΔW of an adapted Linear from its own forward: y = I @ (W + ΔW)^T."""
+    with torch.no_grad():
+        y = module(torch.eye(w0.shape[1]))
+    return y.double().T - w0
+
+
+@pytest.mark.parametrize("fam", ["zimage", "flux2"])
+def test_lycoris_written_files(tmp_path, fam):
+    """lycoris-lora's create_lycoris + save_weights (decomposed w2, factor -1, full matrix, decompose_both, a
+    negative alpha); the oracle is LyCORIS' own loader (create_lycoris_from_weights) and the adapted layers'
+    forward (the function it trains), also at a negative multiplier. (Not ``merge_to``: in lycoris-lora 4.1.3
+    ``LokrModule.get_diff_weight`` multiplies by ``self.scale`` on top of ``get_weight``'s, i.e. alpha/rank twice,
+    unlike its forward and ComfyUI.)"""
+    lycoris = writer("lycoris")
+    mods = zimage_writer_modules() if fam == "zimage" else flux2_writer_modules()
+    seen = set()
+    for i, cfg in enumerate(({"factor": 8, "linear_dim": 4, "linear_alpha": 2},
+                             {"factor": -1, "linear_dim": 4, "linear_alpha": 1},
+                             {"factor": 16, "linear_dim": 100000, "linear_alpha": 1, "full_matrix": True},
+                             {"factor": 16, "linear_dim": 2, "linear_alpha": -3, "decompose_both": True})):
+        tree = make_tree(mods)
+        with _clean_path():
+            net = lycoris.create_lycoris(tree, 1.0, algo="lokr", **cfg)
+            net.apply_to()
+            g = torch.Generator().manual_seed(11 + i)
+            for p in net.parameters():
+                p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            path = tmp_path / f"lyco_{i}.safetensors"
+            net.save_weights(str(path), torch.float32, None)
+        for strength in (1.0, -0.6):
+            fresh = make_tree(mods)
+            base = linear_weights(fresh)
+            with _clean_path():
+                loaded, _ = lycoris.create_lycoris_from_weights(strength, str(path), fresh)
+                loaded.apply_to()
+            by_lycoris = {n: forward_delta(m, base[n]) for n, m in fresh.named_modules() if n in base}
+            plan, ours = ditkit_deltas(path, fam, strength=strength)
+            assert plan.writer == "lycoris" and not plan.unused and not plan.refused
+            assert_deltas(ours, by_lycoris)
+        seen |= {tuple(sorted(it.module.factors)) for it in plan.items}
+    assert ("lokr_w1", "lokr_w2") in seen and ("lokr_w1", "lokr_w2_a", "lokr_w2_b") in seen
+    assert ("lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b") in seen
