@@ -8,7 +8,12 @@ output). One sampling run is saved as one *pair file* (JSON, ``format`` ``ditkit
 Fitting (:func:`fit_pairs`, :func:`fit_files`): all pair files with the same family are pooled; per stream
 ``numpy.polyfit(x, y, degree)`` (degree 4 default) with R², RMSE and max residual, the fitted ``x_range``
 and counts (runs, distinct prompts, pairs, step counts). The fingerprint written is the one shared by the
-runs (fields that differ between runs are written as null and listed in ``calibration.mixed``).
+runs (fields that differ between runs are written as null and listed in ``calibration.mixed``). A fit that is
+negative inside its x range (it would rescale a change to a negative distance and skip steps that changed) is
+never written: :func:`fit_non_negative` takes the highest lower degree whose fit is not, and says so in the
+stream's ``fit`` (``degree_requested``, ``degree_lowered_because``); if none is, the fit fails loudly.
+
+Files are written and read through ``loaders/safe_fs.py`` (no-replace publish, no symlink followed).
 
 CLI::
 
@@ -207,6 +212,10 @@ def load_pair_file(path: str | os.PathLike, folder: SafeDir | None = None) -> di
     return parse_pair_bytes(data, where, path)
 
 
+class NegativeFitError(CoefficientError):
+    """The least-squares polynomial is negative somewhere inside the recorded x range."""
+
+
 def fit_pairs(x: Sequence[float], y: Sequence[float], degree: int = 4) -> tuple[list[float], dict, tuple[float, float]]:
     """Least-squares polynomial y ~ p(x) (coefficients highest order first) with fit quality."""
     xa = np.asarray(x, dtype=np.float64)
@@ -226,7 +235,7 @@ def fit_pairs(x: Sequence[float], y: Sequence[float], degree: int = 4) -> tuple[
         raise CoefficientError(f"polynomial fit produced non-finite coefficients {coeffs.tolist()}")
     neg = polynomial_negative(coeffs.tolist(), (float(xa.min()), float(xa.max())))
     if neg is not None:
-        raise CoefficientError(f"the fitted degree-{degree} polynomial is {neg[1]:.6g} at x = {neg[0]:.6g}, negative "
+        raise NegativeFitError(f"the fitted degree-{degree} polynomial is {neg[1]:.6g} at x = {neg[0]:.6g}, negative "
                                f"inside the recorded x range [{float(xa.min()):.6g}, {float(xa.max()):.6g}] (it would "
                                "rescale changes to negative distances and skip steps); record more prompts or lower "
                                "the degree")
@@ -234,6 +243,24 @@ def fit_pairs(x: Sequence[float], y: Sequence[float], degree: int = 4) -> tuple[
            "max_abs_residual": round(float(np.max(np.abs(res))), 8), "n_pairs": int(xa.size), "degree": int(degree),
            "y_range": [round(float(ya.min()), 8), round(float(ya.max()), 8)]}
     return [float(c) for c in coeffs], fit, (float(xa.min()), float(xa.max()))
+
+
+def fit_non_negative(x: Sequence[float], y: Sequence[float], degree: int = 4) -> tuple[list[float], dict, tuple[float, float]]:
+    """:func:`fit_pairs` at ``degree``; where that polynomial is negative inside the recorded x range (it would skip
+    steps that changed), the highest lower degree whose fit is not, stated in ``fit`` (``degree_requested``,
+    ``degree_lowered_because``). Raises :class:`NegativeFitError` when every degree down to 1 is negative."""
+    first = None
+    for d in range(int(degree), 0, -1):
+        try:
+            coeffs, fit, xr = fit_pairs(x, y, d)
+        except NegativeFitError as e:
+            first = first or e
+            continue
+        if d != degree:
+            fit["degree_requested"] = int(degree)
+            fit["degree_lowered_because"] = str(first)
+        return coeffs, fit, xr
+    raise NegativeFitError(f"{first}; every lower degree down to 1 is negative there too") from None
 
 
 def _common_fingerprint(fps: list[dict]) -> tuple[dict, list[str]]:
@@ -277,7 +304,7 @@ def fit_files(pair_objs: list[dict], degree: int = 4, min_prompts: int = 1, sour
         rows = [r for o in pair_objs for r in o["pairs"].get(s, [])]
         if not rows:
             continue
-        coeffs, fit, xr = fit_pairs([r[0] for r in rows], [r[1] for r in rows], degree)
+        coeffs, fit, xr = fit_non_negative([r[0] for r in rows], [r[1] for r in rows], degree)
         streams[s] = StreamCoefficients(s, tuple(coeffs), (round(xr[0], 8), round(xr[1], 8)), fit)
     if FAMILY_STREAMS[family][0] not in streams:
         raise CoefficientError(f"no pairs recorded for the {FAMILY_STREAMS[family][0]!r} stream")

@@ -189,18 +189,18 @@ class SafeDir:
             except FileExistsError:
                 pass
             except OSError as e:
-                raise self.error(f"cannot create the folder '{path}' ({e.strerror})") from None
+                raise self.error(f"{self.what}: cannot create the folder '{path}' ({e.strerror})") from None
         if self.fd is None:
             st = self.lstat(name)
             if st is None or not stat.S_ISDIR(st.st_mode) or _is_reparse(st):
-                raise self.error(f"'{path}' {self._describe_non_dir(name)}")
+                raise self.error(f"{self.what}: '{path}' {self._describe_non_dir(name)}")
             return SafeDir(path, None, self.error, self.what)
         try:
             fd = os.open(name, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=self.fd)
         except OSError as e:
             if e.errno in (errno.ENOTDIR, errno.ELOOP, errno.ENOENT):
-                raise self.error(f"'{path}' {self._describe_non_dir(name)}") from None
-            raise self.error(f"'{path}' cannot be opened ({e.strerror})") from None
+                raise self.error(f"{self.what}: '{path}' {self._describe_non_dir(name)}") from None
+            raise self.error(f"{self.what}: '{path}' cannot be opened ({e.strerror})") from None
         return SafeDir(path, fd, self.error, self.what)
 
     def close(self) -> None:

@@ -137,3 +137,19 @@ def test_pair_files_are_never_replaced(tmp_path):
     with pytest.raises(CoefficientError, match="already exists"):
         cal.write_pair_file(dict(obj, family="zimage"), tmp_path / "pairs_1.json")
     assert cal.load_pair_file(tmp_path / "pairs_1.json")["family"] == "h3"
+
+
+def test_fit_files_lowers_the_degree_and_says_so():
+    x = np.linspace(0.0, 1.0, 60)
+    spike = np.where(x > 0.97, 1.0, 0.05)   # degree 4 and 3 fits dip below 0, the quadratic does not
+    assert [np.polyval(np.polyfit(x, spike, d), np.linspace(0, 1, 10001)).min() < -1e-6 for d in (4, 3, 2)] \
+        == [True, True, False]
+    obj = {"family": "zimage", "fingerprint": {"model": None}, "prompt_ids": ["p"],
+           "pairs": {"image": [[float(a), float(b)] for a, b in zip(x, spike)]}}
+    cf = cal.fit_files([obj], degree=4)
+    fit = cf.streams["image"].fit
+    assert fit["degree_requested"] == 4 and fit["degree"] == 2 and "negative" in fit["degree_lowered_because"]
+    assert len(cf.streams["image"].coefficients) == 3
+    obj["pairs"]["image"] = [[float(a), float(b)] for a, b in zip(x, np.maximum(0.0, x - 0.8) * 10.0)]
+    with pytest.raises(CoefficientError, match="every lower degree down to 1 is negative"):
+        cal.fit_files([obj], degree=4)
