@@ -8,7 +8,12 @@ output). One sampling run is saved as one *pair file* (JSON, ``format`` ``ditkit
 Fitting (:func:`fit_pairs`, :func:`fit_files`): all pair files with the same family are pooled; per stream
 ``numpy.polyfit(x, y, degree)`` (degree 4 default) with R², RMSE and max residual, the fitted ``x_range``
 and counts (runs, distinct prompts, pairs, step counts). The fingerprint written is the one shared by the
-runs (fields that differ between runs are written as null and listed in ``calibration.mixed``).
+runs (fields that differ between runs are written as null and listed in ``calibration.mixed``). A fit that is
+negative inside its x range (it would rescale a change to a negative distance and skip steps that changed) is
+never written: :func:`fit_non_negative` takes the highest lower degree whose fit is not, and says so in the
+stream's ``fit`` (``degree_requested``, ``degree_lowered_because``); if none is, the fit fails loudly.
+
+Files are written and read through ``loaders/safe_fs.py`` (no-replace publish, no symlink followed).
 
 CLI::
 
@@ -18,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import errno
 import json
 import os
+import stat
 import sys
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -29,8 +36,9 @@ import torch
 
 from .. import __version__
 from ..errors import CheckpointError, CoefficientError
+from ..loaders.safe_fs import SafeDir, read_fd, read_inside, write_file
 from ..loaders.safetensors_io import strict_json_loads
-from .coefficients import FAMILY_STREAMS, CoefficientFile, StreamCoefficients, save
+from .coefficients import FAMILY_STREAMS, CoefficientFile, StreamCoefficients, polynomial_negative, save
 from .teacache import rel_l1
 
 PAIRS_FORMAT = "ditkit.teacache.pairs"
@@ -130,27 +138,23 @@ class CalibrationRecorder:
         self.prev.clear()
 
 
+def pair_file_bytes(obj: dict) -> bytes:
+    return json.dumps(obj, allow_nan=False).encode("utf-8")
+
+
 def write_pair_file(obj: dict, path: str | os.PathLike) -> str:
+    """Write a new pair file at ``path`` through ``loaders/safe_fs.py`` (temp file + no-replace publish, never
+    through a symlink); an existing file of that name raises :class:`CoefficientError`."""
     path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, allow_nan=False)
-    os.replace(tmp, path)
+    with SafeDir.open_root(os.path.dirname(os.path.abspath(path)), create=True, error=CoefficientError,
+                           what="TeaCache pair folder") as d:
+        write_file(d, os.path.basename(path), pair_file_bytes(obj))
     return path
 
 
-def load_pair_file(path: str | os.PathLike) -> dict:
-    path = os.fspath(path)
-    where = f"TeaCache pair file '{path}'"
+def parse_pair_bytes(data: bytes, where: str, path: str) -> dict:
     try:
-        size = os.path.getsize(path)
-        if size > MAX_PAIRS_BYTES:
-            raise CoefficientError(f"{where} is {size} bytes (> {MAX_PAIRS_BYTES})")
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8")
-    except OSError as e:
-        raise CoefficientError(f"{where} cannot be read ({e.strerror or e})") from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CoefficientError(f"{where} is not UTF-8 text ({e})") from None
     try:
@@ -183,6 +187,35 @@ def load_pair_file(path: str | os.PathLike) -> dict:
     return obj
 
 
+def load_pair_file(path: str | os.PathLike, folder: SafeDir | None = None) -> dict:
+    """Read a pair file, opened once without following a symlink (``folder``: an already opened pair folder and
+    ``path`` a name in it) and checked on the opened descriptor (regular file, <= 64 MiB)."""
+    path = os.fspath(path)
+    if folder is not None:
+        full = os.path.join(folder.path, path)
+        where = f"TeaCache pair file '{full}'"
+        try:
+            fd = folder.open_read(path)
+        except OSError as e:
+            raise CoefficientError(f"{where} cannot be opened ({'a symlink' if e.errno == errno.ELOOP else e.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_PAIRS_BYTES:
+                raise CoefficientError(f"{where} is not a regular file of at most {MAX_PAIRS_BYTES} bytes")
+            data = read_fd(fd, MAX_PAIRS_BYTES)
+        finally:
+            os.close(fd)
+        return parse_pair_bytes(data, where, full)
+    where = f"TeaCache pair file '{path}'"
+    data, _ = read_inside(os.path.dirname(os.path.abspath(path)), [os.path.basename(path)],
+                          max_bytes=MAX_PAIRS_BYTES, what="TeaCache pair file", error=CoefficientError)
+    return parse_pair_bytes(data, where, path)
+
+
+class NegativeFitError(CoefficientError):
+    """The least-squares polynomial is negative somewhere inside the recorded x range."""
+
+
 def fit_pairs(x: Sequence[float], y: Sequence[float], degree: int = 4) -> tuple[list[float], dict, tuple[float, float]]:
     """Least-squares polynomial y ~ p(x) (coefficients highest order first) with fit quality."""
     xa = np.asarray(x, dtype=np.float64)
@@ -200,10 +233,34 @@ def fit_pairs(x: Sequence[float], y: Sequence[float], degree: int = 4) -> tuple[
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
     if not np.all(np.isfinite(coeffs)):
         raise CoefficientError(f"polynomial fit produced non-finite coefficients {coeffs.tolist()}")
+    neg = polynomial_negative(coeffs.tolist(), (float(xa.min()), float(xa.max())))
+    if neg is not None:
+        raise NegativeFitError(f"the fitted degree-{degree} polynomial is {neg[1]:.6g} at x = {neg[0]:.6g}, negative "
+                               f"inside the recorded x range [{float(xa.min()):.6g}, {float(xa.max()):.6g}] (it would "
+                               "rescale changes to negative distances and skip steps); record more prompts or lower "
+                               "the degree")
     fit = {"r2": round(r2, 6), "rmse": round(float(np.sqrt(ss_res / xa.size)), 8),
            "max_abs_residual": round(float(np.max(np.abs(res))), 8), "n_pairs": int(xa.size), "degree": int(degree),
            "y_range": [round(float(ya.min()), 8), round(float(ya.max()), 8)]}
     return [float(c) for c in coeffs], fit, (float(xa.min()), float(xa.max()))
+
+
+def fit_non_negative(x: Sequence[float], y: Sequence[float], degree: int = 4) -> tuple[list[float], dict, tuple[float, float]]:
+    """:func:`fit_pairs` at ``degree``; where that polynomial is negative inside the recorded x range (it would skip
+    steps that changed), the highest lower degree whose fit is not, stated in ``fit`` (``degree_requested``,
+    ``degree_lowered_because``). Raises :class:`NegativeFitError` when every degree down to 1 is negative."""
+    first = None
+    for d in range(int(degree), 0, -1):
+        try:
+            coeffs, fit, xr = fit_pairs(x, y, d)
+        except NegativeFitError as e:
+            first = first or e
+            continue
+        if d != degree:
+            fit["degree_requested"] = int(degree)
+            fit["degree_lowered_because"] = str(first)
+        return coeffs, fit, xr
+    raise NegativeFitError(f"{first}; every lower degree down to 1 is negative there too") from None
 
 
 def _common_fingerprint(fps: list[dict]) -> tuple[dict, list[str]]:
@@ -247,7 +304,7 @@ def fit_files(pair_objs: list[dict], degree: int = 4, min_prompts: int = 1, sour
         rows = [r for o in pair_objs for r in o["pairs"].get(s, [])]
         if not rows:
             continue
-        coeffs, fit, xr = fit_pairs([r[0] for r in rows], [r[1] for r in rows], degree)
+        coeffs, fit, xr = fit_non_negative([r[0] for r in rows], [r[1] for r in rows], degree)
         streams[s] = StreamCoefficients(s, tuple(coeffs), (round(xr[0], 8), round(xr[1], 8)), fit)
     if FAMILY_STREAMS[family][0] not in streams:
         raise CoefficientError(f"no pairs recorded for the {FAMILY_STREAMS[family][0]!r} stream")
@@ -264,25 +321,32 @@ def _fp_key(fp: dict) -> str:
     return json.dumps(fp, sort_keys=True)
 
 
-def collect_pair_files(pair_dir: str | os.PathLike, family: str, run_fp: dict) -> tuple[list[dict], list[str], list[str]]:
-    """The pair files in ``pair_dir`` recorded for ``family`` with exactly the run fingerprint ``run_fp`` (model,
-    schedule, sampler, ...): ``(pair objects, their paths, ignored files with the reason)``. Unreadable files and
-    files of other runs are listed in ``ignored``, never fitted."""
+def collect_pair_files(pair_dir: str | os.PathLike | SafeDir, family: str, run_fp: dict) -> tuple[list[dict], list[str], list[str]]:
+    """The pair files in ``pair_dir`` (a path, or a folder opened by ``loaders/safe_fs.py``) recorded for ``family``
+    with exactly the run fingerprint ``run_fp`` (model, schedule, sampler, ...): ``(pair objects, their paths,
+    ignored files with the reason)``. Unreadable files, symlinks and files of other runs are listed in ``ignored``,
+    never fitted."""
     key = _fp_key(run_fp)
     objs, used, ignored = [], [], []
-    for f in sorted(os.listdir(pair_dir)):
-        if not (f.startswith("pairs_") and f.endswith(".json")):
-            continue
-        try:
-            o = load_pair_file(os.path.join(pair_dir, f))
-        except CoefficientError as e:
-            ignored.append(f"{f} ({e})")
-            continue
-        if o["family"] == family and _fp_key(o["fingerprint"]) == key:
-            objs.append(o)
-            used.append(os.path.join(pair_dir, f))
-        else:
-            ignored.append(f"{f} (other model/schedule/sampler)")
+    own = not isinstance(pair_dir, SafeDir)
+    d = SafeDir.open_root(pair_dir, error=CoefficientError, what="TeaCache pair folder") if own else pair_dir
+    try:
+        for f in sorted(d.listdir()):
+            if not (f.startswith("pairs_") and f.endswith(".json")):
+                continue
+            try:
+                o = load_pair_file(f, folder=d)
+            except CoefficientError as e:
+                ignored.append(f"{f} ({e})")
+                continue
+            if o["family"] == family and _fp_key(o["fingerprint"]) == key:
+                objs.append(o)
+                used.append(os.path.join(d.path, f))
+            else:
+                ignored.append(f"{f} (other model/schedule/sampler)")
+    finally:
+        if own:
+            d.close()
     return objs, used, ignored
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import CheckpointError, CoefficientError
+from ..loaders.safe_fs import SafeDir, read_inside, write_file
 from ..loaders.safetensors_io import strict_json_loads
 
 FORMAT = "ditkit.teacache.coefficients"
@@ -103,6 +104,40 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
 
 
+NEGATIVE_TOL = 1e-6  # a rescaled change below -1e-6 counts as negative (fits touching 0 at a range end pass)
+
+
+def polynomial_negative(coeffs, x_range, tol: float = NEGATIVE_TOL) -> tuple[float, float] | None:
+    """``(x, p(x))`` where the polynomial (highest order first) is lowest if that is below ``-tol`` on the interval the
+    runtime evaluates it: ``x_range`` (x is clamped into it) or ``[0, inf)`` when ``x_range`` is None; else None.
+
+    Exact up to root finding: the minimum of a polynomial on an interval is at an end or at a real root of its
+    derivative; a dense grid over the finite part backs the root finder up."""
+    import numpy as np
+
+    c = np.trim_zeros(np.asarray([float(v) for v in coeffs], dtype=np.float64), "f")
+    if c.size == 0:
+        return None
+    lo, hi = (float(x_range[0]), float(x_range[1])) if x_range is not None else (0.0, math.inf)
+    if math.isinf(hi) and c.size > 1 and c[0] < 0:
+        # the leading term wins for large x: find a point where it is already negative
+        x = max(1.0, lo)
+        while np.polyval(c, x) >= -tol and x < 1e12:
+            x *= 2
+        return float(x), float(np.polyval(c, x))
+    cands = [lo]
+    if c.size > 2:
+        for r in np.roots(np.polyder(c)):
+            if abs(r.imag) <= 1e-9 * max(1.0, abs(r.real)) and lo <= r.real <= hi:
+                cands.append(float(r.real))
+    top = hi if math.isfinite(hi) else max([lo + 1.0] + cands)
+    cands.append(top)
+    cands += list(np.linspace(lo, top, 257))
+    vals = np.polyval(c, np.asarray(cands))
+    i = int(np.argmin(vals))
+    return (float(cands[i]), float(vals[i])) if vals[i] < -tol else None
+
+
 def _err(where: str, key: str, msg: str) -> CoefficientError:
     return CoefficientError(f"TeaCache coefficient file {where}: {key}: {msg}")
 
@@ -156,6 +191,13 @@ def parse(obj: Any, where: str) -> CoefficientFile:
                 raise _err(where, f"streams.{name}.x_range", "must be null or [lo, hi] with 0 <= lo <= hi finite, got "
                            + (f"[{', '.join(_shown(v) for v in xr)}]" if isinstance(xr, list) and len(xr) <= 4 else _shown(xr)))
             x_range = (float(xr[0]), float(xr[1]))
+        neg = polynomial_negative(coeffs, x_range)
+        if neg is not None:
+            lo, hi = x_range if x_range is not None else (0.0, math.inf)
+            raise _err(where, f"streams.{name}", f"the polynomial is {neg[1]:.6g} at x = {neg[0]:.6g}, negative "
+                       f"inside {'its x_range' if x_range is not None else 'x >= 0 (x_range is null: no clamping)'} "
+                       f"[{lo:.6g}, {hi:.6g}]; a negative rescaled change lowers the accumulated distance and skips "
+                       "steps that changed (re-fit, or set an x_range where it is >= 0)")
         fit = s.get("fit")
         if fit is not None and not isinstance(fit, dict):
             raise _err(where, f"streams.{name}.fit", "must be null or an object")
@@ -199,37 +241,63 @@ def parse(obj: Any, where: str) -> CoefficientFile:
     return CoefficientFile(family, streams, fp, prov, cal)
 
 
-def load(path: str | os.PathLike) -> CoefficientFile:
-    path = os.fspath(path)
-    where = f"'{path}'"
+def parse_bytes(data: bytes, where: str) -> CoefficientFile:
+    """Decode + strict-parse + validate the bytes of a coefficient file (``where`` names it in errors)."""
+    if len(data) > MAX_FILE_BYTES:
+        raise CoefficientError(f"TeaCache coefficient file {where} is larger than {MAX_FILE_BYTES} bytes; not a "
+                               "coefficient file")
     try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise CoefficientError(f"TeaCache coefficient file {where} cannot be read ({e.strerror or e})") from None
-    if size > MAX_FILE_BYTES:
-        raise CoefficientError(f"TeaCache coefficient file {where} is {size} bytes (> {MAX_FILE_BYTES}); not a coefficient file")
-    try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CoefficientError(f"TeaCache coefficient file {where} is not UTF-8 text ({e})") from None
     try:
         obj = strict_json_loads(text, f"TeaCache coefficient file {where}")
     except CheckpointError as e:
         raise CoefficientError(str(e)) from None
-    cf = parse(obj, where)
+    return parse(obj, where)
+
+
+def load_inside(root: str | os.PathLike, parts, display: str | None = None) -> CoefficientFile:
+    """Load ``root/parts...`` opened once without following symlinks below ``root`` (the node's reader: the
+    checked file is the file read, see ``loaders/safe_fs.py``)."""
+    parts = list(parts)
+    path = os.path.join(os.path.realpath(os.fspath(root)), *parts)
+    data, _ = read_inside(root, parts, max_bytes=MAX_FILE_BYTES, what="TeaCache coefficient file",
+                          error=CoefficientError)
+    cf = parse_bytes(data, f"'{display or path}'")
+    cf.path = display or path
+    return cf
+
+
+def load(path: str | os.PathLike) -> CoefficientFile:
+    """Load a coefficient file by path: its folder is resolved, the file itself is opened once without following
+    a symlink and checked on the opened descriptor (regular file, size)."""
+    path = os.fspath(path)
+    data, _ = read_inside(os.path.dirname(os.path.abspath(path)), [os.path.basename(path)],
+                          max_bytes=MAX_FILE_BYTES, what="TeaCache coefficient file", error=CoefficientError)
+    cf = parse_bytes(data, f"'{path}'")
     cf.path = path
     return cf
 
 
-def save(cf: CoefficientFile, path: str | os.PathLike) -> str:
+def is_coefficient_file(data: bytes) -> bool:
+    """Whether ``data`` is a valid ditkit coefficient file (what :func:`save` may replace by default)."""
+    try:
+        parse_bytes(data, "(existing)")
+    except CoefficientError:
+        return False
+    return True
+
+
+def save(cf: CoefficientFile, path: str | os.PathLike, replace_if=is_coefficient_file) -> str:
+    """Write ``cf`` to ``path`` through ``loaders/safe_fs.py``: temp file + atomic publish inside the folder, never
+    through a symlink; an existing file is replaced only if ``replace_if(existing bytes)`` (default: it is a valid
+    ditkit coefficient file), anything else in the way raises :class:`CoefficientError`."""
     path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(cf.as_dict(), f, indent=1, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    data = (json.dumps(cf.as_dict(), indent=1, allow_nan=False) + "\n").encode("utf-8")
+    with SafeDir.open_root(os.path.dirname(os.path.abspath(path)), create=True, error=CoefficientError,
+                           what="TeaCache folder") as d:
+        write_file(d, os.path.basename(path), data, replace_if=replace_if, max_existing_bytes=MAX_FILE_BYTES)
     cf.path = path
     return path
 

@@ -306,7 +306,42 @@ def _rename_diffusers(k: str) -> str | None:
     return None
 
 
+_NORM_RX = re.compile(r"(^|\.)(norm\d*|[a-z]+_norm|norm_[a-z]+)\.weight$")
+MARKER_KEYS = ("scaled_fp8",)   # ComfyUI's old fp8 marker: an empty float8 tensor, no weight
+
+
+def _check_tensors(src: H3Source) -> None:
+    """Header-level shape sanity before anything divides by a dimension: no empty tensors (a zero-size dimension),
+    norm weights 1-D and non-empty (the head dim comes from q_norm)."""
+    for k, (fpath, ti) in src.locations.items():
+        if k in MARKER_KEYS or k.endswith(".comfy_quant"):
+            continue
+        if ti.shape and 0 in ti.shape:
+            raise CheckpointError(f"'{fpath}': tensor {k!r} has shape {list(ti.shape)}: an empty tensor (zero-size "
+                                  "dimension); the checkpoint is broken or truncated")
+        if _NORM_RX.search(k) and len(ti.shape) != 1:
+            raise CheckpointError(f"'{fpath}': norm weight {k!r} has shape {list(ti.shape)}; a norm weight is 1-D "
+                                  "[dim] with dim >= 1")
+
+
+def _check_ndims(src: H3Source, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The converted inventory's weights have the ranks H3 uses (linear 2-D, bias / norm / rope 1-D)."""
+    for k, s in shapes.items():
+        if k.endswith(QUANT_SIDECARS) or k in MARKER_KEYS:
+            continue
+        if k.endswith(".bias") or _NORM_RX.search(k) or k == "rope.inv_freq":
+            want = 1
+        elif k == "adaln_t_table" or (k.endswith(".weight") and k.split(".")[-2] not in ("to_gate_compress",)):
+            want = 2
+        else:
+            continue
+        if len(s) != want:
+            fpath = src.locations.get(k, (src.path,))[0]
+            raise CheckpointError(f"'{fpath}': tensor {k!r} has shape {list(s)}; expected a {want}-D tensor")
+
+
 def _plan(src: H3Source) -> tuple[list[_Op], dict, list[str]]:
+    _check_tensors(src)
     keys = set(src.locations)
     ops: list[_Op] = []
     passthrough: list[str] = []
@@ -389,6 +424,7 @@ def _check_inventory(src: H3Source, ops: list[_Op], passthrough: list[str]) -> d
         else:
             shapes[op.out] = src.locations[op.srcs[0]][1].shape
     out = set(shapes)
+    _check_ndims(src, {k: v for k, v in shapes.items() if k not in passthrough})
     curve = "adaln_t_table" in out
     for k in TOP_KEYS + (() if curve else TIME_KEYS):
         if k not in out:
@@ -409,6 +445,12 @@ def _check_inventory(src: H3Source, ops: list[_Op], passthrough: list[str]) -> d
                     raise CheckpointError(f"'{src.path}' ({src.layout} layout): required tensor '{name}{i}.{r}' is missing")
     hidden = shapes["video_patch_proj.weight"][0]
     hd = shapes["blocks.0.attn.q_norm.weight"][0]
+    for name in ("blocks.", "token_refiner.blocks."):
+        for i in (nb if name == "blocks." else nr):
+            q, k = shapes[f"{name}{i}.attn.q_norm.weight"], shapes[f"{name}{i}.attn.k_norm.weight"]
+            if q != (hd,) or k != (hd,):
+                raise CheckpointError(f"'{src.path}': '{name}{i}.attn.q_norm.weight' / 'k_norm.weight' have shapes "
+                                      f"{list(q)} / {list(k)}; block 0's q_norm gives head_dim {hd}")
     cfg = {"hidden_size": hidden, "attention_head_dim": hd,
            "num_attention_heads": shapes["blocks.0.attn.qkv_proj.weight"][0] // (3 * hd),
            "num_layers": len(nb), "token_refiner_num_layers": len(nr),
@@ -446,18 +488,43 @@ def _check_inventory(src: H3Source, ops: list[_Op], passthrough: list[str]) -> d
     return cfg
 
 
+def _quant_layers(src: H3Source) -> set[str]:
+    """Layers ComfyUI will load as quantized: ``<layer>.comfy_quant`` tensors, the ``_quantization_metadata``
+    safetensors metadata, or the old ``scaled_fp8`` marker with ``<layer>.scale_weight``."""
+    keys = src.locations
+    layers = {k[:-len(".comfy_quant")] for k in keys if k.endswith(".comfy_quant")}
+    meta = (src.metadata or {}).get("_quantization_metadata")
+    if meta:
+        try:
+            obj = strict_json_loads(meta, f"'{src.path}' __metadata__ '_quantization_metadata'")
+        except CheckpointError:
+            obj = None
+        if not isinstance(obj, dict) or not isinstance(obj.get("layers"), dict):
+            raise CheckpointError(f"'{src.path}': __metadata__ '_quantization_metadata' must be a JSON object with a "
+                                  "'layers' object")
+        layers |= {k[len(src.prefix):] if src.prefix and k.startswith(src.prefix) else k for k in obj["layers"]}
+    if "scaled_fp8" in keys:
+        layers |= {k[:-len(".scale_weight")] for k in keys if k.endswith(".scale_weight")}
+    return layers
+
+
 def _check_dtypes(src: H3Source, cfg: dict) -> tuple[str | None, int]:
     keys = src.locations
     bulk: dict[str, list[str]] = {}
     quantized = 0
+    qlayers = _quant_layers(src)
     for k, (fpath, ti) in keys.items():
         base = k.rsplit(".", 1)[0]
-        if k.endswith(".comfy_quant"):
+        if k.endswith(".comfy_quant") or k in MARKER_KEYS:
             continue
-        if ti.dtype == "I8" and len(ti.shape) == 2 and f"{base}.comfy_quant" not in keys:
-            raise CheckpointError(f"'{fpath}': tensor {k!r} is an I8 weight without a '{base}.comfy_quant' marker; "
-                                  "ComfyUI cannot dequantize it (broken int8 repack)")
-        if f"{base}.comfy_quant" in keys and k.endswith(".weight"):
+        marked = base in qlayers
+        if ti.dtype not in FLOAT_DTYPES and not k.endswith(QUANT_SIDECARS) and not (marked and k.endswith(".weight")):
+            what = "an integer" if ti.dtype.startswith(("I", "U")) else ("an fp8" if ti.dtype.startswith("F8") else "a non-float")
+            raise CheckpointError(f"'{fpath}': tensor {k!r} is {what} tensor ({ti.dtype}) without a quantization marker "
+                                  f"('{base}.comfy_quant'); ComfyUI would use its raw values as float weights (the "
+                                  "model samples NaN or noise). Quantized layers need their comfy_quant marker; "
+                                  "re-export the checkpoint")
+        if marked and k.endswith(".weight"):
             quantized += 1
             continue
         if k.endswith(QUANT_SIDECARS) or ti.dtype not in FLOAT_DTYPES:

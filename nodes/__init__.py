@@ -3,7 +3,8 @@
 Every module in this package whose name does not start with ``_`` is imported and its ``NODES`` list
 (``io.ComfyNode`` subclasses) is registered. A feature adds a module here and touches nothing else.
 A module that fails to import is logged loudly and listed in :data:`IMPORT_ERRORS`; the other nodes
-still load, so one broken optional dependency never takes the whole pack down.
+still load, so one broken optional dependency never takes the whole pack down. Every registered class gets the
+execute-time checks of ``guards.py`` (each FLOAT input must be finite) without code of its own.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import logging
 import pkgutil
 
 from comfy_api.latest import ComfyExtension, io
+
+from ..guards import float_inputs, guard_node
 
 log = logging.getLogger("ditkit")
 
@@ -31,12 +34,14 @@ def discover_nodes() -> list[type[io.ComfyNode]]:
             log.exception("[ditkit] node module %s failed to import; its nodes are not registered", info.name)
             continue
         for cls in getattr(mod, "NODES", []):
-            node_id = cls.GET_SCHEMA().node_id
+            schema = cls.GET_SCHEMA()
+            node_id = schema.node_id
             if not node_id.startswith("DitKit"):
                 raise RuntimeError(f"ditkit node id {node_id!r} must start with 'DitKit'")
             if node_id in seen:
                 raise RuntimeError(f"duplicate ditkit node id {node_id!r}")
             seen.add(node_id)
+            guard_node(cls, node_id, float_inputs(schema))   # every FLOAT input: finite, checked at execute
             found.append(cls)
     return found
 

@@ -52,6 +52,19 @@ def progress(total: int, node_id: str | None = None) -> Callable[[int, int], Non
     return cb
 
 
+def device_budget(device) -> tuple[int, str]:
+    """(bytes, wording) a decode/encode may plan to use on ``device``, for the pre-flight memory checks
+    (``vae/preflight.py``): the total memory of an accelerator (ComfyUI offloads other models to make room), the
+    free RAM on the CPU."""
+    import comfy.model_management as mm
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return int(mm.get_free_memory(dev)), "of RAM free"
+    return int(mm.get_total_memory(dev)), f"of memory on {dev}"
+
+
 def _jsonable(obj: Any) -> Any:
     try:
         json.dumps(obj)

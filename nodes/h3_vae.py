@@ -27,10 +27,11 @@ from ..loaders.read_progress import load_with_progress
 from ..loaders.safetensors_io import read_header
 from ..vae.h3_layout import (H3_VIDEO_KEYS, STOCK_VIDEO_CONFIG, classify_vae_keys, detect_video_config,
                              video_vae_plan)
+from ..vae import preflight
 from ..vae.metadata import check_whitening_matches, validate_image_vae_metadata
 from ..vae.t1_decode import direct_decode_t1, repeat_decode_t1
 from ._bars import lazy_bar
-from ._common import progress, send_report, ui_report
+from ._common import device_budget, progress, send_report, ui_report
 
 FLOAT_DTYPES = {"F16", "BF16", "F32"}
 AUDIO_LATENT_FPS = 40
@@ -163,6 +164,23 @@ def _require_h3(vae):
     return m
 
 
+def _check_decode_memory(vae, m, latent: torch.Tensor) -> None:
+    """Refuse a decode whose unavoidable allocations exceed the device budget, before anything is allocated."""
+    b, c, t, h, w = (int(v) for v in latent.shape)
+    ratio = int(getattr(m, "vae_ratio", 16))
+    itemsize = torch.empty((), dtype=vae.vae_dtype).element_size()
+    if t == 1:
+        tokens = int(getattr(m, "tokens_chunk_size", 5)) + int(getattr(m, "token_overlap", 2))
+        parts = {"VAE working set (ComfyUI's estimate)": float(vae.memory_used_decode((b, c, 2, h, w), vae.vae_dtype))}
+        parts.update(preflight.t1_decode_bytes(latent.shape, ratio, itemsize, tokens))
+    else:
+        frames = int(m.decode_output_shape((1, c, t, h, w))[2]) if hasattr(m, "decode_output_shape") else 4 * t
+        parts = {"VAE working set (ComfyUI's estimate)": float(vae.memory_used_decode(tuple(latent.shape), vae.vae_dtype)),
+                 "decoded float video": b * 3 * frames * h * ratio * w * ratio * 4}
+    budget, where = device_budget(vae.device)
+    preflight.check_memory("DitKitH3VAEDecode", "samples", latent.shape, parts, budget, where)
+
+
 def h3_decode(vae, latent: torch.Tensor, progress=None) -> tuple[torch.Tensor, dict]:
     """IMAGE [N, H, W, 3] + report data. ``progress(done, total)`` (optional) follows the T=1 tile loop (tiles x
     batch); T > 1 is ComfyUI's own decode, which drives no bar for this VAE."""
@@ -173,6 +191,8 @@ def h3_decode(vae, latent: torch.Tensor, progress=None) -> tuple[torch.Tensor, d
     if latent.shape[1] != c:
         raise DitKitError(f"latent has {latent.shape[1]} channels but the H3 VAE expects {c} "
                           f"(shape {tuple(latent.shape)}): a latent of another model?")
+    preflight.check_latent_shape(latent.shape, "DitKitH3VAEDecode", "samples")
+    _check_decode_memory(vae, m, latent)
     info = getattr(vae, "ditkit_h3", None) or {}
     kind = info.get("kind", "video")
     source = "DitKitH3VAELoader" if info else "another loader (no h3_t1 metadata seen; treated as the video VAE)"
@@ -266,6 +286,11 @@ class DitKitH3EmptyImageLatent(io.ComfyNode):
 
     @classmethod
     def execute(cls, width, height, batch_size, layout) -> io.NodeOutput:
+        shape = (batch_size, 24, 1, height // 16, width // 16)
+        preflight.check_latent_shape(shape, "DitKitH3EmptyImageLatent", "width/height/batch_size")
+        budget, where = device_budget(mm.intermediate_device())
+        preflight.check_memory("DitKitH3EmptyImageLatent", "width/height/batch_size", shape,
+                               {"latent": 4 * batch_size * 24 * (height // 16) * (width // 16)}, budget, where)
         video = torch.zeros([batch_size, 24, 1, height // 16, width // 16], device=mm.intermediate_device())
         send_report(cls.hidden.unique_id, "DitKitH3EmptyImageLatent", "latent",
                     f"T=1 latent {tuple(video.shape)} ({layout})", {"shape": list(video.shape), "layout": layout})
@@ -293,8 +318,17 @@ class DitKitH3EncodeImage(io.ComfyNode):
 
     @classmethod
     def execute(cls, image, vae, layout) -> io.NodeOutput:
-        _require_h3(vae)
-        n = image.shape[0]
+        m = _require_h3(vae)
+        ratio = int(getattr(m, "vae_ratio", 16))
+        preflight.check_image_size(tuple(image.shape), "DitKitH3EncodeImage", 2 * ratio, "image",
+                                   why=f"each side is cropped to a multiple of {ratio} px and the encoder's last level "
+                                       f"pads by reflection, which needs 2 latent cells ({2 * ratio} px)")
+        n, h, w = int(image.shape[0]), int(image.shape[1]), int(image.shape[2])
+        budget, where = device_budget(vae.device)
+        preflight.check_memory("DitKitH3EncodeImage", "image", tuple(image.shape),
+                               {"VAE working set per image (ComfyUI's estimate)":
+                                    float(vae.memory_used_encode((1, 3, 1, h, w), vae.vae_dtype)),
+                                "latents": n * 24 * (h // ratio) * (w // ratio) * 4}, budget, where)
         bar = progress(n, cls.hidden.unique_id)
         outs = []
         for i in range(n):   # one T=1 latent per image (ComfyUI's encode drives no bar for this VAE)

@@ -6,8 +6,6 @@ to uint8 on the decode device and encodes it. Peak host memory is one chunk, not
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from comfy_api.latest import io, ui
 
@@ -16,8 +14,9 @@ import folder_paths
 from comfy.cli_args import args as comfy_args
 
 from ..errors import DitKitError, UnsupportedModelError
-from ..vae.video_stream import PyAVVideoWriter, Uint8FrameSink, require_av
-from ._common import progress, send_report, ui_report
+from ..vae import preflight
+from ..vae.video_stream import PyAVVideoWriter, Uint8FrameSink, VideoOutput, require_av
+from ._common import device_budget, progress, send_report, ui_report
 
 
 def _video_latent(samples: dict) -> torch.Tensor:
@@ -27,8 +26,10 @@ def _video_latent(samples: dict) -> torch.Tensor:
     return lat
 
 
-def stream_save(vae, latent: torch.Tensor, path: str, fps: float, codec: str = "h264", crf=None, audio=None,
-                metadata=None, on_progress=None) -> dict:
+def check_save_request(vae, latent: torch.Tensor, fps: float, audio=None, node: str = "DitKitSaveVideo") -> tuple:
+    """Everything that can be refused before any decode or file: VAE kind, latent shape (non-empty), audio (shape,
+    length, encoder sample rates), output size and the memory one decoded chunk needs. Returns the per-item output
+    shape [1, 3, F, H, W]."""
     m = getattr(vae, "first_stage_model", None)
     if m is None or not getattr(m, "comfy_has_chunked_io", False) or not hasattr(m, "decode_output_shape"):
         raise UnsupportedModelError(f"DitKitSaveVideo streams VAEs with chunked output (H3 video VAE, LTX video VAE); "
@@ -38,13 +39,41 @@ def stream_save(vae, latent: torch.Tensor, path: str, fps: float, codec: str = "
         raise DitKitError("this is a single-frame H3 IMAGE VAE; it must not decode videos. Load the H3 video VAE")
     if latent.ndim != 5:
         raise DitKitError(f"DitKitSaveVideo needs a 5-D video latent [B, C, T, H, W]; got {tuple(latent.shape)}")
+    preflight.check_latent_shape(latent.shape, node, "samples")
     if latent.shape[1] != vae.latent_channels:
         raise DitKitError(f"latent has {latent.shape[1]} channels, the VAE expects {vae.latent_channels} "
                           f"(shape {tuple(latent.shape)})")
     if latent.shape[2] < 2 and hasattr(m, "_decode_temporal_chunks"):
         raise DitKitError("latent has T=1 (a single image): use DitKitH3VAEDecode + SaveImage")
-    require_av()
-    shape = tuple(m.decode_output_shape((1,) + tuple(latent.shape[1:])))
+    av = require_av()
+    if audio is not None:
+        rates = getattr(av.codec.Codec("aac", "w"), "audio_rates", None)
+        preflight.check_audio(audio, node, rates)
+    shape = tuple(int(v) for v in m.decode_output_shape((1,) + tuple(latent.shape[1:])))
+    frames, height, width = shape[2], shape[3], shape[4]
+    if frames < 1:
+        raise DitKitError(f"{node}: input 'samples' {tuple(latent.shape)} decodes to {frames} frames")
+    if width % 2 or height % 2:
+        raise DitKitError(f"yuv420p video needs even width and height; got {width}x{height}")
+    if all(hasattr(m, a) for a in ("tokens_chunk_size", "token_overlap", "vae_ratio_t")):   # H3: one temporal chunk
+        chunk = min(frames, (int(m.tokens_chunk_size) + int(m.token_overlap)) * int(m.vae_ratio_t))
+    else:  # other chunked VAEs: at least one frame (their own estimate covers the rest)
+        chunk = 1
+    itemsize = torch.empty((), dtype=vae.vae_dtype).element_size()
+    budget, where = device_budget(vae.device)
+    parts = {"VAE working set (ComfyUI's estimate)": float(vae.memory_used_decode((1,) + tuple(latent.shape[1:]),
+                                                                                    vae.vae_dtype)),
+             "one decoded chunk": chunk * 3 * height * width * max(itemsize, 4),
+             "its uint8 frames": chunk * 3 * height * width}
+    preflight.check_memory(node, "samples", latent.shape, parts, budget, where)
+    return shape
+
+
+def stream_save(vae, latent: torch.Tensor, path, fps: float, codec: str = "h264", crf=None, audio=None,
+                metadata=None, on_progress=None) -> dict:
+    """``path``: a file path (never replaced) or a ``VideoOutput`` (ComfyUI's counter naming in the output folder)."""
+    m = getattr(vae, "first_stage_model", None)
+    shape = check_save_request(vae, latent, fps, audio)
     frames_per_item, height, width = shape[2], shape[3], shape[4]
     total = frames_per_item * latent.shape[0]
     vae.throw_exception_if_invalid()
@@ -69,7 +98,7 @@ def stream_save(vae, latent: torch.Tensor, path: str, fps: float, codec: str = "
                     raise DitKitError(f"the VAE wrote {sink.written} of {frames_per_item} frames")
                 stats.append(sink.stats)
                 done[0] += frames_per_item
-        writer.finish()
+        published = writer.finish()
     except BaseException:
         writer.abort()
         raise
@@ -77,7 +106,8 @@ def stream_save(vae, latent: torch.Tensor, path: str, fps: float, codec: str = "
             "chunks": sum(s.chunks for s in stats),
             "peak_chunk_float_bytes": max(s.peak_chunk_float_bytes for s in stats),
             "uint8_bytes": sum(s.uint8_bytes for s in stats),
-            "full_float_video_bytes": total * 3 * height * width * 4, "audio": audio is not None}
+            "full_float_video_bytes": total * 3 * height * width * 4, "audio": audio is not None,
+            "path": published}
 
 
 class DitKitSaveVideo(io.ComfyNode):
@@ -112,16 +142,7 @@ class DitKitSaveVideo(io.ComfyNode):
     @classmethod
     def execute(cls, vae, samples, fps, filename_prefix, codec, crf, audio=None) -> io.NodeOutput:
         latent = _video_latent(samples)
-        m = getattr(vae, "first_stage_model", None)
-        if m is not None and hasattr(m, "decode_output_shape") and latent.ndim == 5:
-            shp = m.decode_output_shape((1,) + tuple(latent.shape[1:]))
-            w, h = shp[4], shp[3]
-        else:
-            w, h = 0, 0
-        out_dir, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
-            filename_prefix, folder_paths.get_output_directory(), w, h)
-        file = f"{filename}_{counter:05}_.mp4"
-        path = os.path.join(out_dir, file)
+        shp = check_save_request(vae, latent, fps, audio)   # before any file or decode
         meta = None
         if not comfy_args.disable_metadata:
             meta = {}
@@ -130,13 +151,16 @@ class DitKitSaveVideo(io.ComfyNode):
             if cls.hidden.prompt is not None:
                 meta["prompt"] = cls.hidden.prompt
             meta = meta or None
-        total = 1
-        if m is not None and hasattr(m, "decode_output_shape") and latent.ndim == 5:
-            total = shp[2] * latent.shape[0]
+        total = shp[2] * latent.shape[0]
+        out = VideoOutput.in_output(folder_paths.get_output_directory(), filename_prefix, shp[4], shp[3])
         pb = progress(total, cls.hidden.unique_id)
-        data = stream_save(vae, latent, path, fps, codec=codec, crf=None if crf < 0 else crf, audio=audio,
-                           metadata=meta, on_progress=pb)
-        data["file"] = os.path.join(subfolder, file)
+        try:
+            data = stream_save(vae, latent, out, fps, codec=codec, crf=None if crf < 0 else crf, audio=audio,
+                               metadata=meta, on_progress=pb)
+        finally:
+            out.close()
+        file, subfolder = out.name, out.subfolder
+        data["file"] = f"{subfolder}/{file}" if subfolder else file
         summary = (f"{data['frames']} frames {data['width']}x{data['height']} in {data['chunks']} chunks; peak chunk "
                    f"{data['peak_chunk_float_bytes'] / 2**20:.1f} MiB float vs "
                    f"{data['full_float_video_bytes'] / 2**20:.1f} MiB for the whole float video")

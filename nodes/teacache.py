@@ -15,6 +15,7 @@ pair files under ``<name>/``); shipped defaults (borrowed, with provenance) are 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import time
@@ -25,10 +26,11 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..cache import coefficients as coef
-from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files, write_pair_file
+from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files, pair_file_bytes
 from ..cache.hooks import CALL_KEY, HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
 from ..cache.teacache import TeaCacheState, state_from_coefficients
 from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
+from ..loaders import safe_fs
 from ._common import send_report, ui_report
 
 log = logging.getLogger("ditkit")
@@ -145,42 +147,80 @@ def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([root, path]) == root
 
 
-def resolve_coefficients(spec: str) -> str:
-    """Path of a coefficient file. Only files inside ditkit's TeaCache folders are read: ``<output>/ditkit/teacache``
-    (a name relative to it, or an absolute path inside it) and the shipped ``cache/defaults`` (``shipped:<name>``
-    or its absolute path). Symlinks are resolved before the check, so neither ``..`` nor a link can leave them:
-    whoever can queue a prompt must not make the server open (and report on) arbitrary files."""
+TEACACHE_PARTS = ("ditkit", "teacache")  # teacache_dir() below the output folder
+
+
+def _check_spec_chars(spec: str) -> None:
+    bad = next((i for i, ch in enumerate(spec) if ord(ch) < 32 or 0x7F <= ord(ch) <= 0x9F or 0xD800 <= ord(ch) <= 0xDFFF), None)
+    if bad is not None:
+        raise CoefficientError(f"{NODE_TEACACHE}: coefficient path contains the control character "
+                               f"U+{ord(spec[bad]):04X} at position {bad}; file names with NUL or other control "
+                               "characters are refused")
+
+
+def locate_coefficients(spec: str) -> tuple[str, str, list[str]]:
+    """``(path shown to the user, root, components below root)`` of a coefficient file.
+
+    Only files inside ditkit's TeaCache folders are read: ``<output>/ditkit/teacache`` (a name relative to it, or an
+    absolute path inside it) and the shipped ``cache/defaults`` (``shipped:<name>`` or its absolute path). Names are
+    checked lexically first (no ``..`` escape, no absolute path elsewhere: nothing outside is touched, so there is no
+    existence oracle); below the root every component is looked up without following symlinks, and the file is
+    later read through ``coef.load_inside`` the same way, opened once (``loaders/safe_fs.py``): whoever can queue a
+    prompt must not make the server open (and report on) arbitrary files, also not by swapping a symlink in."""
     spec = (spec or "").strip()
     base = teacache_dir()
     where = (f"coefficient files must live in {base} (give a file name relative to it, as written by "
              f"{NODE_CALIBRATE}) or be a shipped file ('shipped:<name>')")
     if not spec:
         raise CoefficientError(f"{NODE_TEACACHE}: no coefficient file given. {available_coefficients()}")
+    _check_spec_chars(spec)
+    out_dir = folder_paths.get_output_directory()
     if spec.startswith("shipped:"):
         name = spec[len("shipped:"):]
         shipped = coef.shipped_defaults()
         if name not in shipped:
             raise CoefficientError(f"{NODE_TEACACHE}: no shipped coefficient file {name!r}. {available_coefficients()}")
-        return str(shipped[name])
-    roots = [os.path.realpath(base), os.path.realpath(coef.DEFAULTS_DIR)]
-    lexical_roots = [os.path.abspath(base), os.path.abspath(coef.DEFAULTS_DIR)]
+        return str(shipped[name]), str(coef.DEFAULTS_DIR), [shipped[name].name]
+    # (lexical folder, root opened by the reader, components from that root to the folder)
+    folders = [(os.path.abspath(base), out_dir, list(TEACACHE_PARTS)),
+               (os.path.join(os.path.realpath(out_dir), *TEACACHE_PARTS), out_dir, list(TEACACHE_PARTS)),
+               (os.path.abspath(coef.DEFAULTS_DIR), str(coef.DEFAULTS_DIR), []),
+               (os.path.realpath(coef.DEFAULTS_DIR), str(coef.DEFAULTS_DIR), [])]
     if os.path.isabs(spec):
         path = os.path.normpath(spec)
-        if not any(_inside(path, r) for r in lexical_roots + roots):
+        hit = next((f for f in folders if _inside(path, f[0]) and path != f[0]), None)
+        if hit is None:
             raise CoefficientError(f"{NODE_TEACACHE}: coefficient path {spec!r} is outside ditkit's TeaCache folders; {where}")
     else:
         path = os.path.normpath(os.path.join(base, spec))
-        if not _inside(os.path.abspath(path), os.path.abspath(base)):
+        if not _inside(os.path.abspath(path), os.path.abspath(base)) or os.path.abspath(path) == os.path.abspath(base):
             raise CoefficientError(f"{NODE_TEACACHE}: coefficient path {spec!r} leaves {base}; {where}")
-    if not path.endswith(".json") and os.path.isfile(path + ".json"):
-        path += ".json"
-    real = os.path.realpath(path)
-    if not any(_inside(real, r) for r in roots):
-        raise CoefficientError(f"{NODE_TEACACHE}: coefficient path {spec!r} resolves (through a symlink) outside "
-                               f"ditkit's TeaCache folders; {where}")
-    if not os.path.isfile(real):
+        hit = folders[0]
+        path = os.path.abspath(path)
+    rel = os.path.relpath(path, hit[0]).split(os.sep)
+    for part in rel:
+        if len(part.encode("utf-8", "surrogatepass")) > 255:
+            raise CoefficientError(f"{NODE_TEACACHE}: coefficient path {spec!r} has a name part of "
+                                   f"{len(part.encode('utf-8', 'surrogatepass'))} bytes (file systems allow 255)")
+    root, parts = hit[1], hit[2] + rel
+    kind, _ = safe_fs.stat_inside(root, parts)
+    if kind == "missing" and not parts[-1].endswith(".json"):
+        k2, _ = safe_fs.stat_inside(root, parts[:-1] + [parts[-1] + ".json"])
+        if k2 != "missing":
+            kind, parts, path = k2, parts[:-1] + [parts[-1] + ".json"], path + ".json"
+    if kind == "symlink":
+        raise CoefficientError(f"{NODE_TEACACHE}: coefficient path {spec!r} goes through a symlink; ditkit does not "
+                               f"follow symlinks in its TeaCache folders (a link could lead outside them); {where}")
+    if kind == "missing":
         raise CoefficientError(f"{NODE_TEACACHE}: coefficient file '{path}' does not exist. {available_coefficients()}")
-    return path
+    if kind != "file":
+        raise CoefficientError(f"{NODE_TEACACHE}: coefficient path '{path}' is not a regular file")
+    return path, root, parts
+
+
+def resolve_coefficients(spec: str) -> str:
+    """Path of a coefficient file (see :func:`locate_coefficients`)."""
+    return locate_coefficients(spec)[0]
 
 
 def available_coefficients() -> str:
@@ -360,7 +400,8 @@ def _deferrable(spec: str) -> str | None:
 
 def build_state(params: dict) -> tuple[TeaCacheState, dict]:
     """Load + check the coefficient file and build the runtime state (raises on bad files / other families)."""
-    cf = coef.load(resolve_coefficients(params["spec"]))
+    path, root, parts = locate_coefficients(params["spec"])
+    cf = coef.load_inside(root, parts, display=path)   # opened once, no symlink followed: the checked file is read
     state, fp_warnings, stream_warnings = state_from_coefficients(cf, params["family"], params["model_fp"], params,
                                                                   NODE_TEACACHE, NODE_CALIBRATE)
     for w in fp_warnings:
@@ -402,39 +443,119 @@ def calibrate_sample_wrapper(executor, *args, **kwargs):
             guider.model_options = orig
 
 
+def calibration_name(name) -> str:
+    """The validated calibration name (without ``.json``); raises :class:`CoefficientError` naming the input."""
+    raw = name if isinstance(name, str) else ""
+    name = raw.strip()
+    if name.endswith(".json"):
+        name = name[:-5]
+    if not name or not all(ch.isalnum() or ch in "-_." for ch in name) or name.startswith("."):
+        shown = repr(raw) if len(raw) <= 80 else repr(raw[:80]) + "..."
+        raise CoefficientError(f"{NODE_CALIBRATE}: input 'name' {shown} must be non-empty, must not start with '.' "
+                               "and may use only letters, digits, '-', '_', '.'")
+    safe_fs.validate_name(name + ".json", f"{NODE_CALIBRATE}: input 'name' ({len(name.encode())} bytes)",
+                          CoefficientError)
+    return name
+
+
+def _written_by_calibration(name: str):
+    """``replace_if`` for ``<name>.json``: only a coefficient file this node wrote for ``name`` is replaced."""
+    src = f"{NODE_CALIBRATE} '{name}'"
+
+    def ok(data: bytes) -> bool:
+        try:
+            cf = coef.parse_bytes(data, "(existing)")
+        except CoefficientError:
+            return False
+        return cf.kind == "calibrated" and str(cf.provenance.get("source", "")).startswith(src)
+
+    return ok
+
+
+def check_calibration_target(name: str) -> None:
+    """Before sampling: nothing may be in the way of ``<name>.json`` and the pair folder ``<name>/`` (a folder,
+    symlink or foreign file where a file goes, a file or symlink where the folder goes). Raises CoefficientError."""
+    out_dir = folder_paths.get_output_directory()
+    base = teacache_dir()
+    kind, _ = safe_fs.stat_inside(out_dir, list(TEACACHE_PARTS))
+    if kind not in ("missing", "dir"):
+        raise CoefficientError(f"{NODE_CALIBRATE}: '{base}' is {'a symlink' if kind == 'symlink' else 'not a folder'}; "
+                               "calibration writes only into a real folder (ditkit does not follow symlinks there)")
+    target = os.path.join(base, name + ".json")
+    kind, _ = safe_fs.stat_inside(out_dir, [*TEACACHE_PARTS, name + ".json"])
+    if kind == "file":
+        data, _ = safe_fs.read_inside(out_dir, [*TEACACHE_PARTS, name + ".json"], max_bytes=coef.MAX_FILE_BYTES,
+                                      what="coefficient file", error=CoefficientError)
+        if not _written_by_calibration(name)(data):
+            raise CoefficientError(f"{NODE_CALIBRATE}: input 'name' {name!r}: '{target}' already exists and was not "
+                                   f"written by {NODE_CALIBRATE} for this name; choose another name or move the file "
+                                   "(ditkit never replaces a file it did not write)")
+    elif kind != "missing":
+        what = {"dir": "a folder", "symlink": "a symlink"}.get(kind, "a special file")
+        raise CoefficientError(f"{NODE_CALIBRATE}: input 'name' {name!r}: {what} is in the way at '{target}'; "
+                               "choose another name or move it")
+    kind, _ = safe_fs.stat_inside(out_dir, [*TEACACHE_PARTS, name])
+    if kind not in ("missing", "dir"):
+        what = {"file": "a file", "symlink": "a symlink"}.get(kind, "a special file")
+        raise CoefficientError(f"{NODE_CALIBRATE}: input 'name' {name!r}: the pair folder '{os.path.join(base, name)}' "
+                               f"is {what}; choose another name or move it")
+
+
 def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
+    info = holder.info
+    name = info["name"]
+    try:
+        _write_calibration(holder, run_fp)
+    except CoefficientError as e:  # checked at execute; only a change made during sampling gets here: keep its output
+        log.warning("[ditkit] %s '%s': nothing written: %s", NODE_CALIBRATE, name, e)
+        send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration",
+                    f"TeaCache calibration '{name}': WRITE FAILED, nothing written: {e}", {"error": str(e)})
+
+
+def _write_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
     info = holder.info
     rec: CalibrationRecorder = holder.recorder
     name = info["name"]
-    base = teacache_dir()
-    pair_dir = os.path.join(base, name)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    pair_path = os.path.join(pair_dir, f"pairs_{stamp}_{int(time.time() * 1e6) % 1000000:06d}.json")
-    write_pair_file(rec.to_pair_file(run_fp), pair_path)
-    objs, used, ignored = collect_pair_files(pair_dir, holder.family, run_fp)
-    prompts = {p for o in objs for p in (o.get("prompt_ids") or [])}
-    data = {"pair_file": pair_path, "pairs_this_run": rec.n_pairs(), "runs": len(objs), "prompts": len(prompts),
-            "min_prompts": info["min_prompts"], "ignored_pair_files": ignored, "pair_files": used}
-    if len(prompts) < info["min_prompts"]:
-        summary = (f"TeaCache calibration '{name}': recorded {rec.n_pairs()} pairs ({len(prompts)}/{info['min_prompts']} "
-                   f"distinct prompts so far; run more prompts with the same model/sampler/steps to fit)")
-        send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration", summary, data)
-        return
-    try:
-        cf = fit_files(objs, degree=info["degree"], min_prompts=info["min_prompts"],
-                       source=f"{NODE_CALIBRATE} '{name}' ({len(objs)} full-compute runs)")
-    except CoefficientError as e:  # the sampling itself succeeded: keep its output, report the failed fit loudly
-        log.warning("[ditkit] %s '%s': fit failed: %s", NODE_CALIBRATE, name, e)
-        data["error"] = str(e)
-        send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration",
-                    f"TeaCache calibration '{name}': FIT FAILED, no coefficient file written: {e}", data)
-        return
-    out_path = os.path.join(base, f"{name}.json")
-    coef.save(cf, out_path)
+    base_path = teacache_dir()
+    with safe_fs.SafeDir.open_root(folder_paths.get_output_directory(), TEACACHE_PARTS, create=True,
+                                   error=CoefficientError, what="TeaCache folder") as base:
+        with base.subdir(name, create=True) as pair_dir:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            blob = pair_file_bytes(rec.to_pair_file(run_fp))
+            for attempt in range(8):
+                fname = f"pairs_{stamp}_{(int(time.time() * 1e6) + attempt) % 1000000:06d}.json"
+                if pair_dir.lstat(fname) is None:
+                    break
+            pair_path = safe_fs.write_file(pair_dir, fname, blob)
+            objs, used, ignored = collect_pair_files(pair_dir, holder.family, run_fp)
+        prompts = {p for o in objs for p in (o.get("prompt_ids") or [])}
+        data = {"pair_file": pair_path, "pairs_this_run": rec.n_pairs(), "runs": len(objs), "prompts": len(prompts),
+                "min_prompts": info["min_prompts"], "ignored_pair_files": ignored, "pair_files": used}
+        if len(prompts) < info["min_prompts"]:
+            summary = (f"TeaCache calibration '{name}': recorded {rec.n_pairs()} pairs ({len(prompts)}/{info['min_prompts']} "
+                       f"distinct prompts so far; run more prompts with the same model/sampler/steps to fit)")
+            send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration", summary, data)
+            return
+        try:
+            cf = fit_files(objs, degree=info["degree"], min_prompts=info["min_prompts"],
+                           source=f"{NODE_CALIBRATE} '{name}' ({len(objs)} full-compute runs)")
+        except CoefficientError as e:  # the sampling itself succeeded: keep its output, report the failed fit loudly
+            log.warning("[ditkit] %s '%s': fit failed: %s", NODE_CALIBRATE, name, e)
+            data["error"] = str(e)
+            send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration",
+                        f"TeaCache calibration '{name}': FIT FAILED, no coefficient file written: {e}", data)
+            return
+        out_path = os.path.join(base_path, f"{name}.json")
+        blob = (json.dumps(cf.as_dict(), indent=1, allow_nan=False) + "\n").encode("utf-8")
+        safe_fs.write_file(base, f"{name}.json", blob, replace_if=_written_by_calibration(name),
+                           max_existing_bytes=coef.MAX_FILE_BYTES)
+        cf.path = out_path
     fits = {s: st.fit for s, st in cf.streams.items()}
     data.update({"coefficients": out_path, "fit": fits, "x_range": {s: st.x_range for s, st in cf.streams.items()}})
     summary = (f"TeaCache calibration '{name}': wrote {out_path} from {len(prompts)} prompts / {len(objs)} runs; "
-               + ", ".join(f"{s} R2 {f['r2']:.3f} (n={f['n_pairs']})" for s, f in fits.items()))
+               + ", ".join(f"{s} R2 {f['r2']:.3f} (n={f['n_pairs']})"
+                           + (f" degree {f['degree']} (degree {f['degree_requested']} was negative inside its x range)"
+                              if f.get("degree_requested") else "") for s, f in fits.items()))
     send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration", summary, data)
 
 
@@ -467,11 +588,8 @@ class DitKitTeaCacheCalibrate(io.ComfyNode):
     @classmethod
     def execute(cls, model, name, degree, min_prompts) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        name = (name or "").strip()
-        if not name or not all(ch.isalnum() or ch in "-_." for ch in name) or name.startswith("."):
-            raise CoefficientError(f"{NODE_CALIBRATE}: name {name!r} must be non-empty and use only letters, digits, '-', '_', '.'")
-        if name.endswith(".json"):
-            name = name[:-5]
+        name = calibration_name(name)
+        check_calibration_target(name)   # before sampling: a name problem must not cost the run
         family = detect_family(model)
         check_not_stacked(model, NODE_CALIBRATE)
         mfp = model_fingerprint(model)

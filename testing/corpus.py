@@ -22,6 +22,8 @@ Consumers (in-process function / real-host node):
   output's ``ditkit/teacache/``);
 * ``h3_latent``: the T=1 decode latent check (``vae.t1_decode``) / ``DitKitH3VAEDecode`` (host: an equivalent
   wrong latent made by a stock node, since the host's input folder is not ours to write);
+* ``h3_checkpoint``: ``loaders.h3.load_h3_state_dict`` / ``DitKitH3ModelLoader`` (file in ``diffusion_models/``):
+  a micro H3 DiT (all real keys, tiny widths) with one broken tensor each;
 * ``prompt``: an API-format prompt with wrong wiring, host only: ``/prompt`` answers 400 with node errors
   (``expect: "validation"``) or the run ends in a node execution error (``expect: "execution"``).
 """
@@ -292,9 +294,63 @@ def _coef_cases():
         ("coef_no_provenance", doc(provenance=None), ["provenance.source"]),
         ("coef_duplicate_key", doc()[:-2] + b',"version":1}\n', ["duplicate JSON key 'version'"]),
         ("coef_not_utf8", b'{"format": "\xff\xfe"}', ["is not UTF-8"]),
+        # polynomials negative where the runtime evaluates them (a negative rescaled change skips steps)
+        ("coef_negative_inside_x_range", doc(streams={**good_streams, "video": {"coefficients": [4.0, -2.0, 0.2],
+                                                                               "x_range": [0.0, 0.5]}}),
+         ["streams.video", "negative inside its x_range"]),
+        ("coef_negative_at_range_end", doc(streams={**good_streams, "video": {"coefficients": [-1.0, 0.3],
+                                                                             "x_range": [0.1, 0.5]}}),
+         ["streams.video", "at x = 0.5", "negative"]),
+        ("coef_negative_constant", doc(streams={**good_streams, "audio": {"coefficients": [-0.01], "x_range": None}}),
+         ["streams.audio", "negative"]),
+        ("coef_negative_unbounded", doc(streams={**good_streams, "video": {"coefficients": [-450.0, 280.0, -45.0, 3.2,
+                                                                                           0.02], "x_range": None}}),
+         ["streams.video", "x_range is null", "negative"]),
         ("coef_root_array", b"[1, 2]", ["expected a JSON object"]),
     ]
     return [(cid, ".json", js(b), "coefficients", "CoefficientError", w) for cid, b, w in cases]
+
+
+MICRO_H3 = {"hidden_size": 8, "num_attention_heads": 1, "attention_head_dim": 6, "num_layers": 1,
+            "token_refiner_num_layers": 1, "ffn_hidden_size": 8, "latents_dim": 24, "audio_latents_dim": 4,
+            "patch_size": [1, 2, 2], "text_dim": 4, "timestep_input_dim": 4, "time_embed_hidden_size": 4,
+            "time_embed_dim": 4, "rope_inv_freq_len": 1, "rope_theta": 10000.0}
+
+
+def micro_h3() -> dict:
+    """A valid H3 DiT state dict (ComfyUI layout, every real key) at micro widths, ~15 KB."""
+    from .ckpt_h3 import base_state_dict
+
+    return base_state_dict(MICRO_H3, seed=17)
+
+
+def _h3_cases():
+    import torch
+
+    def broken(**over):
+        sd = micro_h3()
+        for k, v in over.items():
+            sd[k.replace("__", ".")] = v
+        return _st(sd)
+
+    b0 = "blocks.0."
+    cases = [
+        ("h3_q_norm_empty", broken(**{"blocks__0__attn__q_norm__weight": torch.ones(0, dtype=torch.bfloat16)}),
+         [f"'{b0}attn.q_norm.weight'", "empty tensor"]),
+        ("h3_k_norm_other_width", broken(**{"blocks__0__attn__k_norm__weight": torch.ones(5, dtype=torch.bfloat16)}),
+         ["k_norm.weight", "head_dim 6"]),
+        ("h3_norm_2d", broken(**{"blocks__0__norm1__weight": torch.ones(8, 1, dtype=torch.bfloat16)}),
+         [f"norm weight '{b0}norm1.weight'", "1-D"]),
+        ("h3_norm_int32", broken(**{"blocks__0__norm2__weight": torch.ones(8, dtype=torch.int32)}),
+         [f"'{b0}norm2.weight'", "integer tensor (I32)", "quantization marker"]),
+        ("h3_linear_fp8_no_marker", broken(**{"blocks__0__mlp__fc1__weight": torch.zeros(16, 8).to(torch.float8_e4m3fn)}),
+         [f"'{b0}mlp.fc1.weight'", "fp8 tensor (F8_E4M3)", "quantization marker"]),
+        ("h3_bias_int8_no_marker", broken(**{"final_layer__video_out__bias": torch.zeros(96, dtype=torch.int8)}),
+         ["'final_layer.video_out.bias'", "integer tensor (I8)"]),
+        ("h3_weight_scalar", broken(**{"video_patch_proj__weight": torch.tensor(1.0)}),
+         ["'video_patch_proj.weight'", "expected a 2-D tensor"]),
+    ]
+    return [(cid, ".safetensors", blob, "h3_checkpoint", "CheckpointError", w) for cid, blob, w in cases]
 
 
 def _latent_cases():
@@ -307,6 +363,15 @@ def _latent_cases():
         ("latent_4d", ".latent", _st({"latent_tensor": torch.zeros(1, 24, 2, 2),
                                       "latent_format_version_0": torch.zeros(0)}),
          "h3_latent", "DitKitError", ["must be 5-D", "(1, 24, 2, 2)"]),
+        ("latent_batch_0", ".latent", _st({"latent_tensor": torch.zeros(0, 24, 1, 2, 2),
+                                          "latent_format_version_0": torch.zeros(0)}),
+         "h3_latent", "DitKitError", ["empty latent", "B=0"]),
+        ("latent_t_0", ".latent", _st({"latent_tensor": torch.zeros(1, 24, 0, 2, 2),
+                                      "latent_format_version_0": torch.zeros(0)}),
+         "h3_latent", "DitKitError", ["empty latent", "T=0"]),
+        ("latent_width_0", ".latent", _st({"latent_tensor": torch.zeros(1, 24, 1, 2, 0),
+                                          "latent_format_version_0": torch.zeros(0)}),
+         "h3_latent", "DitKitError", ["empty latent", "W=0"]),
     ]
 
 
@@ -363,6 +428,77 @@ def _prompt_cases():
                                              "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", 0]}}},
          "execution", "2", "UnsupportedModelError", ["H3 AUDIO VAE"]),
     ]
+    # issue #17: hostile values that pass /prompt validation and must fail in the node, before any heavy work
+    unet = {"class_type": "UNETLoader", "inputs": {"unet_name": H3_MODEL, "weight_dtype": "default"}}
+    enc = {"class_type": "VAEEncode", "inputs": {"pixels": ["2", 0], "vae": ["1", 0]}}
+    clip5 = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 5, "color": 0}}
+
+    def save(prefix="corpus/v", fps=24.0, samples=("3", 0), audio=None):
+        i = {"vae": ["1", 0], "samples": list(samples), "fps": fps, "filename_prefix": prefix, "codec": "h264",
+             "crf": -1}
+        if audio is not None:
+            i["audio"] = audio
+        return {"class_type": "DitKitSaveVideo", "inputs": i}
+
+    def audio(duration, rate):
+        return {"class_type": "EmptyAudio", "inputs": {"duration": duration, "sample_rate": rate, "channels": 2}}
+
+    trim = {"class_type": "TrimVideoLatent", "inputs": {"samples": ["3", 0], "trim_amount": 99}}
+    cases += [
+        ("prompt_nan_lokr_strength", {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": FLUX2_MODEL,
+                                                                                   "weight_dtype": "default"}},
+                                      "2": {"class_type": "DitKitLoKrLoader",
+                                            "inputs": {"model": ["1", 0], "lokr_name": "flux2_lokr_tiny.safetensors",
+                                                       "strength": float("nan")}},
+                                      "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", 1]}}},
+         "execution", "2", "DitKitError", ["input 'strength'", "finite"]),
+        ("prompt_nan_teacache_threshold_linked", {"1": unet,
+                                                  "2": {"class_type": "PrimitiveFloat", "inputs": {"value": float("nan")}},
+                                                  "3": {"class_type": "DitKitTeaCache",
+                                                        "inputs": {"model": ["1", 0], "coefficients": "shipped:x",
+                                                                   "threshold": ["2", 0], "audio_threshold": 0.2,
+                                                                   "start_percent": 0.0, "end_percent": 1.0,
+                                                                   "cache_device": "model", "strict": False}},
+                                                  "4": {"class_type": "PreviewAny", "inputs": {"source": ["3", 0]}}},
+         "execution", "3", "DitKitError", ["input 'threshold'", "finite"]),
+        ("prompt_nan_save_video_fps", {"1": vae, "2": clip5, "3": enc, "4": save(fps=float("nan"))},
+         "execution", "4", "DitKitError", ["input 'fps'", "finite"]),
+        ("prompt_nul_in_filename_prefix", {"1": vae, "2": clip5, "3": enc, "4": save(prefix="corpus/v.mp4\x00")},
+         "execution", "4", "DitKitError", ["input 'filename_prefix'", "U+0000"]),
+        ("prompt_filename_prefix_too_long", {"1": vae, "2": clip5, "3": enc, "4": save(prefix="corpus/" + "n" * 256)},
+         "execution", "4", "DitKitError", ["input 'filename_prefix'", "256 bytes"]),
+        ("prompt_save_video_empty_latent", {"1": vae, "2": clip5, "3": enc, "5": trim, "4": save(samples=("5", 0))},
+         "execution", "4", "DitKitError", ["input 'samples'", "empty latent", "T=0"]),
+        ("prompt_h3_decode_empty_latent", {"1": vae, "2": clip5, "3": enc, "5": trim,
+                                           "4": {"class_type": "DitKitH3VAEDecode", "inputs": {"samples": ["5", 0],
+                                                                                              "vae": ["1", 0]}},
+                                           "6": {"class_type": "PreviewImage", "inputs": {"images": ["4", 0]}}},
+         "execution", "4", "DitKitError", ["input 'samples'", "empty latent", "T=0"]),
+        ("prompt_save_video_audio_7hz", {"1": vae, "2": clip5, "3": enc, "5": audio(1.0, 7),
+                                         "4": save(audio=["5", 0])},
+         "execution", "4", "DitKitError", ["input 'audio'", "7 Hz", "not supported"]),
+        ("prompt_save_video_audio_0s", {"1": vae, "2": clip5, "3": enc, "5": audio(0.0, 44100),
+                                        "4": save(audio=["5", 0])},
+         "execution", "4", "DitKitError", ["input 'audio'", "empty", "0 samples"]),
+        ("prompt_encode_image_15px", {"1": vae, "2": {"class_type": "EmptyImage",
+                                                      "inputs": {"width": 15, "height": 15, "batch_size": 1, "color": 0}},
+                                      "3": {"class_type": "DitKitH3EncodeImage",
+                                            "inputs": {"image": ["2", 0], "vae": ["1", 0], "layout": "video"}},
+                                      "4": {"class_type": "PreviewAny", "inputs": {"source": ["3", 0]}}},
+         "execution", "3", "DitKitError", ["input 'image'", "15x15", "at least 32x32"]),
+        ("prompt_encode_image_1px", {"1": vae, "2": {"class_type": "EmptyImage",
+                                                     "inputs": {"width": 1, "height": 1, "batch_size": 1, "color": 0}},
+                                     "3": {"class_type": "DitKitH3EncodeImage",
+                                           "inputs": {"image": ["2", 0], "vae": ["1", 0], "layout": "video"}},
+                                     "4": {"class_type": "PreviewAny", "inputs": {"source": ["3", 0]}}},
+         "execution", "3", "DitKitError", ["input 'image'", "1x1", "at least 32x32"]),
+        ("prompt_calibrate_name_too_long", {"1": unet,
+                                            "2": {"class_type": "DitKitTeaCacheCalibrate",
+                                                  "inputs": {"model": ["1", 0], "name": "n" * 251, "degree": 4,
+                                                             "min_prompts": 3}},
+                                            "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", 0]}}},
+         "execution", "2", "CoefficientError", ["input 'name'", "256 bytes"]),
+    ]
     out = []
     for cid, graph, expect, node, err, words in cases:
         blob = (json.dumps(graph, indent=1, sort_keys=True) + "\n").encode()
@@ -377,12 +513,14 @@ HOST = {
     "coefficients": {"node": "DitKitTeaCache", "input": "coefficients", "folder": "output:ditkit/teacache",
                      "model": H3_MODEL},
     "h3_latent": None,  # covered on the host by the prompt_*_into_h3_decode cases (same check, same words)
+    "h3_checkpoint": {"node": "DitKitH3ModelLoader", "input": "model_name", "folder": "diffusion_models"},
 }
 
 
 def build_cases() -> list[dict]:
     """All cases, as manifest entries plus their bytes under ``_bytes``."""
-    rows = _header_cases() + _vae_meta_cases() + _lokr_cases() + _coef_cases() + _latent_cases() + _prompt_cases()
+    rows = (_header_cases() + _vae_meta_cases() + _lokr_cases() + _coef_cases() + _h3_cases() + _latent_cases()
+            + _prompt_cases())
     out = []
     seen = set()
     for row in rows:

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from ..errors import DitKitError
+from .preflight import check_latent_shape
 
 
 @dataclass
@@ -57,6 +58,7 @@ def _check_latent(model, z: torch.Tensor) -> None:
     if z.shape[1] != c:
         raise DitKitError(f"latent has {z.shape[1]} channels but this H3 VAE expects {c} "
                           f"(shape {tuple(z.shape)}); is it a latent of another model?")
+    check_latent_shape(z.shape, "H3 T=1 decode", "samples")   # no empty batch / frame / width / height
     if z.shape[2] != 1:
         raise DitKitError(f"T=1 decode got a latent with T={z.shape[2]} (shape {tuple(z.shape)})")
 

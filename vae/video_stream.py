@@ -9,18 +9,25 @@
 * :class:`PyAVVideoWriter` encodes rgb24 frames with the same container/codec/pixel-format/colour settings as
   ComfyUI's ``SaveVideo`` (MP4 + H.264 yuv420p, BT.709 matrix, sRGB transfer, limited range, faststart) and muxes
   optional audio after the video like the native path.
+* :class:`VideoOutput`: where the finished file goes. PyAV needs a path, so it writes into a private folder made by
+  ``loaders/safe_fs.py`` inside the target folder (reached through the folder's descriptor, ``/proc/self/fd/N``);
+  the finished file is published under the first free name with a rename that never replaces an existing file, and
+  the private folder is removed on success and on any error (no partial file, no clobbered file).
 """
 from __future__ import annotations
 
 import math
 import os
+import re
+import time
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from ..errors import BackendError, DitKitError
+from ..loaders import safe_fs
 
 
 def require_av():
@@ -107,13 +114,108 @@ class Uint8FrameSink:
             self._on_chunk(self.written, self.shape[2])
 
 
+class VideoOutput:
+    """A folder opened without following symlinks (``safe_fs.SafeDir``) plus the file names to try, in order."""
+
+    def __init__(self, folder: safe_fs.SafeDir, names: Iterable[str] | Callable[[], Iterator[str]],
+                 subfolder: str = ""):
+        self.folder = folder
+        self._names = names
+        self.subfolder = subfolder
+        self.name: str | None = None      # the name it was published under
+
+    @classmethod
+    def at_path(cls, path: str | os.PathLike) -> "VideoOutput":
+        path = os.path.abspath(os.fspath(path))
+        name = os.path.basename(path)
+        safe_fs.validate_name(name, f"video file name {name!r}")
+        return cls(safe_fs.SafeDir.open_root(os.path.dirname(path), create=True, what="video folder"), [name])
+
+    @classmethod
+    def in_output(cls, output_dir: str, filename_prefix: str, width: int, height: int, ext: str = "mp4",
+                  node: str = "DitKitSaveVideo") -> "VideoOutput":
+        """ComfyUI's ``<subfolders>/<name>_<counter:05>_.<ext>`` naming (``%width%``, ``%date%``-style variables
+        too), below ``output_dir``: the prefix is validated (no NUL/control characters, no ``..``, no absolute path,
+        <= 255 bytes per name), sub-folders are created/opened without following symlinks, and the counter starts
+        after the highest existing one; a name taken meanwhile is skipped, never replaced."""
+        prefix = expand_prefix(filename_prefix, width, height)
+        what = f"{node}: input 'filename_prefix'"
+        parts = safe_fs.validate_name(prefix, what, allow_subdirs=True,
+                                      max_component_bytes=safe_fs.MAX_COMPONENT_BYTES)
+        base = parts[-1]
+        longest = f"{base}_{99999:05}_.{ext}"
+        if len(longest.encode("utf-8")) > safe_fs.MAX_COMPONENT_BYTES:
+            raise DitKitError(f"{what}: the file name {base[:40]!r}... gives names of {len(longest.encode())} bytes "
+                              f"('<name>_00001_.{ext}'); file systems allow {safe_fs.MAX_COMPONENT_BYTES}")
+        folder = safe_fs.SafeDir.open_root(output_dir, parts[:-1], create=True, what=f"{what} (output folder)")
+        try:
+            start = next_counter(folder.listdir(), base)
+        except BaseException:
+            folder.close()
+            raise
+
+        def names():
+            for c in range(start, start + 100000):
+                yield f"{base}_{c:05}_.{ext}"
+        return cls(folder, names, "/".join(parts[:-1]))
+
+    def names(self) -> Iterator[str]:
+        return iter(self._names() if callable(self._names) else self._names)
+
+    @property
+    def path(self) -> str | None:
+        return os.path.join(self.folder.path, self.name) if self.name else None
+
+    def publish(self, private: safe_fs.SafeDir, tmp: str, ident: tuple[int, int]) -> str:
+        for name in self.names():
+            try:
+                safe_fs.publish_path_file(private, tmp, ident, self.folder, name)
+            except FileExistsError:
+                continue
+            self.name = name
+            return name
+        raise DitKitError(f"every candidate file name in '{self.folder.path}' is taken; nothing was replaced")
+
+    def close(self) -> None:
+        self.folder.close()
+
+
+_VARS = ("%width%", "%height%", "%year%", "%month%", "%day%", "%hour%", "%minute%", "%second%")
+
+
+def expand_prefix(prefix, width: int, height: int) -> str:
+    """ComfyUI's ``filename_prefix`` variables (``folder_paths.get_save_image_path``)."""
+    if not isinstance(prefix, str):
+        raise DitKitError(f"filename_prefix must be a string, got {type(prefix).__name__}")
+    if "%" not in prefix:
+        return prefix
+    now = time.localtime()
+    vals = (str(width), str(height), str(now.tm_year), str(now.tm_mon).zfill(2), str(now.tm_mday).zfill(2),
+            str(now.tm_hour).zfill(2), str(now.tm_min).zfill(2), str(now.tm_sec).zfill(2))
+    for k, v in zip(_VARS, vals):
+        prefix = prefix.replace(k, v)
+    return prefix
+
+
+def next_counter(names: Iterable[str], base: str) -> int:
+    """1 + the highest ``<base>_<digits>...`` counter among ``names`` (ComfyUI's rule), 1 if none."""
+    rx = re.compile(re.escape(os.path.normcase(base)) + r"_(\d+)")
+    best = 0
+    for n in names:
+        m = rx.match(os.path.normcase(n))
+        if m:
+            best = max(best, int(m.group(1)))
+    return best + 1
+
+
 class PyAVVideoWriter:
-    """Incremental H.264/AV1 writer with ComfyUI SaveVideo's settings."""
+    """Incremental H.264/AV1 writer with ComfyUI SaveVideo's settings. ``path`` is a file path (never replaced if
+    it exists) or a :class:`VideoOutput`; the file appears under its final name only after :meth:`finish`."""
 
     CONTAINERS = {"mp4": "mp4", "mkv": "matroska", "webm": "webm"}
     ENCODERS = {"h264": "h264", "av1": "libsvtav1"}
 
-    def __init__(self, path: str, fps: float, width: int, height: int, container: str = "mp4",
+    def __init__(self, path, fps: float, width: int, height: int, container: str = "mp4",
                  codec: str = "h264", crf: float | None = None, metadata: dict | None = None,
                  audio: dict | None = None):
         av = require_av()
@@ -129,12 +231,32 @@ class PyAVVideoWriter:
             raise DitKitError("WebM output requires the AV1 codec")
         if width % 2 or height % 2:
             raise DitKitError(f"yuv420p video needs even width and height; got {width}x{height}")
+        if not (isinstance(fps, (int, float)) and math.isfinite(fps) and fps > 0):
+            raise DitKitError(f"fps must be a finite number > 0; got {fps!r}")
         self._av = av
-        self.path = os.fspath(path)
         self.container_name = container
-        opts = {"movflags": "use_metadata_tags+faststart"} if container == "mp4" else {}
-        self.out = av.open(self.path, mode="w", format=self.CONTAINERS[container], options=opts)
+        self.audio = audio
+        self.audio_stream = None
+        if audio is not None:
+            src_rate = int(audio["sample_rate"])
+            self.audio_rate = 48000 if container == "webm" else src_rate
+            chans = int(audio["waveform"].shape[1])
+            self.audio_layout = {1: "mono", 2: "stereo", 6: "5.1"}.get(chans, "stereo")
+            self._audio_codec = "libopus" if container == "webm" else "aac"
+            probe_audio_encoder(av, self._audio_codec, self.audio_rate, self.audio_layout)
+        self.output = path if isinstance(path, VideoOutput) else VideoOutput.at_path(path)
+        self.out = None
+        self._private = None
         try:
+            self._private = self.output.folder.private_dir()
+            self._tmp = "video." + container
+            fd = self._private.open_new(self._tmp)
+            st = os.fstat(fd)
+            os.close(fd)
+            self._ident = (st.st_dev, st.st_ino)
+            opts = {"movflags": "use_metadata_tags+faststart"} if container == "mp4" else {}
+            self.out = av.open(self._private.fd_path(self._tmp), mode="w", format=self.CONTAINERS[container],
+                               options=opts)
             import json
 
             for k, v in (metadata or {}).items():
@@ -148,20 +270,19 @@ class PyAVVideoWriter:
                     else {"crf": str(crf)}
             self._color = (ColorPrimaries.BT709, ColorTrc.IEC61966_2_1, 1, ColorRange.MPEG)
             self._set_color(self.stream.codec_context)
-            self.audio = audio
-            self.audio_stream = None
             if audio is not None:
-                src_rate = int(audio["sample_rate"])
-                self.audio_rate = 48000 if container == "webm" else src_rate
-                chans = int(audio["waveform"].shape[1])
-                self.audio_layout = {1: "mono", 2: "stereo", 6: "5.1"}.get(chans, "stereo")
-                self.audio_stream = self.out.add_stream("libopus" if container == "webm" else "aac",
-                                                        rate=self.audio_rate, layout=self.audio_layout)
+                self.audio_stream = self.out.add_stream(self._audio_codec, rate=self.audio_rate,
+                                                        layout=self.audio_layout)
         except BaseException:
             self.abort()
             raise
         self.frames = 0
         self.width, self.height = width, height
+
+    @property
+    def path(self) -> str | None:
+        """The published file (after :meth:`finish`)."""
+        return self.output.path
 
     def _set_color(self, target) -> None:
         target.color_primaries, target.color_trc, target.colorspace, target.color_range = self._color
@@ -178,12 +299,20 @@ class PyAVVideoWriter:
             self.out.mux(self.stream.encode(f))
             self.frames += 1
 
-    def finish(self) -> None:
-        self.out.mux(self.stream.encode(None))
-        if self.audio_stream is not None:
-            self._mux_audio()
-        self.out.close()
-        self.out = None
+    def finish(self) -> str:
+        """Flush, close and publish; returns the published path."""
+        try:
+            self.out.mux(self.stream.encode(None))
+            if self.audio_stream is not None:
+                self._mux_audio()
+            self.out.close()
+            self.out = None
+            self.output.publish(self._private, self._tmp, self._ident)
+        except BaseException:
+            self.abort()
+            raise
+        self._cleanup()
+        return self.path
 
     def _mux_audio(self) -> None:
         av = self._av
@@ -206,13 +335,32 @@ class PyAVVideoWriter:
                 self.out.mux(self.audio_stream.encode(fr))
         self.out.mux(self.audio_stream.encode(None))
 
+    def _cleanup(self) -> None:
+        if self._private is not None:
+            self._private.remove_private()
+            self._private = None
+        self.output.close()
+
     def abort(self) -> None:
-        """Close and delete a partial file (on any error)."""
+        """Close and delete the partial file (on any error); nothing is published."""
         try:
             if self.out is not None:
                 self.out.close()
-        except Exception:  # noqa: BLE001 - the file is removed below either way
+        except Exception:  # noqa: BLE001 - the private folder is removed below either way
             pass
         self.out = None
-        if os.path.exists(self.path):
-            os.remove(self.path)
+        self._cleanup()
+
+
+def probe_audio_encoder(av, codec: str, rate: int, layout: str) -> None:
+    """Open (and discard) an encoder context with these settings, so an unsupported sample rate or layout fails
+    here, before any video is decoded, instead of in the encoder after the whole decode."""
+    try:
+        cc = av.CodecContext.create(codec, "w")
+        cc.sample_rate = int(rate)
+        cc.layout = layout
+        cc.format = "fltp"
+        cc.open()
+    except Exception as e:  # noqa: BLE001 - turned into a DitKitError naming the input
+        raise DitKitError(f"input 'audio': the {codec} encoder cannot encode {rate} Hz {layout} audio "
+                          f"({type(e).__name__}: {e})") from None

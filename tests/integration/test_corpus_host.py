@@ -36,11 +36,14 @@ def graph_for(case_consumer: str, name: str) -> dict:
                       "inputs": {"model": ["1", 0], "coefficients": name, "threshold": 0.2, "audio_threshold": 0.2,
                                  "start_percent": 0.0, "end_percent": 1.0, "cache_device": "model", "strict": False}},
                 "3": _preview(["2", 0])}
+    if case_consumer == "h3_checkpoint":
+        return {"1": {"class_type": "DitKitH3ModelLoader", "inputs": {"model_name": name, "weight_dtype": "default"}},
+                "2": _preview(["1", 1])}
     raise AssertionError(case_consumer)
 
 
 VALID_NAME = {"safetensors_header": corpus.H3_VIDEO_VAE, "vae_metadata": corpus.H3_IMAGE_VAE,
-              "lokr": "flux2_lokr_tiny.safetensors", "coefficients": VALID_COEFS}
+              "lokr": "flux2_lokr_tiny.safetensors", "coefficients": VALID_COEFS, "h3_checkpoint": corpus.H3_MODEL}
 CHEAP_VALID = {"1": {"class_type": "EmptyImage", "inputs": {"width": 16, "height": 16, "batch_size": 1, "color": 0}},
                "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "corpus/after"}}}
 

@@ -31,7 +31,8 @@ def test_corpus_size_and_coverage():
     assert total < 2 * 1024 * 1024, total
     assert len(CASES) >= 40
     kinds = {c["consumer"] for c in CASES}
-    assert kinds == {"safetensors_header", "vae_metadata", "lokr", "coefficients", "h3_latent", "prompt"}, kinds
+    assert kinds == {"safetensors_header", "vae_metadata", "lokr", "coefficients", "h3_latent", "h3_checkpoint",
+                     "prompt"}, kinds
     for c in CASES:
         assert c["words"] and all(isinstance(w, str) and w for w in c["words"]), c
         if c["consumer"] != "prompt":
@@ -79,6 +80,10 @@ def consume(case: dict, path: Path, flux2_shapes=None):
         from ditkit.cache import coefficients
 
         return coefficients.load(path)
+    if kind == "h3_checkpoint":
+        from ditkit.loaders.h3 import load_h3_state_dict
+
+        return load_h3_state_dict(path)
     if kind == "h3_latent":
         from ditkit.loaders.safetensors_io import load_file
         from ditkit.vae.t1_decode import repeat_decode_t1
@@ -123,6 +128,10 @@ def test_consumers_accept_the_valid_counterparts(tmp_path, flux2_shapes):
     assert consume({"consumer": "coefficients"}, Path(cpath)).family == "h3"
     with pytest.raises(errors.DitKitError, match="T=2"):  # 24 channels, 5-D: passes the channel check
         consume({"consumer": "h3_latent"}, _latent(tmp_path, torch.zeros(1, 24, 2, 2, 2)))
+    h3 = tmp_path / "h3_micro.safetensors"
+    save_file(corpus.micro_h3(), h3)
+    sd, rep = consume({"consumer": "h3_checkpoint"}, h3)   # the valid micro H3 the h3_* cases break
+    assert rep.config["attention_head_dim"] == 6 and len(sd) == len(corpus.micro_h3())
 
 
 def _latent(tmp_path, z):

@@ -1,0 +1,94 @@
+"""Checks every ditkit node gets at execute, without per-node code.
+
+ComfyUI validates a FLOAT widget against its ``min``/``max`` only, and every comparison with NaN is false, so
+``NaN`` (valid in the JSON ``/prompt`` accepts) passes, and a linked float (e.g. from a primitive node) is not
+range-checked at all. :func:`guard_node` wraps a node class's ``execute`` so that every FLOAT input declared in its
+schema is checked for finiteness before the node's own code runs; the error names the node and the input.
+
+``nodes/__init__.py`` applies it to every registered node class (:func:`discover_nodes`), so a new node is covered
+without doing anything. Plain Python, no ComfyUI: the schema is read by duck typing (``schema.inputs``, each with
+``id`` and ``io_type``), which is what the unit tests use.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from typing import Any, Iterable
+
+from .errors import DitKitError
+
+GUARD_ATTR = "_ditkit_float_guard"   # the FLOAT input names a guarded class checks
+
+
+def float_inputs(schema) -> tuple[str, ...]:
+    """Ids of the FLOAT inputs of a V3 schema, in schema order (nested inputs of dynamic types included)."""
+    out: list[str] = []
+
+    def walk(inputs: Iterable[Any]) -> None:
+        for inp in inputs or ():
+            if getattr(inp, "io_type", None) == "FLOAT":
+                out.append(inp.id)
+            for attr in ("inputs", "template"):   # dynamic / autogrow inputs carry their own input lists
+                sub = getattr(inp, attr, None)
+                if isinstance(sub, (list, tuple)):
+                    walk(sub)
+
+    walk(getattr(schema, "inputs", None))
+    return tuple(out)
+
+
+def non_finite(value) -> bool:
+    """True for NaN / +-Inf (also inside lists and tuples, as INPUT_IS_LIST nodes receive them)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return not math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return any(non_finite(v) for v in value)
+    return False
+
+
+def check_finite_inputs(node_id: str, names: Iterable[str], values: dict) -> None:
+    """Raise :class:`DitKitError` naming the first FLOAT input whose value is NaN or infinite."""
+    for n in names:
+        if n in values and non_finite(values[n]):
+            raise DitKitError(f"{node_id}: input '{n}' is {values[n]!r}; it must be a finite number (NaN and "
+                              "Infinity pass ComfyUI's min/max check, so ditkit refuses them here)")
+
+
+def guard_node(cls, node_id: str, names: Iterable[str]):
+    """Wrap ``cls.execute`` (a classmethod, sync or async) so :func:`check_finite_inputs` runs first.
+    Idempotent; returns ``cls``."""
+    names = tuple(names)
+    if getattr(cls, GUARD_ATTR, None) == names and GUARD_ATTR in cls.__dict__:
+        return cls
+    raw = inspect.getattr_static(cls, "execute")
+    func = raw.__func__ if isinstance(raw, classmethod) else getattr(cls.execute, "__func__", None)
+    if func is None:
+        raise TypeError(f"{cls.__name__}.execute is not a classmethod")
+    inner = getattr(func, "__wrapped_by_ditkit__", func)
+    sig = inspect.signature(inner)
+
+    def values_of(klass, args, kwargs) -> dict:
+        try:
+            bound = sig.bind_partial(klass, *args, **kwargs)
+        except TypeError:
+            return dict(kwargs)
+        return bound.arguments
+
+    if inspect.iscoroutinefunction(inner):
+        @functools.wraps(inner)
+        async def execute(klass, *args, **kwargs):
+            check_finite_inputs(node_id, names, values_of(klass, args, kwargs))
+            return await inner(klass, *args, **kwargs)
+    else:
+        @functools.wraps(inner)
+        def execute(klass, *args, **kwargs):
+            check_finite_inputs(node_id, names, values_of(klass, args, kwargs))
+            return inner(klass, *args, **kwargs)
+
+    execute.__wrapped_by_ditkit__ = inner
+    cls.execute = classmethod(execute)
+    setattr(cls, GUARD_ATTR, names)
+    return cls
