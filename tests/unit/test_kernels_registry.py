@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -217,3 +218,37 @@ def test_explain_lists_every_backend():
     ex = REGISTRY.explain(OP, "cpu", torch.float32, 128)
     assert set(ex) == set(REGISTRY.backends(OP))
     assert ex["reference"] == "ok"
+
+
+def _node_backend_combo() -> tuple[list[str], str]:
+    """DitKitSparseAttention's backend options and tooltip, read by AST (no ComfyUI needed)."""
+    import ast
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parents[2] / "nodes" / "sparse_attention.py").read_text(encoding="utf-8")
+    tree = ast.parse(src)
+    consts = {t.id: st.value for st in tree.body if isinstance(st, ast.Assign) for t in st.targets
+              if isinstance(t, ast.Name)}
+    for call in ast.walk(tree):
+        if (isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "Input" and call.args
+                and isinstance(call.args[0], ast.Constant) and call.args[0].value == "backend"):
+            kw = {k.arg: k.value for k in call.keywords}
+            opts, tip = kw["options"], kw["tooltip"]
+            opts = consts[opts.id] if isinstance(opts, ast.Name) else opts
+            tip = consts[tip.id] if isinstance(tip, ast.Name) else tip
+            return ast.literal_eval(opts), ast.literal_eval(tip)
+    raise AssertionError("no 'backend' combo in nodes/sparse_attention.py")
+
+
+def test_node_combo_says_why_a_backend_never_runs_or_is_unverified():
+    options, tip = _node_backend_combo()
+    impls = REGISTRY.ops[OP].impls
+    assert set(options) == {"auto", "reference"} | set(impls), options
+    for name in options:
+        impl = impls.get(name)
+        if impl is None:
+            continue
+        if impl.fn is None:  # no launcher: refused on every machine
+            assert re.search(rf"{name}\b[^.]*never runs", tip), (name, tip)
+        if impl.unverified:
+            assert re.search(rf"{name}\b[^.]*UNVERIFIED", tip), (name, tip)

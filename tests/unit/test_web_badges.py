@@ -66,6 +66,13 @@ PAYLOADS = {
         "pairs_this_run": 10, "prompts": 1, "min_prompts": 3}},
     "calib_live": {"node": "7", "kind": "teacache_calibration_progress", "summary": "s", "data": {
         "pairs": 12, "step": 3, "steps": 6}},
+    "sparse_unverified": {"node": "11", "kind": "run", "summary": "s", "data": {
+        "backends_used": {"flashinfer": 4}, "calls": {"sparse": 4}, "steps_sparse": 2, "steps_dense": 0,
+        "measured_density": 0.5, "unverified_backends": {"flashinfer": "no sm100/sm120 device"}}},
+    "install_unverified": {"node": "11", "kind": "install", "summary": "s", "data": {
+        "keep": 0.1, "backend": "flashinfer", "backend_unverified": "no sm100/sm120 device"}},
+    "install": {"node": "11", "kind": "install", "summary": "s", "data": {"keep": 0.25, "backend": "auto",
+                                                                           "backend_unverified": None}},
     "error": {"node": "2", "kind": "error", "summary": "UnsupportedModelError: " + "y" * 100, "data": {}},
     "load": {"node": "1", "kind": "load", "summary": "H3 official layout, 2 shards " + "x" * 80, "data": {}},
 }
@@ -82,6 +89,9 @@ EXPECTED = {
     "calib_pairs": ["calib 10 pairs · 1/3 prompts"],
     "calib_live": ["calib recording: 12 pairs (step 3/6)"],
     "error": ["error: UnsupportedModelError: " + "y" * 33 + "…"],
+    "sparse_unverified": ["VSA flashinfer (unverified) ρ=0.50", "steps sparse 2 / dense 0"],
+    "install_unverified": ["VSA keep 10% · flashinfer (unverified)"],
+    "install": ["VSA keep 25% · auto"],
 }
 
 
@@ -109,5 +119,7 @@ def test_badge_texts_under_node(tmp_path):
     for key, want in EXPECTED.items():
         assert [b["text"] for b in out[key]] == want, (key, out[key])
     assert out["sparse_none"][0]["color"] != out["sparse_run"][0]["color"]  # no sparse call is flagged
+    assert out["sparse_unverified"][0]["color"] != out["sparse_run"][0]["color"]  # nor a never-run backend
+    assert out["install_unverified"][0]["color"] != out["install"][0]["color"]
     load = out["load"][0]["text"]
     assert load.startswith("H3 official layout, 2 shards") and len(load) <= 48 and load.endswith("…")

@@ -42,15 +42,18 @@ export function badgeSpecs(p) {
       const sparse = (d.calls || {}).sparse || 0;
       const dense = sum(d.calls) - sparse;
       if (!sparse) return [{ text: `VSA: no sparse call (dense ${dense})`, color: BAD }];
+      const unverified = Object.keys(d.unverified_backends || {}).length > 0;  // never run anywhere before
       return [
-        { text: `VSA ${used.join("+")} ρ=${num(d.measured_density)}`, color: OK },
+        { text: `VSA ${used.join("+")}${unverified ? " (unverified)" : ""} ρ=${num(d.measured_density)}`,
+          color: unverified ? WARN : OK },
         { text: `steps sparse ${d.steps_sparse} / dense ${d.steps_dense}` +
                 (d.steps_without_attention ? ` / ${d.steps_without_attention} cache-skipped` : ""),
           color: d.steps_dense ? WARN : OK },
       ];
     }
     case "install":
-      return [{ text: `VSA keep ${num((d.keep || 0) * 100, 0)}% · ${d.backend}`, color: INFO }];
+      return [{ text: `VSA keep ${num((d.keep || 0) * 100, 0)}% · ${d.backend}${d.backend_unverified ? " (unverified)" : ""}`,
+                color: d.backend_unverified ? WARN : INFO }];
     case "teacache": {
       const out = [{ text: `TeaCache skipped ${d.skipped}/${d.calls} (${num(d.block_eval_ratio)}x)`,
                      color: d.skipped ? OK : WARN }];
