@@ -21,7 +21,7 @@ from ..errors import BackendError, UnsupportedModelError
 from ..kernels import REGISTRY
 from ..kernels.vsa_h3_runtime import CTX_KEY, GATE_KEY, VSAH3Config, VSAH3Runtime, make_attention_override
 from ..kernels.vsa_layout import prefix_segments_from_spans
-from ._common import send_report, ui_report
+from ._common import report_target, send_report, ui_report
 
 NODE_ID = "DitKitSparseAttention"
 KEY = "ditkit_vsa_h3"
@@ -158,6 +158,9 @@ class DitKitSparseAttention(io.ComfyNode):
                     raise BackendError(f"{NODE_ID}: backend 'cpu_native' cannot run here: {e}. Pick another "
                                        "backend explicitly or use 'auto'.") from e
 
+        # the run report is sent while the sampler executes, maybe in a later prompt that got this output from
+        # ComfyUI's cache under another node id: resolved then (nodes/_common.py)
+        target = report_target(node_id, NODE_ID)
         m = model.clone()
         gates, gate_src = _find_gates(m, dm, gate)
         rt = VSAH3Runtime(cfg, gate_source=gate_src)
@@ -188,7 +191,7 @@ class DitKitSparseAttention(io.ComfyNode):
             try:
                 return executor(*args, **kwargs)
             finally:
-                send_report(node_id, NODE_ID, "run", *_run_report(rt))
+                send_report(target, NODE_ID, "run", *_run_report(rt))
 
         topts["optimized_attention_override"] = override
         m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, forward_wrapper)

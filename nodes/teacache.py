@@ -29,7 +29,7 @@ from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files
 from ..cache.hooks import CALL_KEY, HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
 from ..cache.teacache import TeaCacheState, state_from_coefficients
 from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
-from ._common import send_report, ui_report
+from ._common import report_target, send_report, ui_report
 
 log = logging.getLogger("ditkit")
 
@@ -251,7 +251,7 @@ def teacache_sample_wrapper(executor, *args, **kwargs):
         try:
             if holder.state is not None and holder.state.calls:
                 rep = holder.state.report()
-                send_report(holder.info.get("node_id"), NODE_TEACACHE, "teacache", rep.summary(), rep.as_dict())
+                send_report(holder.info.get("report_to"), NODE_TEACACHE, "teacache", rep.summary(), rep.as_dict())
             if holder.state is not None:
                 holder.state.release()
         finally:
@@ -320,7 +320,8 @@ class DitKitTeaCache(io.ComfyNode):
         mfp = model_fingerprint(model)
         params = {"spec": coefficients, "threshold": threshold, "audio_threshold": audio_threshold,
                   "start_percent": start_percent, "end_percent": end_percent, "cache_device": cache_device,
-                  "strict": strict, "family": family, "model_fp": mfp, "node_id": node_id}
+                  "strict": strict, "family": family, "model_fp": mfp, "node_id": node_id,
+                  "report_to": report_target(node_id, NODE_TEACACHE)}  # resolved at sampling (nodes/_common.py)
         deferred = _deferrable(coefficients)
         if deferred:
             holder = TeaCacheHolder(family, "teacache", state=None, info=dict(params, deferred=True))
@@ -381,7 +382,7 @@ def calibrate_sample_wrapper(executor, *args, **kwargs):
         run_fp["model"] = info["model_fp"]
         holder.begin(sigmas.flatten().tolist())
         if holder.recorder is not None:
-            node_id, name = info.get("node_id"), info.get("name")
+            node_id, name = info.get("report_to"), info.get("name")
 
             def on_step(pairs: int, step: int, steps: int) -> None:
                 send_report(node_id, NODE_CALIBRATE, "teacache_calibration_progress",
@@ -418,7 +419,7 @@ def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
     if len(prompts) < info["min_prompts"]:
         summary = (f"TeaCache calibration '{name}': recorded {rec.n_pairs()} pairs ({len(prompts)}/{info['min_prompts']} "
                    f"distinct prompts so far; run more prompts with the same model/sampler/steps to fit)")
-        send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration", summary, data)
+        send_report(info.get("report_to"), NODE_CALIBRATE, "teacache_calibration", summary, data)
         return
     try:
         cf = fit_files(objs, degree=info["degree"], min_prompts=info["min_prompts"],
@@ -426,7 +427,7 @@ def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
     except CoefficientError as e:  # the sampling itself succeeded: keep its output, report the failed fit loudly
         log.warning("[ditkit] %s '%s': fit failed: %s", NODE_CALIBRATE, name, e)
         data["error"] = str(e)
-        send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration",
+        send_report(info.get("report_to"), NODE_CALIBRATE, "teacache_calibration",
                     f"TeaCache calibration '{name}': FIT FAILED, no coefficient file written: {e}", data)
         return
     out_path = os.path.join(base, f"{name}.json")
@@ -435,7 +436,7 @@ def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
     data.update({"coefficients": out_path, "fit": fits, "x_range": {s: st.x_range for s, st in cf.streams.items()}})
     summary = (f"TeaCache calibration '{name}': wrote {out_path} from {len(prompts)} prompts / {len(objs)} runs; "
                + ", ".join(f"{s} R2 {f['r2']:.3f} (n={f['n_pairs']})" for s, f in fits.items()))
-    send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration", summary, data)
+    send_report(info.get("report_to"), NODE_CALIBRATE, "teacache_calibration", summary, data)
 
 
 class DitKitTeaCacheCalibrate(io.ComfyNode):
@@ -476,7 +477,8 @@ class DitKitTeaCacheCalibrate(io.ComfyNode):
         check_not_stacked(model, NODE_CALIBRATE)
         mfp = model_fingerprint(model)
         holder = TeaCacheHolder(family, "calibrate", recorder=CalibrationRecorder(family),
-                                info={"node_id": node_id, "name": name, "degree": int(degree),
+                                info={"node_id": node_id, "report_to": report_target(node_id, NODE_CALIBRATE),
+                                      "name": name, "degree": int(degree),
                                       "min_prompts": int(min_prompts), "model_fp": mfp})
         m = model.clone()
         _install(m, holder, calibrate_sample_wrapper)
