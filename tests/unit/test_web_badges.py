@@ -123,3 +123,120 @@ def test_badge_texts_under_node(tmp_path):
     assert out["install_unverified"][0]["color"] != out["install"][0]["color"]
     load = out["load"][0]["text"]
     assert load.startswith("H3 official layout, 2 shards") and len(load) <= 48 and load.endswith("…")
+
+
+# The extension itself under Node.js: the frontend's app/api replaced by stubs that record the registered extension
+# and the event listeners; nodes are plain objects with a ``badges`` list, as LGraphNode has.
+HARNESS = r"""
+const listeners = {};
+const nodes = new Map();
+const toasts = [];
+globalThis.window = globalThis;
+globalThis.__exts = [];
+globalThis.__app = {
+  registerExtension(e) { globalThis.__exts.push(e); },
+  graph: { getNodeById: (id) => nodes.get(String(id)) ?? null },
+  canvas: { setDirty() {} },
+  extensionManager: { toast: { add: (t) => toasts.push(t) } },
+};
+globalThis.__api = { addEventListener(t, f) { (listeners[t] ||= []).push(f); }, apiURL: (p) => p };
+const emit = (type, detail) => (listeners[type] || []).forEach((f) => f({ detail }));
+const ctx = { font: "", save() {}, restore() {}, beginPath() {}, roundRect() {}, rect() {}, fill() {},
+              fillText() {}, measureText: (t) => ({ width: 7 * t.length }) };
+// what LGraphNode.drawBadges does (each slot function called, the badge drawn left to right above the title)
+function draw(node) {
+  let x = 0;
+  const drawn = node.badges.map((b) => (typeof b === "function" ? b() : b));
+  for (const b of drawn) { b.draw(ctx, x, -40); x += b.getWidth(ctx) + 2; }
+  return drawn;
+}
+// what LGraphCanvas does on a click: the slot functions called again, the badge under the point clicked
+function click(node, px, py) {
+  for (const b of node.badges.map((f) => (typeof f === "function" ? f() : f)).filter((b) => b.onClick)) {
+    const [x, y, w, h] = b.boundingRect;
+    if (px >= x && px < x + w && py >= y && py < y + h) { b.onClick(); return b.text; }
+  }
+  return null;
+}
+async function newNode(ext, id, cls) {
+  const n = { id, comfyClass: cls, badges: [], widgets: [{ name: "$$node-text-preview", value: "old report text" }],
+              setDirtyCanvas() {} };
+  nodes.set(String(id), n);
+  await ext.nodeCreated(n);
+  return n;
+}
+
+const mod = await import("./extensions/ditkit/js/ditkit.js");
+await import("./extensions/ditkit-main/js/ditkit.js");   // the same pack served from a second web folder
+const out = { registered: globalThis.__exts.map((e) => e.name) };
+const ext = globalThis.__exts[0];
+await ext.setup();
+
+// 1. clicking a badge in the classic canvas opens the report
+const tc = await newNode(ext, 5, "DitKitTeaCache");
+emit("ditkit.report", { node: "5", node_type: "DitKitTeaCache", kind: "teacache", summary: "TeaCache: skipped 3 of 6",
+                        data: { calls: 6, skipped: 3, computed: 3, block_eval_ratio: 2.0,
+                                streams: { video: { computed: 3, skipped: 3 } } } });
+const drawn = draw(tc);
+const again = tc.badges.map((f) => (typeof f === "function" ? f() : f));
+out.same_objects = drawn.every((b, i) => b === again[i]);
+const first = drawn.find((b) => b.text);
+out.rect = first.boundingRect.slice();
+out.clicked = click(tc, first.boundingRect[0] + 3, first.boundingRect[1] + 3);
+out.toast = toasts.map((t) => t.detail);
+
+// 2. a cached output replayed for a node with another id in the new graph: drawn on that node, marked cached
+emit("execution_start", { prompt_id: "p2" });
+const vsa = await newNode(ext, 9, "DitKitSparseAttention");
+await newNode(ext, 3, "DitKitH3ModelLoader");
+emit("execution_cached", { nodes: ["9", "3"], prompt_id: "p2" });
+emit("executed", { node: "9", display_node: "9", prompt_id: "p2", output: { ditkit_report: [
+  { node: "3", node_type: "DitKitSparseAttention", kind: "install", summary: "VSA-H3 installed",
+    data: { keep: 0.25, backend: "auto" } }] } });
+out.cached_on_9 = mod.badgeTexts("9");
+out.cached_on_3 = mod.badgeTexts("3");
+// the run report of the same prompt arrived first: the replayed install report does not come back over it
+emit("execution_start", { prompt_id: "p3" });
+emit("ditkit.report", { node: "9", node_type: "DitKitSparseAttention", kind: "run", summary: "VSA run",
+                        data: { backends_used: { cpu_batched: 4 }, calls: { sparse: 4 }, steps_sparse: 2,
+                                steps_dense: 0, measured_density: 0.5 } });
+emit("executed", { node: "9", display_node: "9", prompt_id: "p3", output: { ditkit_report: [
+  { node_type: "DitKitSparseAttention", kind: "install", summary: "VSA-H3 installed", data: { keep: 0.25, backend: "auto" } }] } });
+out.run_then_replay = mod.badgeTexts("9");
+
+// 3. a node that fails shows its error only: no earlier badge, no earlier report text
+emit("execution_start", { prompt_id: "p4" });
+emit("execution_error", { prompt_id: "p4", node_id: "5", node_type: "DitKitTeaCache",
+                          exception_type: "ditkit.errors.CoefficientError", exception_message: "no file" });
+out.failed = mod.badgeTexts("5");
+out.failed_text = tc.widgets[0].value;
+console.log(JSON.stringify(out));
+"""
+
+
+@pytest.mark.skipif(NODE is None, reason="Node.js not installed (apt-get install nodejs)")
+def test_extension_clicks_cached_reports_and_errors_under_node(tmp_path):
+    for folder in ("ditkit", "ditkit-main"):
+        ext = tmp_path / "extensions" / folder / "js"
+        ext.mkdir(parents=True)
+        shutil.copy(JS, ext / "ditkit.js")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "app.js").write_text("export const app = globalThis.__app;\n")
+    (tmp_path / "scripts" / "api.js").write_text("export const api = globalThis.__api;\n")
+    runner = tmp_path / "run.mjs"
+    runner.write_text(HARNESS)
+    r = subprocess.run([NODE, str(runner)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["registered"] == ["ditkit.reports"], "a second copy of the extension registered again"
+    # the hit-test sees the very badges that were drawn (with their bounding boxes), so a click opens the report
+    assert out["same_objects"], "the slot functions returned other badge objects after drawing"
+    assert out["rect"][2] > 0 and out["rect"][3] > 0, out["rect"]
+    assert out["clicked"] == "TeaCache skipped 3/6 (2.00x)"
+    assert out["toast"] and "[teacache] TeaCache: skipped 3 of 6" in out["toast"][-1]
+    assert out["cached_on_9"] == ["VSA keep 25% · auto · cached"], out["cached_on_9"]
+    assert out["cached_on_3"] == [], "the replayed report went to the id inside its payload"
+    assert out["run_then_replay"] == ["VSA cpu_batched ρ=0.50", "steps sparse 2 / dense 0"], out["run_then_replay"]
+    assert out["failed"] == ["error: CoefficientError: no file"], out["failed"]
+    assert out["failed_text"] == "", "the failed node still shows the previous run's report text"
+
