@@ -240,3 +240,30 @@ def test_extension_clicks_cached_reports_and_errors_under_node(tmp_path):
     assert out["failed"] == ["error: CoefficientError: no file"], out["failed"]
     assert out["failed_text"] == "", "the failed node still shows the previous run's report text"
 
+
+def _tool_comfy() -> dict:
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11+")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["comfy"]
+
+
+def test_the_web_folder_is_registered_once():
+    """ComfyUI registers a pack's web folder from ``WEB_DIRECTORY`` (keyed by the folder's name) and from
+    pyproject ``[tool.comfy] web`` (keyed by the project name): with both, a clone not named 'ditkit' serves
+    the extension twice. The runtime check (ComfyUI's own loader) is tests/integration/test_web_extension_host.py."""
+    tree = ast.parse((ROOT / "__init__.py").read_text(encoding="utf-8"))
+    has_web_directory = any(isinstance(t, ast.Name) and t.id == "WEB_DIRECTORY"
+                            for st in tree.body if isinstance(st, ast.Assign) for t in st.targets)
+    assert has_web_directory
+    assert "web" not in _tool_comfy(), "[tool.comfy] web and WEB_DIRECTORY both register web/"
+
+
+def test_the_icon_exists():
+    icon = _tool_comfy().get("Icon")
+    if not icon or icon.startswith(("http://", "https://")):
+        return
+    path = ROOT / icon
+    assert path.is_file(), f"[tool.comfy] Icon = {icon!r} points at nothing"
+    from xml.dom import minidom
+
+    root = minidom.parse(str(path)).documentElement
+    assert root.tagName == "svg" and root.getAttribute("viewBox"), "the icon is not an SVG with a viewBox"
