@@ -29,7 +29,7 @@ from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files
 from ..cache.hooks import CALL_KEY, HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
 from ..cache.teacache import TeaCacheState, state_from_coefficients
 from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
-from ._common import report_target, send_report, ui_report
+from ._common import current_graph, report_target, send_report, ui_report
 
 log = logging.getLogger("ditkit")
 
@@ -234,7 +234,13 @@ def teacache_sample_wrapper(executor, *args, **kwargs):
     sampler, sigmas = args[2], args[3]
     try:
         if holder.state is None:  # deferred coefficient file: load and check it now
-            holder.state, holder.info = build_state(holder.info)
+            try:
+                holder.state, holder.info = build_state(holder.info)
+            except CoefficientError as e:
+                w = holder.info.get("writers") or []
+                raise CoefficientError(f"{e} (deferred by {NODE_TEACACHE} #{holder.info.get('node_id')}: expected "
+                                       f"from {NODE_CALIBRATE} #{', #'.join(w)}, which writes it once it has seen "
+                                       "min_prompts distinct prompts)") from e
         info = holder.info
         run_fp = run_fingerprint(guider, sampler, sigmas, holder.family)
         cf: coef.CoefficientFile = info["coefficient_file"]
@@ -323,12 +329,19 @@ class DitKitTeaCache(io.ComfyNode):
                   "strict": strict, "family": family, "model_fp": mfp, "node_id": node_id,
                   "report_to": report_target(node_id, NODE_TEACACHE)}  # resolved at sampling (nodes/_common.py)
         deferred = _deferrable(coefficients)
+        writers = _calibrators_writing(deferred) if deferred else []
+        if deferred and not writers:
+            # checked here, on this node: deferring would make the sampler fail with this node's problem
+            raise CoefficientError(
+                f"{NODE_TEACACHE}: coefficient file '{os.path.join(teacache_dir(), deferred)}' does not exist and no "
+                f"{NODE_CALIBRATE} in this workflow writes it (name '{deferred[:-5]}'). {available_coefficients()}")
         if deferred:
-            holder = TeaCacheHolder(family, "teacache", state=None, info=dict(params, deferred=True))
-            summary = (f"TeaCache on {coef.FAMILY_NAMES[family]}: coefficient file '{deferred}' does not exist yet; it is "
-                       "loaded and checked when sampling starts (e.g. written by a DitKitTeaCacheCalibrate run earlier in "
-                       "this workflow)")
-            data = {"family": family, "coefficients": deferred, "deferred": True}
+            holder = TeaCacheHolder(family, "teacache", state=None,
+                                    info=dict(params, deferred=True, writers=writers))
+            summary = (f"TeaCache on {coef.FAMILY_NAMES[family]}: coefficient file '{deferred}' does not exist yet; "
+                       f"{NODE_CALIBRATE} #{', #'.join(writers)} in this workflow writes it; it is loaded and checked "
+                       "when sampling starts")
+            data = {"family": family, "coefficients": deferred, "deferred": True, "writers": writers}
         else:
             state, info = build_state(params)
             holder = TeaCacheHolder(family, "teacache", state=state, info=info)
@@ -357,6 +370,25 @@ def _deferrable(spec: str) -> str | None:
     if not all(ch.isalnum() or ch in "-_." for ch in name) or name.startswith("."):
         return None
     return name
+
+
+def _calibrators_writing(name: str) -> list[str]:
+    """Ids of the DitKitTeaCacheCalibrate nodes of the executing prompt that write ``<name>`` (a ``.json`` file
+    name): same name after the node's own normalisation, or a name fed by a link (unknown until it runs)."""
+    view = current_graph()
+    if view is None:
+        return []
+    get, ids = view
+    stem = name[:-5] if name.endswith(".json") else name
+    out = []
+    for nid in ids:
+        node = get(nid) or {}
+        if node.get("class_type") != NODE_CALIBRATE:
+            continue
+        v = (node.get("inputs") or {}).get("name")
+        if isinstance(v, list) or (isinstance(v, str) and v.strip().removesuffix(".json") == stem):
+            out.append(str(nid))
+    return out
 
 
 def build_state(params: dict) -> tuple[TeaCacheState, dict]:
