@@ -136,6 +136,7 @@ class ReportTarget:
         self.node_type = node_type
         self.prompt_id = prompt_id
         self.signature = signature
+        self._last: tuple | None = None      # ((prompt, executing node), resolution): per-step reports resolve once
 
     def __repr__(self) -> str:
         return f"ReportTarget({self.node_type} #{self.node_id}, prompt {self.prompt_id})"
@@ -147,6 +148,11 @@ class ReportTarget:
             return [self.node_id], "no prompt context"
         if pid == self.prompt_id:
             return [self.node_id], "executed in this prompt"
+        if self._last is None or self._last[0] != (pid, executing):
+            self._last = ((pid, executing), self._locate(pid, executing))
+        return self._last[1]
+
+    def _locate(self, pid: str, executing: str | None) -> tuple[list[str | None], str]:
         view = current_graph(pid)
         if view is None or self.signature is None:
             return [], f"#{self.node_id} of prompt {self.prompt_id}; this prompt's graph is not readable"
