@@ -275,7 +275,10 @@ def output_files(entry: dict, out_dir=None, temp_dir=None) -> list[Path | str]:
 
 
 def ditkit_reports(entry: dict) -> list[dict]:
-    return [it for _n, kind, it in output_items(entry) if kind == "ditkit_report" and isinstance(it, dict)]
+    """The ditkit reports of a /history entry, each with ``node`` = the output's node id (the stored ``ui``
+    payload does not name it: ComfyUI replays a cached one for whichever node is served that output)."""
+    return [{**it, "node": n} for n, kind, it in output_items(entry)
+            if kind == "ditkit_report" and isinstance(it, dict)]
 
 
 def is_ui_format(wf: Any) -> bool:

@@ -327,7 +327,8 @@ def _comfy_kitchen_check(q: Query, explicit: bool):
 REGISTRY.op(OP, block_sparse_attn_reference)
 REGISTRY.impl(OP, Impl("triton", block_sparse_attn_triton if HAS_TRITON else None, _triton_check, priority=10))
 REGISTRY.impl(OP, Impl("flashinfer", block_sparse_attn_flashinfer, _flashinfer_check, priority=5,
-                       note="untested: no sm100/sm120 device was available"))
+                       note="CuTe-DSL blk64 forward, sm100/103/120/121",
+                       unverified="no sm100/sm120 device was available; the launcher follows FlashInfer's source"))
 REGISTRY.impl(OP, Impl("flex", block_sparse_attn_flex, _flex_check, priority=20))
 REGISTRY.impl(OP, Impl("comfy_kitchen", None, _comfy_kitchen_check, priority=30))
 

@@ -11,6 +11,9 @@ Rules (tested with mocked capabilities in ``tests/unit/test_kernels_registry.py`
 
 * an explicitly requested backend is used or refused with :class:`BackendError` -- never swapped;
 * approximate implementations (``exact=False``) are only used on explicit request, never picked by ``auto``;
+* ``auto`` only picks code that has run: an implementation that has never been run on any hardware
+  (``unverified`` = why, e.g. no device of its kind was available) is used on explicit request only, and its
+  :class:`Selection` says so (``verified=False``, also in ``summary()`` / ``as_dict()``);
 * no retry: the registry hands out one callable; a device error raised by it propagates to the caller and no
   other kernel is launched (a device fault can poison the context).
 """
@@ -51,6 +54,7 @@ class Impl:
     exact: bool = True
     priority: int = 100          # lower first
     note: str = ""
+    unverified: Optional[str] = None  # never run on any hardware: why (explicit only); None = exercised by tests
 
 
 @dataclass
@@ -68,13 +72,20 @@ class Selection:
     exact: bool
     rejected: tuple[tuple[str, str], ...]
     query: Query
+    unverified: Optional[str] = None     # set when an explicitly chosen backend has never been run anywhere
+
+    @property
+    def verified(self) -> bool:
+        return self.unverified is None
 
     def summary(self) -> str:
         rej = "; ".join(f"{n}: {r}" for n, r in self.rejected) or "none"
-        return f"{self.op} -> {self.backend} (rejected: {rej})"
+        warn = f" [chosen explicitly, UNVERIFIED: {self.unverified}]" if self.unverified else ""
+        return f"{self.op} -> {self.backend}{warn} (rejected: {rej})"
 
     def as_dict(self) -> dict:
-        return {"op": self.op, "backend": self.backend, "exact": self.exact,
+        return {"op": self.op, "backend": self.backend, "exact": self.exact, "verified": self.verified,
+                "unverified": self.unverified,
                 "rejected": dict(self.rejected), "device": self.query.device_type,
                 "capability": self.query.capability, "dtype": str(self.query.dtype).replace("torch.", ""),
                 "head_dim": self.query.head_dim}
@@ -124,6 +135,11 @@ class Registry:
         self._cache.clear()
         return impl
 
+    def unverified(self, op: str, backend: str) -> Optional[str]:
+        """Why ``backend`` of ``op`` is unverified (never run on any hardware), or None."""
+        impl = self.ops[op].impls.get(backend) if op in self.ops else None
+        return impl.unverified if impl is not None else None
+
     def backends(self, op: str) -> list[str]:
         o = self.ops[op]
         return [i.name for i in sorted(o.impls.values(), key=lambda i: i.priority)] + [REFERENCE]
@@ -166,7 +182,7 @@ class Registry:
                     raise BackendError(f"kernel backend {req!r} cannot run {op} here: {reason} "
                                        f"(device={dev}, dtype={str(dtype).replace('torch.', '')}, head_dim={head_dim}). "
                                        "Pick another backend explicitly or use 'auto'.")
-                chosen = Selection(op, req, impl.fn, impl.exact, (), q)
+                chosen = Selection(op, req, impl.fn, impl.exact, (), q, unverified=impl.unverified)
         else:
             for impl in sorted(o.impls.values(), key=lambda i: i.priority):
                 if not impl.exact:
@@ -175,6 +191,9 @@ class Registry:
                 reason = impl.check(q, False)
                 if reason is None and impl.fn is None:
                     reason = "no launcher is implemented for this backend"
+                if reason is None and impl.unverified:
+                    reason = (f"never run on any hardware ({impl.unverified}); auto picks only backends that have "
+                              "run, request it explicitly to use it")
                 if reason is not None:
                     rejected.append((impl.name, reason))
                     continue
@@ -185,7 +204,7 @@ class Registry:
         self._cache[key] = chosen
         if key not in self._logged:
             self._logged.add(key)
-            log.info("[ditkit] kernel %s", chosen.summary())
+            (log.warning if chosen.unverified else log.info)("[ditkit] kernel %s", chosen.summary())
         return chosen
 
     def explain(self, op: str, device, dtype: torch.dtype, head_dim: int) -> dict[str, str]:
@@ -197,6 +216,8 @@ class Registry:
             r = impl.check(q, True)
             if r is None and impl.fn is None:
                 r = "no launcher is implemented for this backend"
+            if r is None and impl.unverified:
+                r = f"ok (explicit only, UNVERIFIED: never run on any hardware: {impl.unverified})"
             out[impl.name] = r or ("ok" if impl.exact else "ok (approximate, explicit only)")
         out[REFERENCE] = "ok"
         return out

@@ -34,6 +34,7 @@ def discover_nodes() -> list[type[io.ComfyNode]]:
             log.exception("[ditkit] node module %s failed to import; its nodes are not registered", info.name)
             continue
         for cls in getattr(mod, "NODES", []):
+            _replay_cached_report(cls)
             schema = cls.GET_SCHEMA()
             node_id = schema.node_id
             if not node_id.startswith("DitKit"):
@@ -44,6 +45,27 @@ def discover_nodes() -> list[type[io.ComfyNode]]:
             guard_node(cls, node_id, float_inputs(schema))   # every FLOAT input: finite, checked at execute
             found.append(cls)
     return found
+
+
+def _replay_cached_report(cls) -> None:
+    """Flag the node ``has_intermediate_output`` (output nodes already are): when a later prompt is served this
+    node's output from ComfyUI's cache, even under another node id, ComfyUI resends the cached ``ui`` (the node's
+    report) as an ``executed`` event for the node of *that* prompt, so the badge shows the report of the output
+    it uses; without the flag a cached intermediate node sends nothing and keeps whatever it showed before."""
+    base = cls.__dict__.get("define_schema")
+    if base is None or getattr(base.__func__, "_ditkit_replay", False):
+        return
+    fn = base.__func__
+
+    def define_schema(c):
+        schema = fn(c)
+        if not schema.is_output_node:
+            schema.has_intermediate_output = True
+        return schema
+
+    define_schema._ditkit_replay = True
+    define_schema.__doc__ = fn.__doc__
+    cls.define_schema = classmethod(define_schema)
 
 
 class DitKitExtension(ComfyExtension):

@@ -14,7 +14,7 @@ from comfy_api.latest import io
 
 from ..errors import UnsupportedModelError
 from ..offload.adaln import AdalnScheduleCache, CachedAdalnProj, check_schedule, fp32_bits
-from ._common import send_report, ui_report
+from ._common import report_target, send_report, ui_report
 
 NODE_ID = "DitKitH3AdaLNCache"
 WRAPPER_KEY = "ditkit_h3_adaln_cache"
@@ -144,7 +144,7 @@ def _install(m, cache: AdalnScheduleCache, dm, node_id: str, park: bool) -> dict
     import comfy.patcher_extension as pe
 
     state = _RunState()
-    state.node_id = node_id
+    state.node_id = report_target(node_id, NODE_ID)  # resolved when the run report is sent
     dynamic = bool(getattr(m, "is_dynamic", lambda: False)())
     if not park:
         cache.park_enabled = False

@@ -292,9 +292,9 @@ class DitKitH3EmptyImageLatent(io.ComfyNode):
         preflight.check_memory("DitKitH3EmptyImageLatent", "width/height/batch_size", shape,
                                {"latent": 4 * batch_size * 24 * (height // 16) * (width // 16)}, budget, where)
         video = torch.zeros([batch_size, 24, 1, height // 16, width // 16], device=mm.intermediate_device())
-        send_report(cls.hidden.unique_id, "DitKitH3EmptyImageLatent", "latent",
-                    f"T=1 latent {tuple(video.shape)} ({layout})", {"shape": list(video.shape), "layout": layout})
-        return io.NodeOutput(_pack(video, layout))
+        payload = send_report(cls.hidden.unique_id, "DitKitH3EmptyImageLatent", "latent",
+                              f"T=1 latent {tuple(video.shape)} ({layout})", {"shape": list(video.shape), "layout": layout})
+        return io.NodeOutput(_pack(video, layout), ui=ui_report(payload))
 
 
 class DitKitH3EncodeImage(io.ComfyNode):
@@ -337,10 +337,10 @@ class DitKitH3EncodeImage(io.ComfyNode):
         video = torch.cat(outs, dim=0)
         if video.ndim != 5 or video.shape[2] != 1:
             raise DitKitError(f"encoding one image gave latent shape {tuple(video.shape)}, expected T=1")
-        send_report(cls.hidden.unique_id, "DitKitH3EncodeImage", "latent",
-                    f"{image.shape[0]} image(s) -> T=1 latent {tuple(video.shape)} ({layout})",
-                    {"shape": list(video.shape), "layout": layout})
-        return io.NodeOutput(_pack(video, layout))
+        payload = send_report(cls.hidden.unique_id, "DitKitH3EncodeImage", "latent",
+                              f"{image.shape[0]} image(s) -> T=1 latent {tuple(video.shape)} ({layout})",
+                              {"shape": list(video.shape), "layout": layout})
+        return io.NodeOutput(_pack(video, layout), ui=ui_report(payload))  # replayed when served from the cache
 
 
 NODES = [DitKitH3VAELoader, DitKitH3VAEDecode, DitKitH3EmptyImageLatent, DitKitH3EncodeImage]

@@ -22,7 +22,7 @@ from ..kernels import REGISTRY
 from ..kernels.vsa_h3_runtime import CTX_KEY, GATE_KEY, VSAH3Config, VSAH3Runtime, make_attention_override
 from ..kernels.vsa_layout import prefix_segments_from_spans
 from ..kernels.vsa_select import sparsity_from_keep_percent
-from ._common import send_report, ui_report
+from ._common import report_target, send_report, ui_report
 
 NODE_ID = "DitKitSparseAttention"
 KEY = "ditkit_vsa_h3"
@@ -30,6 +30,14 @@ GATE_ATTACHMENT = "ditkit_h3_gate_compress"
 BACKENDS = ["auto", "triton", "flex", "cpu_batched", "cpu_native", "reference", "flashinfer", "comfy_kitchen"]
 GATE_CHOICES = ["auto", "none"]
 RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 20%)": 20.0, "custom": None}
+BACKEND_TOOLTIP = (
+    "Fine-stage kernel. auto = the fastest exact backend that has been run and can run here (triton on sm80+ "
+    "CUDA, flex for other head dims, cpu_batched on CPU). cpu_native (CPU, fp32, explicit only) compiles a small "
+    "C++ kernel on first use (about a minute, then cached) and is faster than cpu_batched. flashinfer "
+    "(sm100/103/120/121, bf16, head dim 128) is explicit only and UNVERIFIED: it has never been run on any "
+    "hardware, and the report says so. comfy_kitchen never runs: comfy_kitchen has no index-driven block-sparse "
+    "op (its sparse attention picks its own tiles), so choosing it raises with that reason. An explicit choice "
+    "that cannot run raises instead of falling back.")
 log = logging.getLogger("ditkit")
 
 
@@ -104,12 +112,7 @@ class DitKitSparseAttention(io.ComfyNode):
                                tooltip="Steps before this fraction of the schedule run dense."),
                 io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
                                tooltip="Steps after this fraction of the schedule run dense."),
-                io.Combo.Input("backend", options=BACKENDS, default="auto",
-                               tooltip=("Fine-stage kernel. auto = fastest exact backend that can run here "
-                                        "(triton on sm80+, cpu_batched on CPU). cpu_native (CPU, fp32, explicit "
-                                        "only) compiles a small C++ kernel on first use (about a minute, then "
-                                        "cached) and is faster than cpu_batched. An explicit choice "
-                                        "that cannot run raises instead of falling back.")),
+                io.Combo.Input("backend", options=BACKENDS, default="auto", tooltip=BACKEND_TOOLTIP),
                 io.Int.Input("min_tokens", default=0, min=0, max=1 << 20, step=64,
                              tooltip="Packed sequences shorter than this run dense (sparse overhead dominates)."),
                 io.Combo.Input("gate", options=GATE_CHOICES, default="auto", advanced=True,
@@ -158,6 +161,9 @@ class DitKitSparseAttention(io.ComfyNode):
                     raise BackendError(f"{NODE_ID}: backend 'cpu_native' cannot run here: {e}. Pick another "
                                        "backend explicitly or use 'auto'.") from e
 
+        # the run report is sent while the sampler executes, maybe in a later prompt that got this output from
+        # ComfyUI's cache under another node id: resolved then (nodes/_common.py)
+        target = report_target(node_id, NODE_ID)
         m = model.clone()
         gates, gate_src = _find_gates(m, dm, gate)
         rt = VSAH3Runtime(cfg, gate_source=gate_src)
@@ -188,7 +194,7 @@ class DitKitSparseAttention(io.ComfyNode):
             try:
                 return executor(*args, **kwargs)
             finally:
-                send_report(node_id, NODE_ID, "run", rt.summary(), rt.as_dict())
+                send_report(target, NODE_ID, "run", *_run_report(rt))
 
         topts["optimized_attention_override"] = override
         m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, forward_wrapper)
@@ -196,16 +202,30 @@ class DitKitSparseAttention(io.ComfyNode):
         if gates:
             _install_gate_replaces(m, dm, gates)
 
-        summary = (f"VSA-H3 installed: keep {keep * 100:g}% of video tiles (recipe {recipe}), backend {backend}, "
+        unverified = REGISTRY.unverified("block_sparse_attn", backend) if cfg.backend is not None else None
+        shown = backend + (f" (chosen explicitly, UNVERIFIED: never run on any hardware: {unverified})"
+                           if unverified else "")
+        summary = (f"VSA-H3 installed: keep {keep * 100:g}% of video tiles (recipe {recipe}), backend {shown}, "
                    f"sigma window [{cfg.sigma_end:.4g}, {cfg.sigma_start:.4g}], min_tokens {min_tokens}, "
                    f"gate {gate_src}" + (f"; chains previous attention override {prev_name} for dense calls"
                                          if prev is not None else ""))
-        data = {"keep": keep, "vsa_sparsity": cfg.sparsity, "recipe": recipe, "backend": backend, "gate": gate_src,
-                "chained_override": prev_name,
+        data = {"keep": keep, "vsa_sparsity": cfg.sparsity, "recipe": recipe, "backend": backend,
+                "backend_unverified": unverified, "gate": gate_src, "chained_override": prev_name,
                 "backends_here": REGISTRY.explain("block_sparse_attn", model.load_device, torch.float32,
                                                   dm.blocks[0].attn.head_dim)}
         payload = send_report(node_id, NODE_ID, "install", summary, data)
         return io.NodeOutput(m, ui=ui_report(payload))
+
+
+def _run_report(rt: VSAH3Runtime) -> tuple[str, dict]:
+    """The runtime's summary and data, plus which backends that ran are unverified (never run anywhere before)."""
+    summary, data = rt.summary(), rt.as_dict()
+    unverified = {b: r for b in data.get("backends_used", {}) if (r := REGISTRY.unverified("block_sparse_attn", b))}
+    data["unverified_backends"] = unverified
+    if unverified:
+        summary += (f"; UNVERIFIED backend {', '.join(unverified)} (chosen explicitly; never run on any hardware "
+                    "before this run: check its output)")
+    return summary, data
 
 
 def _install_gate_replaces(m, dm, gates: dict) -> None:

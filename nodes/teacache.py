@@ -31,7 +31,7 @@ from ..cache.hooks import CALL_KEY, HOLDER_KEY, HookedLayers, TeaCacheHolder, di
 from ..cache.teacache import TeaCacheState, state_from_coefficients
 from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
 from ..loaders import safe_fs
-from ._common import send_report, ui_report
+from ._common import current_graph, report_target, send_report, ui_report
 
 log = logging.getLogger("ditkit")
 
@@ -274,7 +274,13 @@ def teacache_sample_wrapper(executor, *args, **kwargs):
     sampler, sigmas = args[2], args[3]
     try:
         if holder.state is None:  # deferred coefficient file: load and check it now
-            holder.state, holder.info = build_state(holder.info)
+            try:
+                holder.state, holder.info = build_state(holder.info)
+            except CoefficientError as e:
+                w = holder.info.get("writers") or []
+                raise CoefficientError(f"{e} (deferred by {NODE_TEACACHE} #{holder.info.get('node_id')}: expected "
+                                       f"from {NODE_CALIBRATE} #{', #'.join(w)}, which writes it once it has seen "
+                                       "min_prompts distinct prompts)") from e
         info = holder.info
         run_fp = run_fingerprint(guider, sampler, sigmas, holder.family)
         cf: coef.CoefficientFile = info["coefficient_file"]
@@ -291,7 +297,7 @@ def teacache_sample_wrapper(executor, *args, **kwargs):
         try:
             if holder.state is not None and holder.state.calls:
                 rep = holder.state.report()
-                send_report(holder.info.get("node_id"), NODE_TEACACHE, "teacache", rep.summary(), rep.as_dict())
+                send_report(holder.info.get("report_to"), NODE_TEACACHE, "teacache", rep.summary(), rep.as_dict())
             if holder.state is not None:
                 holder.state.release()
         finally:
@@ -360,14 +366,22 @@ class DitKitTeaCache(io.ComfyNode):
         mfp = model_fingerprint(model)
         params = {"spec": coefficients, "threshold": threshold, "audio_threshold": audio_threshold,
                   "start_percent": start_percent, "end_percent": end_percent, "cache_device": cache_device,
-                  "strict": strict, "family": family, "model_fp": mfp, "node_id": node_id}
+                  "strict": strict, "family": family, "model_fp": mfp, "node_id": node_id,
+                  "report_to": report_target(node_id, NODE_TEACACHE)}  # resolved at sampling (nodes/_common.py)
         deferred = _deferrable(coefficients)
+        writers = _calibrators_writing(deferred) if deferred else []
+        if deferred and not writers:
+            # checked here, on this node: deferring would make the sampler fail with this node's problem
+            raise CoefficientError(
+                f"{NODE_TEACACHE}: coefficient file '{os.path.join(teacache_dir(), deferred)}' does not exist and no "
+                f"{NODE_CALIBRATE} in this workflow writes it (name '{deferred[:-5]}'). {available_coefficients()}")
         if deferred:
-            holder = TeaCacheHolder(family, "teacache", state=None, info=dict(params, deferred=True))
-            summary = (f"TeaCache on {coef.FAMILY_NAMES[family]}: coefficient file '{deferred}' does not exist yet; it is "
-                       "loaded and checked when sampling starts (e.g. written by a DitKitTeaCacheCalibrate run earlier in "
-                       "this workflow)")
-            data = {"family": family, "coefficients": deferred, "deferred": True}
+            holder = TeaCacheHolder(family, "teacache", state=None,
+                                    info=dict(params, deferred=True, writers=writers))
+            summary = (f"TeaCache on {coef.FAMILY_NAMES[family]}: coefficient file '{deferred}' does not exist yet; "
+                       f"{NODE_CALIBRATE} #{', #'.join(writers)} in this workflow writes it; it is loaded and checked "
+                       "when sampling starts")
+            data = {"family": family, "coefficients": deferred, "deferred": True, "writers": writers}
         else:
             state, info = build_state(params)
             holder = TeaCacheHolder(family, "teacache", state=state, info=info)
@@ -398,6 +412,25 @@ def _deferrable(spec: str) -> str | None:
     return name
 
 
+def _calibrators_writing(name: str) -> list[str]:
+    """Ids of the DitKitTeaCacheCalibrate nodes of the executing prompt that write ``<name>`` (a ``.json`` file
+    name): same name after the node's own normalisation, or a name fed by a link (unknown until it runs)."""
+    view = current_graph()
+    if view is None:
+        return []
+    get, ids = view
+    stem = name[:-5] if name.endswith(".json") else name
+    out = []
+    for nid in ids:
+        node = get(nid) or {}
+        if node.get("class_type") != NODE_CALIBRATE:
+            continue
+        v = (node.get("inputs") or {}).get("name")
+        if isinstance(v, list) or (isinstance(v, str) and v.strip().removesuffix(".json") == stem):
+            out.append(str(nid))
+    return out
+
+
 def build_state(params: dict) -> tuple[TeaCacheState, dict]:
     """Load + check the coefficient file and build the runtime state (raises on bad files / other families)."""
     path, root, parts = locate_coefficients(params["spec"])
@@ -422,7 +455,7 @@ def calibrate_sample_wrapper(executor, *args, **kwargs):
         run_fp["model"] = info["model_fp"]
         holder.begin(sigmas.flatten().tolist())
         if holder.recorder is not None:
-            node_id, name = info.get("node_id"), info.get("name")
+            node_id, name = info.get("report_to"), info.get("name")
 
             def on_step(pairs: int, step: int, steps: int) -> None:
                 send_report(node_id, NODE_CALIBRATE, "teacache_calibration_progress",
@@ -508,7 +541,7 @@ def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
         _write_calibration(holder, run_fp)
     except CoefficientError as e:  # checked at execute; only a change made during sampling gets here: keep its output
         log.warning("[ditkit] %s '%s': nothing written: %s", NODE_CALIBRATE, name, e)
-        send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration",
+        send_report(info.get("report_to"), NODE_CALIBRATE, "teacache_calibration",
                     f"TeaCache calibration '{name}': WRITE FAILED, nothing written: {e}", {"error": str(e)})
 
 
@@ -534,7 +567,7 @@ def _write_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
         if len(prompts) < info["min_prompts"]:
             summary = (f"TeaCache calibration '{name}': recorded {rec.n_pairs()} pairs ({len(prompts)}/{info['min_prompts']} "
                        f"distinct prompts so far; run more prompts with the same model/sampler/steps to fit)")
-            send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration", summary, data)
+            send_report(info.get("report_to"), NODE_CALIBRATE, "teacache_calibration", summary, data)
             return
         try:
             cf = fit_files(objs, degree=info["degree"], min_prompts=info["min_prompts"],
@@ -542,7 +575,7 @@ def _write_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
         except CoefficientError as e:  # the sampling itself succeeded: keep its output, report the failed fit loudly
             log.warning("[ditkit] %s '%s': fit failed: %s", NODE_CALIBRATE, name, e)
             data["error"] = str(e)
-            send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration",
+            send_report(info.get("report_to"), NODE_CALIBRATE, "teacache_calibration",
                         f"TeaCache calibration '{name}': FIT FAILED, no coefficient file written: {e}", data)
             return
         out_path = os.path.join(base_path, f"{name}.json")
@@ -556,7 +589,7 @@ def _write_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
                + ", ".join(f"{s} R2 {f['r2']:.3f} (n={f['n_pairs']})"
                            + (f" degree {f['degree']} (degree {f['degree_requested']} was negative inside its x range)"
                               if f.get("degree_requested") else "") for s, f in fits.items()))
-    send_report(info.get("node_id"), NODE_CALIBRATE, "teacache_calibration", summary, data)
+    send_report(info.get("report_to"), NODE_CALIBRATE, "teacache_calibration", summary, data)
 
 
 class DitKitTeaCacheCalibrate(io.ComfyNode):
@@ -594,7 +627,8 @@ class DitKitTeaCacheCalibrate(io.ComfyNode):
         check_not_stacked(model, NODE_CALIBRATE)
         mfp = model_fingerprint(model)
         holder = TeaCacheHolder(family, "calibrate", recorder=CalibrationRecorder(family),
-                                info={"node_id": node_id, "name": name, "degree": int(degree),
+                                info={"node_id": node_id, "report_to": report_target(node_id, NODE_CALIBRATE),
+                                      "name": name, "degree": int(degree),
                                       "min_prompts": int(min_prompts), "model_fp": mfp})
         m = model.clone()
         _install(m, holder, calibrate_sample_wrapper)

@@ -24,7 +24,7 @@ from ..loaders.read_progress import load_with_progress
 from ..loaders.safetensors_io import read_header
 from ..offload.streamer import HostEmbedding, LayerwiseStreamer, StreamedLayer, find_layer_stacks
 from ._bars import lazy_bar, offset_bar
-from ._common import send_report, ui_report
+from ._common import report_target, send_report, ui_report
 
 log = logging.getLogger("ditkit")
 
@@ -216,7 +216,8 @@ def install_streaming(clip, prefetch: int, force: bool = False, node_id=None, no
     if not stacks:
         raise StreamingError(f"{node_type}: no decoder layer stack (layers + embed_tokens) found in "
                              f"{type(patcher.model).__name__}; streaming is not supported for this encoder.")
-    state = _StreamState([p + "." for p, _ in stacks], node_id, node_type)
+    # encodes run while another node (CLIPTextEncode) executes, maybe in a later prompt: resolve the node then
+    state = _StreamState([p + "." for p, _ in stacks], report_target(node_id, node_type), node_type)
     for path, mod in stacks:
         for i, layer in enumerate(mod.layers):
             for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):

@@ -1,6 +1,6 @@
 """Real-host fixtures: one headless ComfyUI per session with ditkit and the tiny checkpoints.
 
-``comfy_server`` starts ``main.py --cpu --cache-none`` on 127.0.0.1 (a free port) through
+``comfy_server`` starts ``main.py --cpu --cache-none`` (``comfy_server_cached``: the host's default caching) on 127.0.0.1 (a free port) through
 :class:`ditkit.run.ComfyServer` (the same code as ``python -m ditkit.run``): ditkit is linked into a temp
 ``custom_nodes`` dir named in an ``--extra-model-paths-config`` YAML, other custom node packs are not loaded
 (``--disable-all-custom-nodes --whitelist-custom-nodes ditkit``), the model folders point at a copy of the tiny
@@ -86,10 +86,21 @@ class ServerHandle:
 
 @pytest.fixture(scope="session")
 def comfy_server(comfyui_path, tiny_ckpts, tmp_path_factory):
-    root = tmp_path_factory.mktemp("comfy_server")
+    yield from _server(comfyui_path, tiny_ckpts, tmp_path_factory, "comfy_server", ["--cache-none"])
+
+
+@pytest.fixture(scope="session")
+def comfy_server_cached(comfyui_path, tiny_ckpts, tmp_path_factory):
+    """Like ``comfy_server`` but with the host's default caching (no ``--cache-none``): cached outputs are served
+    to later prompts, also to nodes with other ids (what users run; ``--cache-none`` hides those paths)."""
+    yield from _server(comfyui_path, tiny_ckpts, tmp_path_factory, "comfy_server_cached", [])
+
+
+def _server(comfyui_path, tiny_ckpts, tmp_path_factory, name: str, args: list[str]):
+    root = tmp_path_factory.mktemp(name)
     models = root / "models"
     shutil.copytree(tiny_ckpts, models)  # tests may add (broken) files; the shared tiny_ckpts stay pristine
-    extra = ["--cache-none"] + shlex.split(os.environ.get("DITKIT_SERVER_ARGS", ""))
+    extra = list(args) + shlex.split(os.environ.get("DITKIT_SERVER_ARGS", ""))
     server = ComfyServer(comfyui_path, python=os.environ.get("COMFYUI_PYTHON") or None, models_dir=models,
                          out_dir=root / "output", log_path=root / "server.log", extra_args=extra,
                          only_ditkit=True, quiet=True)

@@ -109,6 +109,30 @@ def _canvas_badges(page, node: str) -> list[str]:
     }""", node)
 
 
+def _click_badge(page, node: str, prefix: str) -> str:
+    """Click, with the mouse, the centre of the drawn badge of ``node`` whose text starts with ``prefix`` (its
+    boundingRect, set by the last draw, is node-relative) and return the text of the toast it opens."""
+    page.wait_for_timeout(500)  # a frame drawn with the current badges
+    pos = page.evaluate("""([id, prefix]) => {
+        const n = window.app.graph.getNodeById(Number(id));
+        const c = window.app.canvas;
+        const b = n.badges.map((f) => (typeof f === 'function' ? f() : f))
+                          .find((x) => x && x.onClick && (x.text || '').startsWith(prefix));
+        if (!b) return null;
+        const [x, y, w, h] = b.boundingRect;
+        if (!(w > 0 && h > 0)) return { text: b.text, rect: [x, y, w, h] };
+        const [sx, sy] = c.ds.convertOffsetToCanvas([n.pos[0] + x + w / 2, n.pos[1] + y + h / 2]);
+        const r = c.canvas.getBoundingClientRect();
+        const k = r.width / c.canvas.width;   // canvas pixels -> CSS pixels
+        return { text: b.text, x: r.left + sx * k, y: r.top + sy * k };
+    }""", [node, prefix])
+    assert pos and "x" in pos, f"no drawn badge starting with {prefix!r} on node {node}: {pos}"
+    page.mouse.click(pos["x"], pos["y"])
+    toast = page.locator(".p-toast-message").filter(has_text="(ditkit)").last
+    toast.wait_for(state="visible", timeout=10_000)
+    return toast.inner_text()
+
+
 def _shot(page, name: str, nodes: list[str] | None = None) -> Path:
     ARTEFACTS.mkdir(parents=True, exist_ok=True)
     page.evaluate("""(ids) => {
@@ -180,6 +204,11 @@ def test_badges_classic_canvas(comfy_server, browser):
         full = _shot(page, "classic_full")
         zoom = _shot(page, "classic_sparse_teacache_decode", [CALIB, SPARSE, TEACACHE, "13", DECODE])
         assert full.stat().st_size > 10_000 and zoom.stat().st_size > 10_000
+        # a click on the drawn VSA badge opens the node's report: the server's own run summary
+        text = _click_badge(page, SPARSE, "VSA ")
+        assert _log_report(comfy_server.log_text(), SPARSE, "run") in text, text
+        assert "[run] " in text and "(ditkit)" in text, text
+        _shot(page, "classic_badge_clicked", [CALIB, SPARSE, TEACACHE, "13", DECODE])
         assert not [e for e in errors if "ditkit" in e], errors
     finally:
         page.close()
@@ -207,35 +236,53 @@ def test_badges_nodes_2(comfy_server, browser):
 
 
 def test_ditkit_error_reaches_the_node(comfy_server, browser):
-    """A ditkit node that refuses its input (VSA-H3 on a Z-Image model): the execution_error event carries the
-    actionable message (ComfyUI outlines the node and opens its error panel) and the extension keeps the message as a red badge on it."""
+    """A ditkit node that refuses its input (VSA-H3 on a Z-Image model) after a run that succeeded: the
+    execution_error event carries the actionable message (ComfyUI outlines the node and opens its error panel),
+    the extension keeps the message as the node's only badge, and the previous run's report text is gone."""
     page, errors = _open(browser, comfy_server, vue=False)
     try:
         detail = page.evaluate("""async () => {
             const { api } = await import('/scripts/api.js');
-            const done = new Promise((res) => {
-                api.addEventListener('execution_error', (e) => res(e.detail));
-                api.addEventListener('execution_success', () => res(null));
+            const run = () => new Promise((res) => {
+                const ok = () => { api.removeEventListener('execution_error', bad); res(null); };
+                const bad = (e) => { api.removeEventListener('execution_success', ok); res(e.detail); };
+                api.addEventListener('execution_error', bad, { once: true });
+                api.addEventListener('execution_success', ok, { once: true });
+                window.app.queuePrompt(0, 1);
             });
             const g = window.app.graph;
             g.clear();
+            const h = LiteGraph.createNode('UNETLoader'); h.pos = [100, 300]; g.add(h);
+            h.widgets.find((w) => w.name === 'unet_name').value = 'h3_tiny_fasth3.safetensors';
             const a = LiteGraph.createNode('DitKitZImageLoader'); a.pos = [100, 100]; g.add(a);
             a.widgets.find((w) => w.name === 'unet_name').value = 'zimage_tiny.safetensors';
             const b = LiteGraph.createNode('DitKitSparseAttention'); b.pos = [500, 100]; g.add(b);
             const c = LiteGraph.createNode('PreviewAny'); c.pos = [900, 100]; g.add(c);
-            a.connect(0, b, 0); b.connect(0, c, 0);
-            await window.app.queuePrompt(0, 1);
-            const d = await done;
-            return d && { ...d, node: String(b.id) };
+            // first a run that succeeds: the node shows its install report (badge and the frontend's report text)
+            h.connect(0, b, 0); b.connect(0, c, 0);
+            const first = await run();
+            const text = () => b.widgets?.find((w) => w.name === '$$node-text-preview')?.value ?? null;
+            const before = { error: first, text: text(), badges: window.ditkit.badgeTexts(String(b.id)) };
+            // then the same node fails (a Z-Image model)
+            a.connect(0, b, 0);
+            const d = await run();
+            return d && { ...d, node: String(b.id), before, after_text: text() };
         }""")
         assert detail, "the workflow did not fail"
+        before = detail["before"]
+        assert before["error"] is None and before["text"] and "VSA-H3 installed" in before["text"], before
+        assert before["badges"] and before["badges"][0].startswith("VSA keep"), before
+        # the failed node does not keep showing the previous run's report text under its error badge
+        assert not detail["after_text"], detail["after_text"]
         assert detail["node_type"] == "DitKitSparseAttention", detail
         assert detail["exception_type"].endswith("UnsupportedModelError"), detail
         msg = detail["exception_message"]
         assert "needs a MiniMax H3 / FastH3 model" in msg and "Model Sparse Attention" in msg, msg
         page.wait_for_function("(id) => window.ditkit.badgeTexts(id).length > 0", arg=detail["node"], timeout=15_000)
-        texts = _canvas_badges(page, detail["node"])
+        texts = _canvas_badges(page, detail["node"])   # also the frontend's own id/source badge
         assert any(t.startswith("error: UnsupportedModelError: DitKitSparseAttention: VSA-H3") for t in texts), texts
+        ours = page.evaluate("(id) => window.ditkit.badgeTexts(id)", detail["node"])
+        assert len(ours) == 1 and ours[0].startswith("error: UnsupportedModelError"), ours   # the install badge is gone
         _shot(page, "classic_error")
         assert not [e for e in errors if "ditkit" in e], errors
     finally:

@@ -225,3 +225,33 @@ def test_example_workflow_reports_backend(comfy_server):
     assert "VSA-H3 backend cpu_batched" in runs[-1] and "steps sparse 4 / dense 0" in runs[-1]
     installs = [ln for ln in log.splitlines() if "DitKitSparseAttention" in ln and " install: " in ln]
     assert installs and "keep 25%" in installs[-1]
+
+
+def test_an_unverified_backend_is_explicit_only_and_reported(env, monkeypatch):
+    """FlashInfer has never been run: auto never picks it, and an explicit choice is reported as UNVERIFIED at
+    install and after the run (its capability check is mocked to pass; nothing is sampled with it)."""
+    from ditkit.kernels import REGISTRY
+    from ditkit.kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
+    from ditkit.nodes import sparse_attention as sa
+
+    impl = REGISTRY.ops["block_sparse_attn"].impls["flashinfer"]
+    monkeypatch.setattr(impl, "check", lambda q, explicit: None)
+    REGISTRY.clear_cache()
+    try:
+        auto = REGISTRY.resolve("block_sparse_attn", "cpu", torch.float32, 16)
+        assert auto.backend != "flashinfer" and "never run" in dict(auto.rejected)["flashinfer"]
+        out = sa.DitKitSparseAttention.execute(env.model, backend="flashinfer")
+        rep = out.ui["ditkit_report"][0]
+        assert "backend flashinfer (chosen explicitly, UNVERIFIED" in rep["summary"], rep["summary"]
+        assert rep["data"]["backend_unverified"]
+    finally:
+        REGISTRY.clear_cache()
+    rt = VSAH3Runtime(VSAH3Config(keep=KEEP, backend="flashinfer"))
+    rt.backends["flashinfer"] += 2
+    rt.calls["sparse"] += 2
+    summary, data = sa._run_report(rt)
+    assert "UNVERIFIED backend flashinfer" in summary and data["unverified_backends"]["flashinfer"]
+    rt.backends.clear()
+    rt.backends["cpu_batched"] += 2
+    summary, data = sa._run_report(rt)
+    assert "UNVERIFIED" not in summary and data["unverified_backends"] == {}

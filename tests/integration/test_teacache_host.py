@@ -252,14 +252,43 @@ def test_bad_coefficient_files_leave_model_unchanged(env, tmp_path):
         _teacache(fake, "x.json", 0.2)
 
 
-def test_deferred_coefficient_file_is_loaded_at_sampling(env, reports):
+def _in_prompt(graph: dict, node_id: str, fn):
+    """Run ``fn`` as ComfyUI runs a node of ``graph``: its DynamicPrompt in the progress registry, the executing
+    context set (ComfyUI's own classes)."""
+    from comfy_execution.graph import DynamicPrompt
+    from comfy_execution.progress import reset_progress_state
+    from comfy_execution.utils import CurrentNodeContext
+
+    reset_progress_state("tc-prompt", DynamicPrompt(graph))
+    with CurrentNodeContext("tc-prompt", node_id):
+        return fn()
+
+
+def test_missing_coefficient_file_fails_on_the_teacache_node(env):
+    """No DitKitTeaCacheCalibrate in the prompt writes the file: the TeaCache node itself fails, before sampling."""
     from ditkit.errors import CoefficientError
 
     model = load(env, "h3")
-    tc = _teacache(model, "h3_later.json", 0.3)
+    with pytest.raises(CoefficientError, match="does not exist and no DitKitTeaCacheCalibrate in this workflow"):
+        _teacache(model, "h3_never_written.json", 0.3)          # outside any prompt
+    graph = {"12": {"class_type": "DitKitTeaCache", "inputs": {"model": ["1", 0], "coefficients": "h3_never_written"}},
+             "7": {"class_type": "DitKitTeaCacheCalibrate", "inputs": {"model": ["1", 0], "name": "other_name"}}}
+    with pytest.raises(CoefficientError, match="does not exist and no DitKitTeaCacheCalibrate"):
+        _in_prompt(graph, "12", lambda: _teacache(model, "h3_never_written", 0.3))
+
+
+def test_deferred_coefficient_file_is_loaded_at_sampling(env, reports):
+    """A DitKitTeaCacheCalibrate of the same prompt writes the file (it may run first): loading waits for sampling,
+    and a file still missing then names the calibration node."""
+    from ditkit.errors import CoefficientError
+
+    model = load(env, "h3")
+    graph = {"12": {"class_type": "DitKitTeaCache", "inputs": {"model": ["1", 0], "coefficients": "h3_later.json"}},
+             "7": {"class_type": "DitKitTeaCacheCalibrate", "inputs": {"model": ["1", 0], "name": " h3_later.json"}}}
+    tc = _in_prompt(graph, "12", lambda: _teacache(model, "h3_later.json", 0.3))
     inst = [r for r in reports if r["kind"] == "teacache_install"][-1]
-    assert inst["data"]["deferred"]
-    with pytest.raises(CoefficientError, match="does not exist"):
+    assert inst["data"]["deferred"] and inst["data"]["writers"] == ["7"], inst["data"]
+    with pytest.raises(CoefficientError, match=r"does not exist.*expected from DitKitTeaCacheCalibrate #7"):
         sample(tc, *inputs(model, "h3", 0), steps=4)
 
 
@@ -318,6 +347,23 @@ def test_server_calibrate_then_teacache_workflow(comfy_server):
     log = comfy_server.log_text()
     assert re.search(r"coefficient fingerprint mismatch: steps: file has 8, this run has 12", log)
     assert re.search(r"TeaCache h3: computed \d+/12 calls.*WARNING: \d+ fingerprint mismatch", log)
+
+
+def test_missing_coefficient_file_is_reported_on_the_teacache_node(comfy_server):
+    """On a real server the failing node is DitKitTeaCache (before: the KSampler, when sampling started)."""
+    graph = _api("h3_teacache_tiny.json")
+    graph = {k: v for k, v in graph.items() if v["class_type"] != "DitKitTeaCacheCalibrate"
+             and not (v["class_type"] == "KSampler" and v["inputs"]["model"][0] != "12")
+             and v["class_type"] not in ("LTXVSeparateAVLatent", "SaveLatent")}
+    graph["12"]["inputs"]["model"] = ["1", 0]
+    graph["12"]["inputs"]["coefficients"] = "no_such_file_anywhere.json"
+    graph["13"]["inputs"]["latent_image"] = ["2", 0]
+    graph["20"] = {"class_type": "PreviewAny", "inputs": {"source": ["13", 0]}}
+    err = comfy_server.run_expect_failure(graph)
+    errors = [m[1] for m in (err.entry or {}).get("status", {}).get("messages", []) if m[0] == "execution_error"]
+    assert errors, err
+    assert errors[0]["node_type"] == "DitKitTeaCache" and errors[0]["node_id"] == "12", errors[0]
+    assert "no_such_file_anywhere.json' does not exist" in errors[0]["exception_message"], errors[0]
 
 
 def test_composes_with_h3_adaln_schedule_cache(env, reports):

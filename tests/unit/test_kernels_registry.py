@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -60,13 +61,76 @@ def test_turing_falls_to_reference_with_reasons(gpu):
                                             ((12, 0), torch.float16, 128, True), ((10, 3), torch.bfloat16, 64, False),
                                             ((9, 0), torch.bfloat16, 128, False)])
 def test_flashinfer_gate(gpu, cap, dtype, D, ok):
+    """Where FlashInfer's kernels exist it runs on explicit request only (it has never been run: unverified);
+    auto keeps the tested triton kernel there."""
     gpu["cap"] = cap
     gpu["pkgs"] = {"flashinfer": True, "flashinfer.cute_dsl.sparse.bsa_attn_sm100": True,
                    "flashinfer.cute_dsl.sparse.bsa_attn_sm120": True}
     sel = REGISTRY.resolve(OP, "cuda:0", dtype, D)
-    assert (sel.backend == "flashinfer") == ok
-    if not ok:
-        assert "flashinfer" in dict(sel.rejected)
+    assert sel.backend != "flashinfer" and sel.verified
+    assert "flashinfer" in dict(sel.rejected)
+    if ok:
+        assert sel.backend == "triton"
+        assert "never run on any hardware" in dict(sel.rejected)["flashinfer"]
+        ex = REGISTRY.resolve(OP, "cuda:0", dtype, D, backend="flashinfer")
+        assert ex.backend == "flashinfer" and not ex.verified and ex.unverified
+        assert "UNVERIFIED" in ex.summary() and ex.as_dict()["verified"] is False
+        assert "UNVERIFIED" in REGISTRY.explain(OP, "cuda:0", dtype, D)["flashinfer"]
+    else:
+        with pytest.raises(BackendError, match="flashinfer"):
+            REGISTRY.resolve(OP, "cuda:0", dtype, D, backend="flashinfer")
+
+
+def test_auto_skips_an_unverified_backend_even_first_in_priority():
+    r = Registry()
+    r.op("x", lambda: "ref")
+    ok = lambda q, explicit: None  # noqa: E731
+    r.impl("x", Impl("new", lambda: "new", ok, priority=0, unverified="no device of this kind was available"))
+    r.impl("x", Impl("tested", lambda: "tested", ok, priority=1))
+    sel = r.resolve("x", "cpu", torch.float32, 64)
+    assert sel.backend == "tested" and sel.verified
+    assert "never run on any hardware (no device of this kind" in dict(sel.rejected)["new"]
+    ex = r.resolve("x", "cpu", torch.float32, 64, backend="new")
+    assert ex.backend == "new" and not ex.verified and "no device of this kind" in ex.unverified
+    assert r.unverified("x", "new") and r.unverified("x", "tested") is None
+
+
+def _backends_run_by_kernel_tests() -> set[str]:
+    """Backend names the kernel tests run (string values of every ``parametrize`` whose names include
+    'backend'), read by AST from tests/unit/test_kernels_*.py, this file excluded (it mocks capabilities)."""
+    import ast
+    from pathlib import Path
+
+    names = set()
+    for path in Path(__file__).parent.glob("test_kernels_*.py"):
+        if path.name == Path(__file__).name:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "parametrize" and node.args
+                    and isinstance(node.args[0], ast.Constant) and "backend" in str(node.args[0].value)):
+                for sub in ast.walk(node.args[1]) if len(node.args) > 1 else ():
+                    if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                        names.add(sub.value)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):  # _cases([...]) helper lists
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_cases":
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                        names.add(sub.value)
+    return names
+
+
+def test_every_auto_eligible_backend_is_run_by_a_kernel_test():
+    """auto only chooses code that has run: a backend with a launcher that no kernel test runs must be marked
+    unverified (explicit only). FlashInfer (no sm100/sm120 device anywhere) is the known one."""
+    ran = _backends_run_by_kernel_tests()
+    assert {"triton", "flex", "cpu_batched", "reference"} <= ran, ran
+    untested = []
+    for op in REGISTRY.ops.values():
+        for impl in op.impls.values():
+            if impl.fn is not None and impl.exact and impl.unverified is None and impl.name not in ran:
+                untested.append(f"{op.name}:{impl.name}")
+    assert not untested, f"auto-eligible backends no kernel test runs (mark them unverified): {untested}"
+    assert REGISTRY.unverified(OP, "flashinfer")
 
 
 def test_flashinfer_needs_package(gpu):
@@ -154,3 +218,37 @@ def test_explain_lists_every_backend():
     ex = REGISTRY.explain(OP, "cpu", torch.float32, 128)
     assert set(ex) == set(REGISTRY.backends(OP))
     assert ex["reference"] == "ok"
+
+
+def _node_backend_combo() -> tuple[list[str], str]:
+    """DitKitSparseAttention's backend options and tooltip, read by AST (no ComfyUI needed)."""
+    import ast
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parents[2] / "nodes" / "sparse_attention.py").read_text(encoding="utf-8")
+    tree = ast.parse(src)
+    consts = {t.id: st.value for st in tree.body if isinstance(st, ast.Assign) for t in st.targets
+              if isinstance(t, ast.Name)}
+    for call in ast.walk(tree):
+        if (isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "Input" and call.args
+                and isinstance(call.args[0], ast.Constant) and call.args[0].value == "backend"):
+            kw = {k.arg: k.value for k in call.keywords}
+            opts, tip = kw["options"], kw["tooltip"]
+            opts = consts[opts.id] if isinstance(opts, ast.Name) else opts
+            tip = consts[tip.id] if isinstance(tip, ast.Name) else tip
+            return ast.literal_eval(opts), ast.literal_eval(tip)
+    raise AssertionError("no 'backend' combo in nodes/sparse_attention.py")
+
+
+def test_node_combo_says_why_a_backend_never_runs_or_is_unverified():
+    options, tip = _node_backend_combo()
+    impls = REGISTRY.ops[OP].impls
+    assert set(options) == {"auto", "reference"} | set(impls), options
+    for name in options:
+        impl = impls.get(name)
+        if impl is None:
+            continue
+        if impl.fn is None:  # no launcher: refused on every machine
+            assert re.search(rf"{name}\b[^.]*never runs", tip), (name, tip)
+        if impl.unverified:
+            assert re.search(rf"{name}\b[^.]*UNVERIFIED", tip), (name, tip)

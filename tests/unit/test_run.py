@@ -233,6 +233,10 @@ def test_output_files_and_reports(tmp_path, capsys):
     assert files == [tmp_path / "out" / "sub" / "a_00001_.png", tmp_path / "tmp" / "p.png"]
     assert run.output_files(ENTRY_OK) == ["output/sub/a_00001_.png", "temp/p.png"]
     assert run.ditkit_reports(ENTRY_OK) == [ENTRY_OK["outputs"]["10"]["ditkit_report"][0]]
+    # a stored (possibly cached, replayed) report is attributed to the output's node, not to an id inside it
+    replayed = {"outputs": {"4": {"ditkit_report": [{"node": "11", "node_type": "DitKitX", "kind": "load"}]},
+                            "5": {"ditkit_report": [{"node_type": "DitKitY", "kind": "load"}]}}}
+    assert [(r["node"], r["node_type"]) for r in run.ditkit_reports(replayed)] == [("4", "DitKitX"), ("5", "DitKitY")]
     run.report_success(dict(ENTRY_OK, _elapsed_s=1.5), {"10": {"class_type": "PreviewAny"}}, files)
     out = capsys.readouterr().out
     assert "OK: workflow finished in 1.5 s" in out

@@ -66,6 +66,13 @@ PAYLOADS = {
         "pairs_this_run": 10, "prompts": 1, "min_prompts": 3}},
     "calib_live": {"node": "7", "kind": "teacache_calibration_progress", "summary": "s", "data": {
         "pairs": 12, "step": 3, "steps": 6}},
+    "sparse_unverified": {"node": "11", "kind": "run", "summary": "s", "data": {
+        "backends_used": {"flashinfer": 4}, "calls": {"sparse": 4}, "steps_sparse": 2, "steps_dense": 0,
+        "measured_density": 0.5, "unverified_backends": {"flashinfer": "no sm100/sm120 device"}}},
+    "install_unverified": {"node": "11", "kind": "install", "summary": "s", "data": {
+        "keep": 0.1, "backend": "flashinfer", "backend_unverified": "no sm100/sm120 device"}},
+    "install": {"node": "11", "kind": "install", "summary": "s", "data": {"keep": 0.25, "backend": "auto",
+                                                                           "backend_unverified": None}},
     "error": {"node": "2", "kind": "error", "summary": "UnsupportedModelError: " + "y" * 100, "data": {}},
     "schedule": {"node": "4", "kind": "schedule", "summary": "s", "data": {
         "recipe": "fasth3_8step_v2", "label": "FastH3 8-Step V2", "video_shift": 10.0, "audio_shift": 3.0,
@@ -90,6 +97,9 @@ EXPECTED = {
     "error": ["error: UnsupportedModelError: " + "y" * 33 + "…"],
     "schedule": ["FastH3 8-Step V2 · shifts 10/3", "8 forwards · contract ok"],
     "schedule_none": ["FastH3 Preview v1 (4-step) · shifts 12/3", "4 forwards · no contract"],
+    "sparse_unverified": ["VSA flashinfer (unverified) ρ=0.50", "steps sparse 2 / dense 0"],
+    "install_unverified": ["VSA keep 10% · flashinfer (unverified)"],
+    "install": ["VSA keep 25% · auto"],
 }
 
 
@@ -117,5 +127,151 @@ def test_badge_texts_under_node(tmp_path):
     for key, want in EXPECTED.items():
         assert [b["text"] for b in out[key]] == want, (key, out[key])
     assert out["sparse_none"][0]["color"] != out["sparse_run"][0]["color"]  # no sparse call is flagged
+    assert out["sparse_unverified"][0]["color"] != out["sparse_run"][0]["color"]  # nor a never-run backend
+    assert out["install_unverified"][0]["color"] != out["install"][0]["color"]
     load = out["load"][0]["text"]
     assert load.startswith("H3 official layout, 2 shards") and len(load) <= 48 and load.endswith("…")
+
+
+# The extension itself under Node.js: the frontend's app/api replaced by stubs that record the registered extension
+# and the event listeners; nodes are plain objects with a ``badges`` list, as LGraphNode has.
+HARNESS = r"""
+const listeners = {};
+const nodes = new Map();
+const toasts = [];
+globalThis.window = globalThis;
+globalThis.__exts = [];
+globalThis.__app = {
+  registerExtension(e) { globalThis.__exts.push(e); },
+  graph: { getNodeById: (id) => nodes.get(String(id)) ?? null },
+  canvas: { setDirty() {} },
+  extensionManager: { toast: { add: (t) => toasts.push(t) } },
+};
+globalThis.__api = { addEventListener(t, f) { (listeners[t] ||= []).push(f); }, apiURL: (p) => p };
+const emit = (type, detail) => (listeners[type] || []).forEach((f) => f({ detail }));
+const ctx = { font: "", save() {}, restore() {}, beginPath() {}, roundRect() {}, rect() {}, fill() {},
+              fillText() {}, measureText: (t) => ({ width: 7 * t.length }) };
+// what LGraphNode.drawBadges does (each slot function called, the badge drawn left to right above the title)
+function draw(node) {
+  let x = 0;
+  const drawn = node.badges.map((b) => (typeof b === "function" ? b() : b));
+  for (const b of drawn) { b.draw(ctx, x, -40); x += b.getWidth(ctx) + 2; }
+  return drawn;
+}
+// what LGraphCanvas does on a click: the slot functions called again, the badge under the point clicked
+function click(node, px, py) {
+  for (const b of node.badges.map((f) => (typeof f === "function" ? f() : f)).filter((b) => b.onClick)) {
+    const [x, y, w, h] = b.boundingRect;
+    if (px >= x && px < x + w && py >= y && py < y + h) { b.onClick(); return b.text; }
+  }
+  return null;
+}
+async function newNode(ext, id, cls) {
+  const n = { id, comfyClass: cls, badges: [], widgets: [{ name: "$$node-text-preview", value: "old report text" }],
+              setDirtyCanvas() {} };
+  nodes.set(String(id), n);
+  await ext.nodeCreated(n);
+  return n;
+}
+
+const mod = await import("./extensions/ditkit/js/ditkit.js");
+await import("./extensions/ditkit-main/js/ditkit.js");   // the same pack served from a second web folder
+const out = { registered: globalThis.__exts.map((e) => e.name) };
+const ext = globalThis.__exts[0];
+await ext.setup();
+
+// 1. clicking a badge in the classic canvas opens the report
+const tc = await newNode(ext, 5, "DitKitTeaCache");
+emit("ditkit.report", { node: "5", node_type: "DitKitTeaCache", kind: "teacache", summary: "TeaCache: skipped 3 of 6",
+                        data: { calls: 6, skipped: 3, computed: 3, block_eval_ratio: 2.0,
+                                streams: { video: { computed: 3, skipped: 3 } } } });
+const drawn = draw(tc);
+const again = tc.badges.map((f) => (typeof f === "function" ? f() : f));
+out.same_objects = drawn.every((b, i) => b === again[i]);
+const first = drawn.find((b) => b.text);
+out.rect = first.boundingRect.slice();
+out.clicked = click(tc, first.boundingRect[0] + 3, first.boundingRect[1] + 3);
+out.toast = toasts.map((t) => t.detail);
+
+// 2. a cached output replayed for a node with another id in the new graph: drawn on that node, marked cached
+emit("execution_start", { prompt_id: "p2" });
+const vsa = await newNode(ext, 9, "DitKitSparseAttention");
+await newNode(ext, 3, "DitKitH3ModelLoader");
+emit("execution_cached", { nodes: ["9", "3"], prompt_id: "p2" });
+emit("executed", { node: "9", display_node: "9", prompt_id: "p2", output: { ditkit_report: [
+  { node: "3", node_type: "DitKitSparseAttention", kind: "install", summary: "VSA-H3 installed",
+    data: { keep: 0.25, backend: "auto" } }] } });
+out.cached_on_9 = mod.badgeTexts("9");
+out.cached_on_3 = mod.badgeTexts("3");
+// the run report of the same prompt arrived first: the replayed install report does not come back over it
+emit("execution_start", { prompt_id: "p3" });
+emit("ditkit.report", { node: "9", node_type: "DitKitSparseAttention", kind: "run", summary: "VSA run",
+                        data: { backends_used: { cpu_batched: 4 }, calls: { sparse: 4 }, steps_sparse: 2,
+                                steps_dense: 0, measured_density: 0.5 } });
+emit("executed", { node: "9", display_node: "9", prompt_id: "p3", output: { ditkit_report: [
+  { node_type: "DitKitSparseAttention", kind: "install", summary: "VSA-H3 installed", data: { keep: 0.25, backend: "auto" } }] } });
+out.run_then_replay = mod.badgeTexts("9");
+
+// 3. a node that fails shows its error only: no earlier badge, no earlier report text
+emit("execution_start", { prompt_id: "p4" });
+emit("execution_error", { prompt_id: "p4", node_id: "5", node_type: "DitKitTeaCache",
+                          exception_type: "ditkit.errors.CoefficientError", exception_message: "no file" });
+out.failed = mod.badgeTexts("5");
+out.failed_text = tc.widgets[0].value;
+console.log(JSON.stringify(out));
+"""
+
+
+@pytest.mark.skipif(NODE is None, reason="Node.js not installed (apt-get install nodejs)")
+def test_extension_clicks_cached_reports_and_errors_under_node(tmp_path):
+    for folder in ("ditkit", "ditkit-main"):
+        ext = tmp_path / "extensions" / folder / "js"
+        ext.mkdir(parents=True)
+        shutil.copy(JS, ext / "ditkit.js")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "app.js").write_text("export const app = globalThis.__app;\n")
+    (tmp_path / "scripts" / "api.js").write_text("export const api = globalThis.__api;\n")
+    runner = tmp_path / "run.mjs"
+    runner.write_text(HARNESS)
+    r = subprocess.run([NODE, str(runner)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["registered"] == ["ditkit.reports"], "a second copy of the extension registered again"
+    # the hit-test sees the very badges that were drawn (with their bounding boxes), so a click opens the report
+    assert out["same_objects"], "the slot functions returned other badge objects after drawing"
+    assert out["rect"][2] > 0 and out["rect"][3] > 0, out["rect"]
+    assert out["clicked"] == "TeaCache skipped 3/6 (2.00x)"
+    assert out["toast"] and "[teacache] TeaCache: skipped 3 of 6" in out["toast"][-1]
+    assert out["cached_on_9"] == ["VSA keep 25% · auto · cached"], out["cached_on_9"]
+    assert out["cached_on_3"] == [], "the replayed report went to the id inside its payload"
+    assert out["run_then_replay"] == ["VSA cpu_batched ρ=0.50", "steps sparse 2 / dense 0"], out["run_then_replay"]
+    assert out["failed"] == ["error: CoefficientError: no file"], out["failed"]
+    assert out["failed_text"] == "", "the failed node still shows the previous run's report text"
+
+
+def _tool_comfy() -> dict:
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11+")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["comfy"]
+
+
+def test_the_web_folder_is_registered_once():
+    """ComfyUI registers a pack's web folder from ``WEB_DIRECTORY`` (keyed by the folder's name) and from
+    pyproject ``[tool.comfy] web`` (keyed by the project name): with both, a clone not named 'ditkit' serves
+    the extension twice. The runtime check (ComfyUI's own loader) is tests/integration/test_web_extension_host.py."""
+    tree = ast.parse((ROOT / "__init__.py").read_text(encoding="utf-8"))
+    has_web_directory = any(isinstance(t, ast.Name) and t.id == "WEB_DIRECTORY"
+                            for st in tree.body if isinstance(st, ast.Assign) for t in st.targets)
+    assert has_web_directory
+    assert "web" not in _tool_comfy(), "[tool.comfy] web and WEB_DIRECTORY both register web/"
+
+
+def test_the_icon_exists():
+    icon = _tool_comfy().get("Icon")
+    if not icon or icon.startswith(("http://", "https://")):
+        return
+    path = ROOT / icon
+    assert path.is_file(), f"[tool.comfy] Icon = {icon!r} points at nothing"
+    from xml.dom import minidom
+
+    root = minidom.parse(str(path)).documentElement
+    assert root.tagName == "svg" and root.getAttribute("viewBox"), "the icon is not an SVG with a viewBox"

@@ -4,7 +4,11 @@
 //   {node: <unique_id>, node_type, kind, summary, data}
 // Runtime reports (sparse-attention run, TeaCache counters, streaming bytes, AdaLN hits) are sent by sampling
 // wrappers while ANOTHER node (the sampler) executes, so the frontend drops their progress_text; this extension
-// handles the event itself and keys it by the reporting ditkit node's id.
+// handles the event itself and keys it by the reporting ditkit node's id. The server resolves that id in the prompt
+// that is running (a cached model may have been made under another id in an earlier prompt).
+// A node whose output ComfyUI serves from its cache does not run again: ComfyUI resends its cached report as an
+// `executed` event under the node's current id (ditkit nodes are flagged has_intermediate_output); it is shown
+// with "· cached".
 //
 // Rendering: node.badges (functions returning LGraphBadge), SLOTS of them pushed when the node is created.
 // The classic canvas draws them above the title (LGraphNode.drawBadges); Nodes 2.0 (Vue) renders the same list in NodeBadges (usePartitionedBadges drops
@@ -22,8 +26,19 @@ const BAD = "#7a1f1f";
 const INFO = "#24405c";
 const STALE = "#444444";
 
-// node id (string) -> {reports: {kind: payload}, order: [kind], stale: bool}
+// node id (string) -> {reports: {kind: payload}, order: [kind], stale: bool}; payload.cached: replayed from the cache
 const state = new Map();
+// ids of the nodes the running prompt gets from ComfyUI's cache (execution_cached)
+let cachedNow = new Set();
+// the frontend's per-node text widget for progress_text (useNodeProgressText): our summaries land there
+const TEXT_PREVIEW = "$$node-text-preview";
+// an install-time report never replaces the run report of the same prompt (ComfyUI replays cached reports last)
+const SUPERSEDED_BY = {
+  install: ["run"],
+  teacache_install: ["teacache"],
+  teacache_calibration_install: ["teacache_calibration_progress", "teacache_calibration"],
+  teacache_calibration_progress: ["teacache_calibration"],
+};
 
 const mib = (b) => (typeof b === "number" ? `${(b / 2 ** 20).toFixed(b < 2 ** 20 ? 3 : 1)} MiB` : "?");
 const num = (v, d = 2) => (typeof v === "number" ? v.toFixed(d) : "n/a");
@@ -42,15 +57,18 @@ export function badgeSpecs(p) {
       const sparse = (d.calls || {}).sparse || 0;
       const dense = sum(d.calls) - sparse;
       if (!sparse) return [{ text: `VSA: no sparse call (dense ${dense})`, color: BAD }];
+      const unverified = Object.keys(d.unverified_backends || {}).length > 0;  // never run anywhere before
       return [
-        { text: `VSA ${used.join("+")} ρ=${num(d.measured_density)}`, color: OK },
+        { text: `VSA ${used.join("+")}${unverified ? " (unverified)" : ""} ρ=${num(d.measured_density)}`,
+          color: unverified ? WARN : OK },
         { text: `steps sparse ${d.steps_sparse} / dense ${d.steps_dense}` +
                 (d.steps_without_attention ? ` / ${d.steps_without_attention} cache-skipped` : ""),
           color: d.steps_dense ? WARN : OK },
       ];
     }
     case "install":
-      return [{ text: `VSA keep ${num((d.keep || 0) * 100, 0)}% · ${d.backend}`, color: INFO }];
+      return [{ text: `VSA keep ${num((d.keep || 0) * 100, 0)}% · ${d.backend}${d.backend_unverified ? " (unverified)" : ""}`,
+                color: d.backend_unverified ? WARN : INFO }];
     case "teacache": {
       const out = [{ text: `TeaCache skipped ${d.skipped}/${d.calls} (${num(d.block_eval_ratio)}x)`,
                      color: d.skipped ? OK : WARN }];
@@ -131,14 +149,16 @@ function findNode(id) {
 }
 
 function makeBadge(text, color, onClick) {
-  const B = window.LGraphBadge;
+  const B = globalThis.LGraphBadge;
   if (B) return new B({ text, fgColor: "#ffffff", bgColor: color, onClick });
-  // fallback: the duck-typed shape drawBadges uses
+  // fallback: the duck-typed shape drawBadges and the click hit-test (boundingRect, node-relative) use
   return {
-    text, height: 20, fgColor: "#fff", bgColor: color, onClick, visible: true, boundingRect: [0, 0, 0, 0],
+    text, height: 20, fgColor: "#fff", bgColor: color, onClick, visible: Boolean(text), boundingRect: [0, 0, 0, 0],
     getWidth(ctx) { ctx.save(); ctx.font = "12px sans-serif"; const w = ctx.measureText(text).width + 12; ctx.restore(); return w; },
     draw(ctx, x, y) {
+      if (!text) return;
       const w = this.getWidth(ctx);
+      this.boundingRect.splice(0, 4, x, y, w, 20);
       ctx.save(); ctx.fillStyle = color; ctx.beginPath(); ctx.roundRect?.(x, y, w, 20, 5); ctx.fill();
       ctx.fillStyle = "#fff"; ctx.font = "12px sans-serif"; ctx.textBaseline = "middle"; ctx.fillText(text, x + 6, y + 11);
       ctx.restore();
@@ -146,10 +166,13 @@ function makeBadge(text, color, onClick) {
   };
 }
 
+const keyOf = (node) => node.ditkitKey ?? String(node.id);
+
 function showDetails(node) {
-  const s = state.get(String(node.id));
+  const s = state.get(keyOf(node));
   if (!s) return;
-  const detail = s.order.map((k) => `[${k}] ${s.reports[k].summary}`).join("\n");
+  const detail = s.order.map((k) => `[${k}] ${s.reports[k].summary}` +
+                             (s.reports[k].cached ? " (cached output: reported when it was made)" : "")).join("\n");
   const toast = app.extensionManager?.toast;
   if (toast?.add) toast.add({ severity: "info", summary: `${node.title} (ditkit)`, detail, life: 12000 });
   else console.info(`[ditkit] ${node.title}\n${detail}`);
@@ -158,8 +181,13 @@ function showDetails(node) {
 // Texts of this node's ditkit badges in display order (also used by the browser test).
 export function badgeTexts(nodeId) {
   const s = state.get(String(nodeId));
-  if (!s) return [];
-  return s.order.flatMap((k) => badgeSpecs(s.reports[k]).map((b) => b.text));
+  return s ? specsOf(s).map((b) => b.text) : [];
+}
+
+// A node's badges: its reports in arrival order, grey when stale, the first badge of a cached report marked.
+function specsOf(s) {
+  return s.order.flatMap((k) => badgeSpecs(s.reports[k]).map((b, j) => ({
+    ...b, text: j === 0 && s.reports[k].cached ? `${b.text} · cached` : b.text, color: s.stale ? STALE : b.color })));
 }
 
 const SLOTS = 6;  // badge slots per ditkit node (created with the node so Nodes 2.0 tracks them)
@@ -167,27 +195,26 @@ const REV = "__ditkitReportRevision";
 let rev = 0;
 
 function currentSpecs(node) {
-  const s = state.get(String(node.id));
-  if (!s) return [];
-  return s.order.flatMap((k) => badgeSpecs(s.reports[k]).map((b) => ({ ...b, color: s.stale ? STALE : b.color })));
+  const s = state.get(keyOf(node));
+  return s ? specsOf(s) : [];
 }
 
 function addBadgeSlots(node) {
   if (!node.badges || node.ditkitSlots) return;
   node.ditkitSlots = true;
-  const cache = new Map();
   for (let i = 0; i < SLOTS; i++) {
+    // One memo per slot: the classic canvas draws the badge a slot returns (setting its boundingRect) and, on a
+    // click, hit-tests what the slots return then; both must be the same object until a report changes it.
+    let memo = null;
     const fn = () => {
       // Reading this reactive (pinia store) key makes Nodes 2.0's badge computed re-run when a report arrives;
       // the classic canvas calls these functions on every draw.
       const r = app.extensionManager?.[REV] ?? rev;
-      const key = `${r}:${i}`;
-      if (!cache.has(key)) {
-        cache.clear();
+      if (!memo || memo.rev !== r) {
         const spec = currentSpecs(node)[i];
-        cache.set(key, makeBadge(spec ? spec.text : "", spec ? spec.color : STALE, () => showDetails(node)));
+        memo = { rev: r, badge: makeBadge(spec ? spec.text : "", spec ? spec.color : STALE, () => showDetails(node)) };
       }
-      return cache.get(key);
+      return memo.badge;
     };
     fn.ditkit = i;
     node.badges.push(fn);
@@ -210,6 +237,7 @@ function handleReport(p) {
     s = { reports: {}, order: [], stale: false };
     state.set(id, s);
   }
+  if ((SUPERSEDED_BY[p.kind] || []).some((k) => k in s.reports)) return;
   if (!(p.kind in s.reports)) s.order.push(p.kind);
   s.reports[p.kind] = p;
   // an install report followed by its run report: show the run
@@ -222,6 +250,7 @@ function handleReport(p) {
   }
   const node = findNode(id);
   if (!node) return;
+  node.ditkitKey = id;
   refreshBadges(node);
   if (node.comfyClass === CALIBRATE || p.node_type === CALIBRATE) updateCalibrationView(node, p);
 }
@@ -362,26 +391,56 @@ function updateCalibrationView(node, p) {
   });
 }
 
+// ------------------------------------------------------------------------------------------ run events
+
+function clearProgressText(node) {
+  // the frontend keeps the last progress_text (our summary) in a text widget; a failed run must not show it
+  const w = node?.widgets?.find((x) => x.name === TEXT_PREVIEW);
+  if (w) w.value = "";
+}
+
+// ComfyUI sends a node's ui output (its report, also a cached one replayed for a node that did not run) as
+// `executed` for the node id of the running prompt: that id, never the one inside the payload.
+function handleExecuted(d) {
+  const id = d?.display_node ?? d?.node;
+  const reports = d?.output?.ditkit_report;
+  if (id == null || !Array.isArray(reports)) return;
+  for (const p of reports) {
+    const s = state.get(String(id));
+    if (!s || s.stale || !(p.kind in s.reports)) {
+      handleReport({ ...p, node: String(id), cached: cachedNow.has(String(id)) || cachedNow.has(String(d.node)) });
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------- extension
 
-app.registerExtension({
+const EXTENSION = {
   name: "ditkit.reports",
   async setup() {
     api.addEventListener(EVENT, (ev) => handleReport(ev.detail));
     // a new prompt: previous reports turn grey (kept until the node reports again; cached nodes do not re-run)
     api.addEventListener("execution_start", () => {
+      cachedNow = new Set();
       for (const [id, s] of state) {
         s.stale = true;
         const n = findNode(id);
         if (n) refreshBadges(n);
       }
     });
-    // a ditkit node raised: keep its message on the node as a red badge (ComfyUI also outlines the node and
-    // shows the error dialog; the badge survives closing it)
+    api.addEventListener("execution_cached", (ev) => {
+      cachedNow = new Set((ev.detail?.nodes || []).map(String));
+    });
+    api.addEventListener("executed", (ev) => handleExecuted(ev.detail));
+    // a ditkit node raised: its earlier reports and report text go, its message stays on the node as a red badge
+    // (ComfyUI also outlines the node and shows the error dialog; the badge survives closing it)
     api.addEventListener("execution_error", (ev) => {
       const d = ev.detail || {};
       if (!String(d.node_type || "").startsWith("DitKit")) return;
-      handleReport({ node: d.node_id, node_type: d.node_type, kind: "error",
+      const id = String(d.node_id);
+      state.set(id, { reports: {}, order: [], stale: false });
+      clearProgressText(findNode(id));
+      handleReport({ node: id, node_type: d.node_type, kind: "error",
                      summary: `${String(d.exception_type || "").split(".").pop()}: ${d.exception_message}`, data: {} });
     });
     window.ditkit = { state, badgeTexts, badgeSpecs, handleReport };
@@ -389,28 +448,27 @@ app.registerExtension({
   // another workflow is loaded: node ids are reused, so reports of the previous graph must not show on it
   async beforeConfigureGraph() {
     state.clear();
+    cachedNow = new Set();
     rev += 1;
   },
   async nodeCreated(node) {
     if (!String(node.comfyClass || "").startsWith("DitKit")) return;
     if (node.badges && node.badges.length === 0) {
       // Nodes 2.0 hides badges[0] (where Comfy.NodeBadge puts the source badge); keep ours after it
-      node.badges.push(() => makeBadge("", STALE));
+      const placeholder = makeBadge("", STALE);
+      node.badges.push(() => placeholder);
     }
     addBadgeSlots(node);
     if (node.comfyClass === CALIBRATE) ensureCalibrationWidget(node);
   },
-  async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!String(nodeData?.name || "").startsWith("DitKit")) return;
-    // also accept the report from the node's own `executed` ui output (kept in /history)
-    const orig = nodeType.prototype.onExecuted;
-    nodeType.prototype.onExecuted = function (output) {
-      const r = orig?.apply(this, arguments);
-      for (const p of output?.ditkit_report || []) {
-        const s = state.get(String(this.id));
-        if (!s || s.stale || !(p.kind in s.reports)) handleReport({ ...p, node: p.node ?? this.id });
-      }
-      return r;
-    };
-  },
-});
+};
+
+// ComfyUI serves this file once per web folder it registers; a second copy (another URL of the same pack) must not
+// register the extension again (the frontend refuses a duplicate name and the reports would be handled twice).
+const LOADED = "__ditkitReportsLoadedFrom";
+if (globalThis[LOADED]) {
+  console.warn(`[ditkit] web extension already loaded from ${globalThis[LOADED]}; ignoring ${import.meta.url}`);
+} else {
+  globalThis[LOADED] = import.meta.url;
+  app.registerExtension(EXTENSION);
+}
