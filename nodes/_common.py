@@ -253,6 +253,24 @@ def device_budget(device) -> tuple[int, str]:
     return int(mm.get_total_memory(dev)), f"of memory on {dev}"
 
 
+def check_memory_split(node: str, input_name: str, shape, device, device_parts: dict, host_parts: dict) -> None:
+    """``vae/preflight.check_memory`` against the right budgets: everything against free RAM when ``device`` is the
+    CPU; else what lives on the device against its memory and what lives on the host against free RAM."""
+    import torch
+
+    from ..vae import preflight
+
+    if torch.device(device).type == "cpu":
+        budget, where = device_budget("cpu")
+        preflight.check_memory(node, input_name, shape, {**device_parts, **host_parts}, budget, where)
+        return
+    budget, where = device_budget(device)
+    preflight.check_memory(node, input_name, shape, device_parts, budget, where)
+    if host_parts:
+        budget, where = device_budget("cpu")
+        preflight.check_memory(node, input_name, shape, host_parts, budget, where)
+
+
 def _jsonable(obj: Any) -> Any:
     try:
         json.dumps(obj)

@@ -31,7 +31,7 @@ from ..vae import preflight
 from ..vae.metadata import check_whitening_matches, validate_image_vae_metadata
 from ..vae.t1_decode import direct_decode_t1, repeat_decode_t1
 from ._bars import lazy_bar
-from ._common import device_budget, progress, send_report, ui_report
+from ._common import check_memory_split, device_budget, progress, send_report, ui_report
 
 FLOAT_DTYPES = {"F16", "BF16", "F32"}
 AUDIO_LATENT_FPS = 40
@@ -171,14 +171,15 @@ def _check_decode_memory(vae, m, latent: torch.Tensor) -> None:
     itemsize = torch.empty((), dtype=vae.vae_dtype).element_size()
     if t == 1:
         tokens = int(getattr(m, "tokens_chunk_size", 5)) + int(getattr(m, "token_overlap", 2))
-        parts = {"VAE working set (ComfyUI's estimate)": float(vae.memory_used_decode((b, c, 2, h, w), vae.vae_dtype))}
-        parts.update(preflight.t1_decode_bytes(latent.shape, ratio, itemsize, tokens))
+        dev = {"VAE working set (ComfyUI's estimate)": float(vae.memory_used_decode((b, c, 2, h, w), vae.vae_dtype))}
+        t1 = preflight.t1_decode_bytes(latent.shape, ratio, itemsize, tokens)
+        host = {"output image": t1.pop("output image")}
+        dev.update(t1)
     else:
         frames = int(m.decode_output_shape((1, c, t, h, w))[2]) if hasattr(m, "decode_output_shape") else 4 * t
-        parts = {"VAE working set (ComfyUI's estimate)": float(vae.memory_used_decode(tuple(latent.shape), vae.vae_dtype)),
-                 "decoded float video": b * 3 * frames * h * ratio * w * ratio * 4}
-    budget, where = device_budget(vae.device)
-    preflight.check_memory("DitKitH3VAEDecode", "samples", latent.shape, parts, budget, where)
+        dev = {"VAE working set (ComfyUI's estimate)": float(vae.memory_used_decode(tuple(latent.shape), vae.vae_dtype))}
+        host = {"decoded float video": b * 3 * frames * h * ratio * w * ratio * 4}
+    check_memory_split("DitKitH3VAEDecode", "samples", latent.shape, vae.device, dev, host)
 
 
 def h3_decode(vae, latent: torch.Tensor, progress=None) -> tuple[torch.Tensor, dict]:
@@ -324,11 +325,10 @@ class DitKitH3EncodeImage(io.ComfyNode):
                                    why=f"each side is cropped to a multiple of {ratio} px and the encoder's last level "
                                        f"pads by reflection, which needs 2 latent cells ({2 * ratio} px)")
         n, h, w = int(image.shape[0]), int(image.shape[1]), int(image.shape[2])
-        budget, where = device_budget(vae.device)
-        preflight.check_memory("DitKitH3EncodeImage", "image", tuple(image.shape),
-                               {"VAE working set per image (ComfyUI's estimate)":
-                                    float(vae.memory_used_encode((1, 3, 1, h, w), vae.vae_dtype)),
-                                "latents": n * 24 * (h // ratio) * (w // ratio) * 4}, budget, where)
+        check_memory_split("DitKitH3EncodeImage", "image", tuple(image.shape), vae.device,
+                           {"VAE working set per image (ComfyUI's estimate)":
+                                float(vae.memory_used_encode((1, 3, 1, h, w), vae.vae_dtype))},
+                           {"latents": n * 24 * (h // ratio) * (w // ratio) * 4})
         bar = progress(n, cls.hidden.unique_id)
         outs = []
         for i in range(n):   # one T=1 latent per image (ComfyUI's encode drives no bar for this VAE)

@@ -16,7 +16,7 @@ from comfy.cli_args import args as comfy_args
 from ..errors import DitKitError, UnsupportedModelError
 from ..vae import preflight
 from ..vae.video_stream import PyAVVideoWriter, Uint8FrameSink, VideoOutput, require_av
-from ._common import device_budget, progress, send_report, ui_report
+from ._common import check_memory_split, progress, send_report, ui_report
 
 
 def _video_latent(samples: dict) -> torch.Tensor:
@@ -60,12 +60,11 @@ def check_save_request(vae, latent: torch.Tensor, fps: float, audio=None, node: 
     else:  # other chunked VAEs: at least one frame (their own estimate covers the rest)
         chunk = 1
     itemsize = torch.empty((), dtype=vae.vae_dtype).element_size()
-    budget, where = device_budget(vae.device)
-    parts = {"VAE working set (ComfyUI's estimate)": float(vae.memory_used_decode((1,) + tuple(latent.shape[1:]),
-                                                                                    vae.vae_dtype)),
-             "one decoded chunk": chunk * 3 * height * width * max(itemsize, 4),
-             "its uint8 frames": chunk * 3 * height * width}
-    preflight.check_memory(node, "samples", latent.shape, parts, budget, where)
+    dev = {"VAE working set (ComfyUI's estimate)": float(vae.memory_used_decode((1,) + tuple(latent.shape[1:]),
+                                                                                  vae.vae_dtype)),
+           "one decoded chunk": chunk * 3 * height * width * max(itemsize, 4)}
+    host = {"its uint8 frames": chunk * 3 * height * width}
+    check_memory_split(node, "samples", latent.shape, vae.device, dev, host)
     return shape
 
 
