@@ -88,7 +88,7 @@ class CoefficientFile:
 
     @property
     def kind(self) -> str:
-        return str(self.provenance.get("kind", "calibrated"))
+        return str(self.provenance["kind"])
 
     def as_dict(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "family": self.family,
@@ -233,7 +233,9 @@ def parse(obj: Any, where: str) -> CoefficientFile:
     prov = obj.get("provenance")
     if not isinstance(prov, dict) or not isinstance(prov.get("source"), str) or not prov.get("source"):
         raise _err(where, "provenance.source", "every coefficient file must state where its coefficients come from")
-    if prov.get("kind", "calibrated") not in ("calibrated", "borrowed"):
+    if "kind" not in prov:  # decides whether the "borrowed coefficients" warning is shown: never assumed
+        raise _err(where, "provenance.kind", "is missing; expected 'calibrated' (fitted for this model) or 'borrowed'")
+    if prov.get("kind") not in ("calibrated", "borrowed"):
         raise _err(where, "provenance.kind", f"is {_shown(prov.get('kind'))}, expected 'calibrated' or 'borrowed'")
     cal = obj.get("calibration")
     if cal is not None and not isinstance(cal, dict):

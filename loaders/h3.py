@@ -383,6 +383,7 @@ def _plan(src: H3Source) -> tuple[list[_Op], dict, list[str]]:
                 raise CheckpointError(f"'{src.path}': unknown diffusers tensor {k!r} (not in the H3 diffusers key map)")
             ops.append(_Op(new, "copy", (k,)))
         n = src.config.get("rope_freq_dim")
+        # absent from config.json means diffusers' own class default, rope_theta=10000.0 (h3.md §config table)
         theta = src.config.get("rope_theta", 10000.0)
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0 or not isinstance(theta, (int, float)) or theta <= 0:
             raise CheckpointError(f"'{src.path}': config.json rope_freq_dim={n!r} / rope_theta={theta!r} are not a "

@@ -163,7 +163,7 @@ def test_fuzz_lokr_parser(keys, data, flux2_shapes):
 def _coef_doc():
     return {"format": "ditkit.teacache.coefficients", "version": 1, "family": "h3",
             "streams": {"video": {"coefficients": [1.0, 0.0], "x_range": None, "fit": None}},
-            "calibration": None, "fingerprint": {"family": "h3"}, "provenance": {"source": "fuzz"}}
+            "calibration": None, "fingerprint": {"family": "h3"}, "provenance": {"source": "fuzz", "kind": "calibrated"}}
 
 
 @FUZZ

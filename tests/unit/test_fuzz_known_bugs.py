@@ -93,7 +93,7 @@ def test_lokr_valid_peft_scale_from_metadata():
 def _doc(**over):
     d = {"format": coef.FORMAT, "version": 1, "family": "h3",
          "streams": {"video": {"coefficients": [1.0, 0.0]}}, "fingerprint": {"family": "h3"},
-         "provenance": {"source": "test"}}
+         "provenance": {"source": "test", "kind": "calibrated"}}
     d.update(over)
     return d
 

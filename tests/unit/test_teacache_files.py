@@ -77,6 +77,7 @@ def _mut(**changes):
     (_mut(fingerprint=None), "fingerprint"),
     (_mut(provenance__source=KeyError), "provenance.source"),
     (_mut(provenance__kind="guessed"), "provenance.kind"),
+    (_mut(provenance__kind=KeyError), "provenance.kind"),  # a missing kind was taken as 'calibrated'
     (_mut(streams__video=KeyError), "needs at least the 'video' stream"),
 ])
 def test_bad_files_raise_naming_the_problem(tmp_path, obj, needle):
