@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 
 from ..errors import CheckpointError
+from .safe_fs import open_model_file
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same bound as the reference safetensors implementation
 MAX_METADATA_VALUE = 1 << 20
@@ -111,9 +112,8 @@ def _open_regular(path: str, where: str):
     """Open ``path`` once and check the OPENED file (not the name, which may be a symlink the user placed in a
     model folder, or may change): it must be a regular file. Opened non-blocking, so a FIFO or device is refused
     instead of hanging the server. Returns ``(file object, size, (st_dev, st_ino))`` from ``fstat``."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
     try:
-        fd = os.open(path, flags)
+        fd = open_model_file(path)
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
         raise CheckpointError(f"{where}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     try:
