@@ -15,8 +15,21 @@
 * Shows progress (websocket events when available, else queue polling), prints ditkit reports, output files,
   validation errors (HTTP 400 ``node_errors``) and execution errors (``/history`` messages).
 
-Exit status: 0 success, 1 the workflow failed (validation or execution error, timeout), 2 bad arguments or
-unreadable workflow file, 3 the server could not be started or reached.
+Exit status (every failure prints one ``ERROR: ...`` / ``FAILED: ...`` line first, never a traceback):
+
+* 0 the workflow ran;
+* 1 the server refused or failed the workflow (HTTP 400 validation errors, an execution error, or the
+  ``--timeout`` passed: the prompt is cancelled);
+* 2 bad arguments or a bad workflow file, found before any server is started or contacted: an unknown option,
+  a malformed ``--server`` URL (scheme, host, port 1..65535, no query/fragment), a timeout that is not a
+  finite number > 0, a ``--port`` outside 0..65535, a missing ``--comfyui``/``--models``/``--python``; a
+  workflow file that is missing, not a regular file, larger than 64 MiB, not UTF-8, not strict JSON (NaN,
+  Infinity and duplicate keys are refused), nested deeper than 64 levels, or whose structure is broken (API:
+  nodes that are not objects with a string ``class_type``, ``inputs`` that are not an object, links to missing
+  nodes; UI: non-integer or repeated node/link ids, malformed links, links from missing nodes); also a UI
+  workflow the server's node schemas cannot convert (unknown node class);
+* 3 the server could not be started or reached (the server log tail is printed);
+* 130 interrupted (Ctrl-C); 143 stopped by SIGTERM (the started server is stopped either way).
 
 Standard library only (no ComfyUI import, no torch import unless tiny checkpoints are generated), so the same
 code drives the integration tests (``tests/integration/conftest.py``).
@@ -28,10 +41,12 @@ import base64
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -69,6 +84,12 @@ class RunnerError(RuntimeError):
     exit_code = EXIT_SERVER
 
 
+class WorkflowFileError(RunnerError):
+    """The workflow file is missing, unreadable, not strict JSON, too large or deep, or structurally broken."""
+
+    exit_code = EXIT_USAGE
+
+
 class WorkflowFailed(RuntimeError):
     """The server rejected or failed the workflow; ``str()`` is the formatted error report."""
 
@@ -81,8 +102,39 @@ class WorkflowFailed(RuntimeError):
 
 # --------------------------------------------------------------------------------------------- arguments
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line ``ERROR: ...`` message (exit 2) instead of the usage block."""
+
+    def error(self, message: str):
+        text = " ".join(str(message).split())
+        self.exit(EXIT_USAGE, f"ERROR: {text} (see: {self.prog} --help)\n")
+
+
+def check_server_url(url: str) -> str:
+    """``url`` without trailing slashes if it is an http(s) URL with a host and a port in 1..65535 (or none),
+    no credentials, query or fragment; else ValueError with the reason."""
+    if not url or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        raise ValueError("empty, or contains whitespace or control characters")
+    try:
+        u = urllib.parse.urlsplit(url)
+        port = u.port
+    except ValueError as e:  # "http://[::1" (unclosed IPv6), "http://h:99999", "http://h:abc"
+        raise ValueError(f"not a valid URL ({e})") from None
+    if u.scheme not in ("http", "https"):
+        raise ValueError("expected a URL like http://127.0.0.1:8188 (scheme http or https)")
+    if not u.hostname:
+        raise ValueError("expected a URL like http://127.0.0.1:8188 (no host)")
+    if port == 0:
+        raise ValueError("port 0 is not a server port (1..65535)")
+    if u.username is not None or u.password is not None:
+        raise ValueError("credentials in the URL are not supported")
+    if u.query or u.fragment or url.endswith(("?", "#")):
+        raise ValueError("a server URL has no query or fragment (the runner appends /prompt, /history, ...)")
+    return url.rstrip("/")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="python -m ditkit.run",
         description="Queue a ComfyUI workflow (API or UI format) on a real ComfyUI and report the result.",
     )
@@ -129,14 +181,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.comfyui is not None and not (Path(a.comfyui).expanduser() / "main.py").is_file():
         ap.error(f"--comfyui {a.comfyui!r}: no main.py there (not a ComfyUI checkout)")
     if a.server is not None:
-        u = urllib.parse.urlsplit(a.server)
-        if u.scheme not in ("http", "https") or not u.netloc:
-            ap.error(f"--server {a.server!r}: expected a URL like http://127.0.0.1:8188")
-        a.server = a.server.rstrip("/")
+        try:
+            a.server = check_server_url(a.server)
+        except ValueError as e:
+            ap.error(f"--server {a.server[:200]!r}: {e}")
     if a.models is not None and not Path(a.models).is_dir():
         ap.error(f"--models {a.models!r} is not a directory")
-    if a.timeout <= 0 or a.startup_timeout <= 0:
-        ap.error("timeouts must be positive")
+    for opt, v in (("--timeout", a.timeout), ("--startup-timeout", a.startup_timeout)):
+        if not (math.isfinite(v) and v > 0):  # nan compares False with everything; inf would never time out
+            ap.error(f"{opt} {v!r}: timeouts must be positive, finite numbers of seconds")
+    if not 0 <= a.port <= 65535:
+        ap.error(f"--port {a.port}: expected 1..65535 (or 0 for a free port)")
+    if a.server is None and a.python is not None:
+        exe = shutil.which(a.python) if os.sep not in a.python else a.python
+        if not exe or not os.path.isfile(exe) or not os.access(exe, os.X_OK):
+            ap.error(f"--python {a.python!r} is not an executable file")
+    if a.out is not None and Path(a.out).exists() and not Path(a.out).is_dir():
+        ap.error(f"--out {a.out!r} exists and is not a directory")
     return a
 
 
@@ -285,23 +346,135 @@ def is_ui_format(wf: Any) -> bool:
     return isinstance(wf, dict) and isinstance(wf.get("nodes"), list) and "links" in wf
 
 
-def load_workflow_file(path) -> dict:
-    p = Path(path)
+MAX_WORKFLOW_BYTES = 64 * 2**20
+MAX_WORKFLOW_DEPTH = 64
+
+
+def _name(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _read_workflow_bytes(p: Path) -> bytes:
+    """The file's bytes, opened once (non-blocking, so a FIFO cannot hang the runner) and checked on the opened
+    descriptor: a regular file of at most MAX_WORKFLOW_BYTES."""
+    where = f"workflow file '{p}'"
     try:
-        wf = json.loads(p.read_text(encoding="utf-8"))
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise RunnerError(f"workflow file '{p}' does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RunnerError(f"workflow file '{p}' is not readable JSON ({e})") from None
+        raise WorkflowFileError(f"{where} does not exist") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
+        raise WorkflowFileError(f"{where} cannot be opened ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise WorkflowFileError(f"{where} is a directory")
+        if not stat.S_ISREG(st.st_mode):
+            raise WorkflowFileError(f"{where} is not a regular file")
+        if st.st_size > MAX_WORKFLOW_BYTES:
+            raise WorkflowFileError(f"{where} is {st.st_size} bytes; the limit is {MAX_WORKFLOW_BYTES} bytes")
+        chunks, n = [], 0
+        while n <= MAX_WORKFLOW_BYTES:
+            chunk = os.read(fd, min(1 << 20, MAX_WORKFLOW_BYTES + 1 - n))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+        if n > MAX_WORKFLOW_BYTES:
+            raise WorkflowFileError(f"{where} grew past the limit of {MAX_WORKFLOW_BYTES} bytes while being read")
+        return b"".join(chunks)
+    except OSError as e:
+        raise WorkflowFileError(f"{where} cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+
+
+def _strict_pairs(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {_name(k)}")
+        out[k] = v
+    return out
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _depth_over(obj: Any, limit: int) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            if d > limit:
+                return True
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return False
+
+
+def parse_workflow_json(data: bytes, where: str) -> Any:
+    """Strict JSON (UTF-8, optional BOM; no NaN/Infinity, no duplicate keys, at most MAX_WORKFLOW_DEPTH levels)."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise WorkflowFileError(f"{where} is not UTF-8 text (byte {e.start})") from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_strict_pairs, parse_constant=_no_constant)
+    except RecursionError:
+        raise WorkflowFileError(f"{where} is nested deeper than {MAX_WORKFLOW_DEPTH} levels") from None
+    except ValueError as e:
+        raise WorkflowFileError(f"{where} is not readable JSON ({' '.join(str(e).split())[:200]})") from None
+    if _depth_over(obj, MAX_WORKFLOW_DEPTH):
+        raise WorkflowFileError(f"{where} is nested deeper than {MAX_WORKFLOW_DEPTH} levels")
+    return obj
+
+
+def check_api_workflow(wf: dict, where: str) -> None:
+    """API format: every node an object with a string ``class_type`` and an object ``inputs``; every link
+    ``[node_id, slot]`` names a node of the graph (as a string) and a slot >= 0."""
+    bad = [k for k, v in wf.items() if not (isinstance(v, dict) and isinstance(v.get("class_type"), str))]
+    if bad:
+        raise WorkflowFileError(f"{where}: entries {', '.join(_name(k) for k in bad[:5])} have no 'class_type' "
+                                "(neither API format nor UI format)")
+    for k, v in wf.items():
+        inputs = v.get("inputs", {})
+        if not isinstance(inputs, dict):
+            raise WorkflowFileError(f"{where}: node {_name(k)} 'inputs' is a {type(inputs).__name__}; "
+                                    "expected an object")
+        for name, val in inputs.items():
+            if not (isinstance(val, list) and len(val) == 2 and isinstance(val[1], int)
+                    and not isinstance(val[1], bool)):
+                continue
+            src, slot = val
+            if not isinstance(src, str):
+                raise WorkflowFileError(f"{where}: node {_name(k)} input {_name(name)} links to {_name(src)}; a "
+                                        "link names its source node by its id string, e.g. [\"4\", 0]")
+            if src not in wf:
+                raise WorkflowFileError(f"{where}: node {_name(k)} input {_name(name)} links to missing node "
+                                        f"{_name(src)}")
+            if slot < 0:
+                raise WorkflowFileError(f"{where}: node {_name(k)} input {_name(name)} links to output slot {slot}")
+
+
+def load_workflow_file(path) -> dict:
+    """Read and check a workflow file before any server is involved; raises :class:`WorkflowFileError`."""
+    p = Path(path)
+    where = f"workflow file '{p}'"
+    wf = parse_workflow_json(_read_workflow_bytes(p), where)
     if not isinstance(wf, dict):
-        raise RunnerError(f"workflow file '{p}': expected a JSON object, got {type(wf).__name__}")
+        raise WorkflowFileError(f"{where}: expected a JSON object, got {type(wf).__name__}")
     if isinstance(wf.get("prompt"), dict) and not is_ui_format(wf):  # a saved /prompt body
         wf = wf["prompt"]
-    if not is_ui_format(wf):
-        bad = [k for k, v in wf.items() if not (isinstance(v, dict) and isinstance(v.get("class_type"), str))]
-        if bad:
-            raise RunnerError(f"workflow file '{p}': entries {bad[:5]} have no 'class_type' "
-                              "(neither API format nor UI format)")
+    if is_ui_format(wf):
+        from .testing.workflows import check_ui_workflow
+
+        try:
+            check_ui_workflow(wf)
+        except DitKitError as e:
+            raise WorkflowFileError(f"{where}: {e}") from None
+    else:
+        check_api_workflow(wf, where)
     return wf
 
 
@@ -475,7 +648,7 @@ class ComfyClient:
                 status, raw = r.status, r.read()
         except urllib.error.HTTPError as e:
             status, raw = e.code, e.read()
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, ValueError) as e:  # ValueError: http.client.InvalidURL
             raise RunnerError(f"{method} {self.url}{path} failed: {getattr(e, 'reason', e)}") from None
         try:
             return status, json.loads(raw.decode("utf-8")) if raw else None
@@ -492,7 +665,7 @@ class ComfyClient:
         try:
             with urllib.request.urlopen(self.url + path, timeout=timeout) as r:  # noqa: S310
                 return r.read()
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, ValueError) as e:
             raise RunnerError(f"GET {self.url}{path} failed: {getattr(e, 'reason', e)}") from None
 
     def object_info(self, node_class: str | None = None) -> dict:
@@ -675,16 +848,20 @@ class ComfyServer:
                                   only_ditkit=self.only_ditkit, extra_args=self.extra_args)
 
     def start(self, timeout: float = 180.0) -> "ComfyServer":
-        self.prepare()
-        env = dict(os.environ if self.env is None else self.env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        self._log_fh = open(self.log_path, "ab")
-        self._say(f"starting ComfyUI: {' '.join(self.cmd)}")
-        self._say(f"server log: {self.log_path}")
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, cwd=str(self.comfyui), stdin=subprocess.DEVNULL,
-                                     stdout=self._log_fh, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        try:
+            self.prepare()
+            env = dict(os.environ if self.env is None else self.env)
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            self._log_fh = open(self.log_path, "ab")
+            self._say(f"starting ComfyUI: {' '.join(self.cmd)}")
+            self._say(f"server log: {self.log_path}")
+            t0 = time.monotonic()
+            self.proc = subprocess.Popen(self.cmd, cwd=str(self.comfyui), stdin=subprocess.DEVNULL,
+                                         stdout=self._log_fh, stderr=subprocess.STDOUT, env=env,
+                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        except OSError as e:  # unwritable --out / temp dir, a --python that cannot be executed
+            self.stop()
+            raise RunnerError(f"cannot start ComfyUI ({self.python}): {e}") from None
         self.client = ComfyClient(self.url, proc=self.proc, log_path=self.log_path)
         try:
             self.client.wait_ready(timeout)

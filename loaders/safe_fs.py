@@ -431,6 +431,14 @@ def publish_path_file(src_dir: SafeDir, src_name: str, expect: tuple[int, int], 
 
 # ------------------------------------------------------------------------------------------------ reading
 
+def open_model_file(path: str) -> int:
+    """A read-only descriptor of a model file (``loaders/safetensors_io.py``): opened once, non-blocking (a FIFO
+    cannot block the server), never created. Symlinks ARE followed here: a model file is a name ComfyUI listed from
+    a model folder, and a link placed there is the user's choice, as with the stock loaders; the caller checks the
+    opened descriptor (``fstat``: a regular file) and reads only from it."""
+    return os.open(path, os.O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_BINARY)
+
+
 def read_fd(fd: int, limit: int) -> bytes:
     chunks, total = [], 0
     while True:

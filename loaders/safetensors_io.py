@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -22,6 +23,7 @@ from typing import Iterator
 import torch
 
 from ..errors import CheckpointError
+from .safe_fs import open_model_file
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same bound as the reference safetensors implementation
 MAX_METADATA_VALUE = 1 << 20
@@ -106,24 +108,67 @@ def strict_json_loads(text: str, where: str):
         raise CheckpointError(f"{where}: invalid JSON ({e})") from None
 
 
+def _open_regular(path: str, where: str):
+    """Open ``path`` once and check the OPENED file (not the name, which may be a symlink the user placed in a
+    model folder, or may change): it must be a regular file. Opened non-blocking, so a FIFO or device is refused
+    instead of hanging the server. Returns ``(file object, size, (st_dev, st_ino))`` from ``fstat``."""
+    try:
+        fd = open_model_file(path)
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
+        raise CheckpointError(f"{where}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{where}: cannot read (not a regular file: a directory, FIFO or device is not a "
+                                  "checkpoint)")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        # unbuffered: a buffer filled while reading the header would serve stale tensor bytes after the file changed
+        return os.fdopen(fd, "rb", buffering=0), st.st_size, (st.st_dev, st.st_ino)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_exact(f, n: int) -> bytearray:
+    """Up to ``n`` bytes from the current position (fewer only at end of file: an unbuffered read may return
+    less than asked, so read until ``n`` or EOF)."""
+    chunks, got = [], 0
+    while got < n:
+        b = f.read(n - got)
+        if not b:
+            break
+        chunks.append(b)
+        got += len(b)
+    return bytearray(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
 def read_header(path: str | os.PathLike) -> Header:
-    """Parse and fully validate a safetensors header without reading tensor data."""
+    """Parse and fully validate a safetensors header without reading tensor data (the file is opened once and
+    the header is checked against the opened file's size)."""
     path = os.fspath(path)
     where = f"safetensors file '{path}'"
+    f, size, _ = _open_regular(path, where)
+    with f:
+        return _parse_header(f, size, path, where)
+
+
+def _parse_header(f, size: int, path: str, where: str) -> Header:
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{where}: file is {size} bytes, too short to hold a header (truncated?)")
-            (n,) = struct.unpack("<Q", head)
-            if n == 0 or n > MAX_HEADER_BYTES:
-                raise CheckpointError(f"{where}: header length {n} is not in 1..{MAX_HEADER_BYTES} (not a safetensors file?)")
-            if 8 + n > size:
-                raise CheckpointError(f"{where}: header length {n} exceeds the file size {size} (truncated file)")
-            raw = f.read(n)
+        f.seek(0)
+        head = bytes(_read_exact(f, 8))
+        if len(head) < 8:
+            raise CheckpointError(f"{where}: file is {size} bytes, too short to hold a header (truncated?)")
+        (n,) = struct.unpack("<Q", head)
+        if n == 0 or n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{where}: header length {n} is not in 1..{MAX_HEADER_BYTES} (not a safetensors file?)")
+        if 8 + n > size:
+            raise CheckpointError(f"{where}: header length {n} exceeds the file size {size} (truncated file)")
+        raw = bytes(_read_exact(f, n))
     except OSError as e:
         raise CheckpointError(f"{where}: cannot read ({e.strerror or e})") from None
+    if len(raw) != n:
+        raise CheckpointError(f"{where}: short read of the {n}-byte header (file changed or truncated)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -183,16 +228,37 @@ def read_header(path: str | os.PathLike) -> Header:
 
 
 class SafeFile:
-    """Lazy reader over a validated file: ``get(name)`` reads one tensor."""
+    """Lazy reader over a validated file: ``get(name)`` reads one tensor. The file is opened once: the header is
+    validated and every tensor is read through that same handle (until :meth:`close`; a ``get`` after it reopens
+    the path and refuses a file that is no longer the one validated)."""
 
     def __init__(self, path: str | os.PathLike):
-        self.header = read_header(path)
+        path = os.fspath(path)
+        fh, size, self._ident = _open_regular(path, f"safetensors file '{path}'")
+        try:
+            self.header = _parse_header(fh, size, path, f"safetensors file '{path}'")
+        except BaseException:
+            fh.close()
+            raise
         self.path = self.header.path
-        self._fh = None
+        self._size = size
+        self._fh = fh
 
     def __enter__(self):
-        self._fh = open(self.path, "rb")
         return self
+
+    def __del__(self):
+        fh = getattr(self, "_fh", None)
+        if fh is not None:
+            fh.close()
+
+    def _reopen(self):
+        where = f"safetensors file '{self.path}'"
+        fh, size, ident = _open_regular(self.path, where)
+        if (ident, size) != (self._ident, self._size):
+            fh.close()
+            raise CheckpointError(f"{where}: the file changed since its header was validated; load it again")
+        return fh
 
     def __exit__(self, *exc):
         self.close()
@@ -217,10 +283,10 @@ class SafeFile:
 
     def get(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         ti = self.info(name)
-        fh = self._fh or open(self.path, "rb")
+        fh = self._fh or self._reopen()
         try:
             fh.seek(self.header.data_start + ti.begin)
-            buf = bytearray(fh.read(ti.nbytes))
+            buf = _read_exact(fh, ti.nbytes)
         finally:
             if self._fh is None:
                 fh.close()

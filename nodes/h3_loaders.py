@@ -8,12 +8,14 @@ and every stock node keep working exactly as with UNETLoader.
 from __future__ import annotations
 
 import os
+import re
 
 import folder_paths
 from comfy_api.latest import io
 
 from ..errors import CheckpointError
 from ..loaders import h3 as core
+from . import _files
 from ._common import progress, send_report, ui_report
 
 NODE_ID = "DitKitH3ModelLoader"
@@ -23,13 +25,33 @@ WEIGHT_DTYPES = ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]
 
 
 def _is_checkpoint_folder(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, n)) for n in INDEX_NAMES + (core.DIFFUSERS_SINGLE,))
+    return any(_files.is_regular_file(os.path.join(path, n)) for n in INDEX_NAMES + (core.DIFFUSERS_SINGLE,))
+
+
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
+
+
+def _loadable_file(path: str) -> bool:
+    """What ``resolve`` + the core accept as a single file: a regular .safetensors/.sft file (through symlinks)
+    that is not a shard of an indexed folder (the core asks for the folder instead)."""
+    if not (_files.is_safetensors_name(path) and _files.is_regular_file(path)):
+        return False
+    parent = os.path.dirname(path)
+    return not (_SHARD.search(os.path.basename(path))
+                and any(_files.is_regular_file(os.path.join(parent, n)) for n in INDEX_NAMES))
+
+
+def _resolvable(path: str) -> bool:
+    """A regular file (through symlinks) or an H3 folder. Wider than the listing on purpose: a shard or a .ckpt
+    typed by hand reaches the core, which says what to select instead."""
+    return _files.is_regular_file(path) or (os.path.isdir(path) and _is_checkpoint_folder(path))
 
 
 def list_choices() -> list[str]:
     """Single ``.safetensors`` files plus folders holding an index json (or a diffusers single file).
 
-    Files inside such folders (the shards) are not listed on their own.
+    Files inside such folders (the shards) are not listed on their own. Symlinks inside the folders are followed,
+    as the stock loader does; only what :func:`resolve` accepts is listed (no dangling links, FIFOs, shards).
     """
     out: set[str] = set()
     for root in folder_paths.get_folder_paths(FOLDER):
@@ -43,22 +65,22 @@ def list_choices() -> list[str]:
                 continue
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             for f in filenames:
-                if f.lower().endswith((".safetensors", ".sft")):
+                if _loadable_file(os.path.join(dirpath, f)):
                     out.add(f if rel == "." else f"{rel}/{f}".replace(os.sep, "/"))
     return sorted(out)
 
 
 def resolve(name: str) -> str:
-    """A choice -> absolute path inside one of the diffusion_models folders (no escaping the folder)."""
-    for root in folder_paths.get_folder_paths(FOLDER):
-        root_abs = os.path.realpath(root)
-        cand = os.path.realpath(os.path.join(root_abs, name))
-        if os.path.commonpath([root_abs, cand]) != root_abs:
-            continue
-        if os.path.isfile(cand) or (os.path.isdir(cand) and _is_checkpoint_folder(cand)):
-            return cand
-    raise CheckpointError(f"{NODE_ID}: '{name}' is not a checkpoint file or H3 folder in models/{FOLDER} "
-                          f"(folders: {folder_paths.get_folder_paths(FOLDER)})")
+    """A choice -> the real path of the file or H3 folder it names in one of the diffusion_models folders.
+
+    The name may not leave the folders by its path (absolute, ``..``: refused before anything is looked up); a
+    symlink inside a folder is followed, like UNETLoader does, and resolved once: the reader then opens that path
+    and checks the opened file."""
+    path = _files.find(FOLDER, name, NODE_ID, accept=_resolvable)
+    if path is None:
+        raise CheckpointError(f"{NODE_ID}: '{name}' is not a checkpoint file or H3 folder in models/{FOLDER} "
+                              f"(folders: {folder_paths.get_folder_paths(FOLDER)})")
+    return path
 
 
 GATE_ATTACHMENT = "ditkit_h3_gate_compress"

@@ -20,7 +20,6 @@ import comfy.ldm.minimax.vae as h3vae
 import comfy.model_management as mm
 import comfy.nested_tensor
 import comfy.sd
-import folder_paths
 
 from ..errors import CheckpointError, DitKitError, UnsupportedModelError
 from ..loaders.read_progress import load_with_progress
@@ -30,6 +29,7 @@ from ..vae.h3_layout import (H3_VIDEO_KEYS, STOCK_VIDEO_CONFIG, classify_vae_key
 from ..vae import preflight
 from ..vae.metadata import check_whitening_matches, validate_image_vae_metadata
 from ..vae.t1_decode import direct_decode_t1, repeat_decode_t1
+from . import _files
 from ._bars import lazy_bar
 from ._common import check_memory_split, device_budget, progress, send_report, ui_report
 
@@ -129,7 +129,7 @@ class DitKitH3VAELoader(io.ComfyNode):
                         "validation, at the size the file's shapes give.",
             search_aliases=["h3 vae", "minimax vae", "image vae", "still vae", "h3 image vae loader"],
             inputs=[
-                io.Combo.Input("vae_name", options=folder_paths.get_filename_list("vae"),
+                io.Combo.Input("vae_name", options=_files.safetensors_files("vae"),
                                tooltip="An H3 video VAE or an H3 single-frame image VAE (.safetensors) from "
                                        "models/vae. Audio and LTX VAEs are refused."),
             ],
@@ -139,7 +139,7 @@ class DitKitH3VAELoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae_name) -> io.NodeOutput:
-        path = folder_paths.get_full_path_or_raise("vae", vae_name)
+        path = _files.safetensors_path("vae", vae_name, "DitKitH3VAELoader")
         vae, data = load_h3_vae(path, progress=lazy_bar(cls.hidden.unique_id))
         summary = (f"{data['kind']} VAE {data['file']}: {data['config']}"
                    + (f", T=1 direct, output slice {data['t1_output_slice']}" if data["kind"] == "image" else ""))

@@ -7,11 +7,11 @@ scale 1000) on ComfyUI's ``supported_models.ZImage`` config and are built with C
 """
 from __future__ import annotations
 
-import folder_paths
 from comfy_api.latest import io
 
 from ..errors import UnsupportedModelError
 from ..loaders.read_progress import load_with_progress
+from . import _files
 from ._bars import lazy_bar
 from ._common import send_report, ui_report
 
@@ -77,7 +77,7 @@ class DitKitZImageLoader(io.ComfyNode):
             description="Loads a ComfyUI-layout Z-Image DiT of any width (multiple of 128) with Z-Image settings.",
             search_aliases=["z-image loader", "zimage unet", "lumina2 loader"],
             inputs=[
-                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                io.Combo.Input("unet_name", options=_files.safetensors_files("diffusion_models"),
                                tooltip="Z-Image DiT file in models/diffusion_models (ComfyUI fused-qkv layout)."),
             ],
             outputs=[io.Model.Output(tooltip="The Z-Image model."),
@@ -87,7 +87,7 @@ class DitKitZImageLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, unet_name: str) -> io.NodeOutput:
-        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        path = _files.safetensors_path("diffusion_models", unet_name, NODE_ID)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         model, cfg, how = load_zimage(path, progress=lazy_bar(node_id))
         summary = (f"Z-Image dim {cfg['dim']}, {cfg['n_layers']} layers, {cfg.get('n_heads')} heads, "

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 
-import folder_paths
 import torch
 from comfy.weight_adapter.base import WeightAdapterBase
 from comfy_api.latest import io
 
 from ..errors import AdapterError
 from ..loaders import lokr as core
+from . import _files
 from ._common import send_report, ui_report
 
 NODE_ID = "DitKitLoKrLoader"
@@ -166,7 +166,7 @@ class DitKitLoKrLoader(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="A ComfyUI Z-Image or FLUX.2 model: bf16/fp16/fp32 weights, or comfy_quant "
                                                "per-tensor fp8 / int8 layers (re-quantized in the same layout)."),
-                io.Combo.Input("lokr_name", options=folder_paths.get_filename_list("loras"),
+                io.Combo.Input("lokr_name", options=_files.safetensors_files("loras"),
                                tooltip="LoKr adapter file (.safetensors) in models/loras."),
                 io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01,
                                tooltip="Multiplier on ΔW (after the adapter's own alpha/rank scale)."),
@@ -186,7 +186,7 @@ class DitKitLoKrLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model, lokr_name: str, strength: float, scale: float = 0.0) -> io.NodeOutput:
         override = None if core.check_scale_input(scale, "scale") == 0.0 else float(scale)
-        path = folder_paths.get_full_path_or_raise("loras", lokr_name)
+        path = _files.safetensors_path("loras", lokr_name, NODE_ID)
         patched, plan = apply_lokr(model, path, strength, source=lokr_name, scale=override)
         text = report_text(plan, lokr_name, strength, override)
         payload = send_report(cls.hidden.unique_id if cls.hidden is not None else None, NODE_ID, "lokr", plan.summary(),

@@ -295,9 +295,9 @@ def _pass_reporter(state: _StreamState, st: LayerwiseStreamer):
 
 # -- nodes ------------------------------------------------------------------------------------------------------
 def _te_files():
-    import folder_paths
+    from . import _files
 
-    return folder_paths.get_filename_list("text_encoders")
+    return _files.safetensors_files("text_encoders")
 
 
 def _inputs(default_hint: str):
@@ -314,12 +314,9 @@ def _inputs(default_hint: str):
 
 
 def _run(kind: str, node_type: str, text_encoder: str, streaming: str, prefetch: int, node_id):
-    import folder_paths
+    from . import _files
 
-    path = folder_paths.get_full_path("text_encoders", text_encoder)
-    if path is None:
-        raise CheckpointError(f"{node_type}: text encoder file '{text_encoder}' was not found in the text_encoders "
-                              "folders; refresh the file list or copy the file there.")
+    path = _files.safetensors_path("text_encoders", text_encoder, node_type)
     fn = build_h3_clip if kind == "h3" else build_ltx_clip
     clip, cfg, info = fn(path, streaming == "layerwise", int(prefetch), False, node_id)
     summary = f"loaded {text_encoder} ({cfg.get('num_hidden_layers', '?')} layers, hidden {cfg.get('hidden_size', '?')}); "

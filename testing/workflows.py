@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import uuid
 from pathlib import Path
@@ -246,22 +247,113 @@ def api_to_ui(graph: dict, object_info: dict, *, name: str | None = None, embed:
 
 # -------------------------------------------------------------------------------------- UI -> API
 
+def _show(v: Any) -> str:
+    """A short description of a bad value (type, and the value itself only when it is small)."""
+    if v is None or isinstance(v, bool):
+        return {None: "null", True: "true", False: "false"}[v]
+    r = repr(v)
+    return f"{type(v).__name__} {r}" if len(r) <= 40 else f"a {type(v).__name__} ({len(r)} characters)"
+
+
+_INT_TEXT = re.compile(r"-?[0-9]{1,18}")
+
+
+def _ui_int(v: Any, what: str, minimum: int | None = None, node_id: bool = False) -> int:
+    """A litegraph integer (link id, slot, mode), or a node id: an integer or its decimal string (the frontend's
+    schema allows string node ids). Floats, booleans, null, other strings are refused with the place named."""
+    if node_id and isinstance(v, str) and _INT_TEXT.fullmatch(v):
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise WorkflowError(f"UI workflow: {what} is {_show(v)}; expected an integer")
+    if minimum is not None and v < minimum:
+        raise WorkflowError(f"UI workflow: {what} is {v}; expected an integer >= {minimum}")
+    return v
+
+
+def check_ui_workflow(wf: Any) -> tuple[dict[int, dict], dict[int, tuple]]:
+    """Check the structure of a UI-format workflow without any node schema (so a runner can refuse a broken
+    file before it starts a server): a ``nodes`` list of objects with integer ids (unique) and a string
+    ``type``; ``inputs``/``outputs`` lists of objects whose ``link`` is null or an integer; ``links`` as
+    ``[id, origin, origin_slot, target, target_slot, type?]`` lists or objects, integer ids (unique) and slots
+    >= 0; every link a node input uses starts at a node that exists. Returns ``(nodes by id, links by id)``
+    with links as ``(origin, origin_slot, target, target_slot, type)``; raises :class:`WorkflowError` naming
+    the node or link."""
+    if not isinstance(wf, dict) or not isinstance(wf.get("nodes"), list):
+        raise WorkflowError("UI workflow must be a JSON object with a 'nodes' list")
+    defs = wf.get("definitions")
+    if defs is not None and not isinstance(defs, dict):
+        raise WorkflowError(f"UI workflow: 'definitions' is {_show(defs)}; expected an object")
+    if (defs or {}).get("subgraphs"):
+        raise WorkflowError("UI workflow uses subgraphs, which this converter does not support; export it "
+                            "with 'Export (API)' from the ComfyUI menu instead")
+    nodes: dict[int, dict] = {}
+    for i, n in enumerate(wf["nodes"]):
+        if not isinstance(n, dict):
+            raise WorkflowError(f"UI workflow: nodes[{i}] is {_show(n)}; expected an object")
+        nid = _ui_int(n.get("id"), f"nodes[{i}] 'id'", node_id=True)
+        if nid in nodes:
+            raise WorkflowError(f"UI workflow: nodes[{i}] repeats node id {nid}")
+        where = f"node {nid} (nodes[{i}])"
+        if not isinstance(n.get("type"), str):
+            raise WorkflowError(f"UI workflow: {where} 'type' is {_show(n.get('type'))}; expected a node class name")
+        if "mode" in n:
+            _ui_int(n["mode"], f"{where} 'mode'")
+        for key in ("inputs", "outputs"):
+            items = n.get(key)
+            if items is None:
+                continue
+            if not isinstance(items, list):
+                raise WorkflowError(f"UI workflow: {where} '{key}' is {_show(items)}; expected a list")
+            for j, it in enumerate(items):
+                if not isinstance(it, dict):
+                    raise WorkflowError(f"UI workflow: {where} {key}[{j}] is {_show(it)}; expected an object")
+                if "name" in it and not isinstance(it["name"], str):
+                    raise WorkflowError(f"UI workflow: {where} {key}[{j}] 'name' is {_show(it['name'])}; "
+                                        "expected a string")
+                if key == "inputs" and it.get("link") is not None:
+                    _ui_int(it["link"], f"{where} inputs[{j}] 'link'")
+        wv = n.get("widgets_values")
+        if wv is not None and not isinstance(wv, (list, dict)):
+            raise WorkflowError(f"UI workflow: {where} 'widgets_values' is {_show(wv)}; expected a list or object")
+        nodes[nid] = n
+    raw_links = wf.get("links")
+    if raw_links is None:
+        raw_links = []
+    if not isinstance(raw_links, list):
+        raise WorkflowError(f"UI workflow: 'links' is {_show(raw_links)}; expected a list")
+    links: dict[int, tuple] = {}
+    for i, ln in enumerate(raw_links):
+        what = f"links[{i}]"
+        if isinstance(ln, dict):
+            missing = [k for k in ("id", "origin_id", "origin_slot", "target_id", "target_slot") if k not in ln]
+            if missing:
+                raise WorkflowError(f"UI workflow: {what} has no {missing[0]!r}")
+            raw = (ln["id"], ln["origin_id"], ln["origin_slot"], ln["target_id"], ln["target_slot"], ln.get("type"))
+        elif isinstance(ln, list) and len(ln) >= 5:
+            raw = tuple(ln[:6]) if len(ln) >= 6 else tuple(ln[:5]) + (None,)
+        else:
+            raise WorkflowError(f"UI workflow: {what} is {_show(ln)}; expected [id, origin, origin_slot, target, "
+                                "target_slot, type] or an object with those keys")
+        lid = _ui_int(raw[0], f"{what} id")
+        if lid in links:
+            raise WorkflowError(f"UI workflow: {what} repeats link id {lid}")
+        links[lid] = (_ui_int(raw[1], f"link {lid} origin node", node_id=True),
+                      _ui_int(raw[2], f"link {lid} origin slot", 0),
+                      _ui_int(raw[3], f"link {lid} target node", node_id=True),
+                      _ui_int(raw[4], f"link {lid} target slot", 0), raw[5])
+    for nid, n in nodes.items():
+        for inp in n.get("inputs") or []:
+            lid = inp.get("link")
+            if lid is not None and lid in links and links[lid][0] not in nodes:
+                raise WorkflowError(f"UI workflow: node {nid} input {str(inp.get('name'))[:60]!r} uses link {lid}, "
+                                    f"which starts at missing node {links[lid][0]}")
+    return nodes, links
+
+
 def ui_to_api(wf: dict, object_info: dict) -> dict:
     """The API-format graph of a UI-format workflow (muted nodes dropped, bypassed nodes routed through,
     Reroute followed, PrimitiveNode values inlined, Notes ignored)."""
-    if not isinstance(wf, dict) or not isinstance(wf.get("nodes"), list):
-        raise WorkflowError("UI workflow must be a JSON object with a 'nodes' list")
-    if (wf.get("definitions") or {}).get("subgraphs"):
-        raise WorkflowError("UI workflow uses subgraphs, which this converter does not support; export it "
-                            "with 'Export (API)' from the ComfyUI menu instead")
-    nodes = {int(n["id"]): n for n in wf["nodes"] if isinstance(n, dict) and "id" in n}
-    links = {}
-    for ln in wf.get("links") or []:
-        if isinstance(ln, dict):
-            links[int(ln["id"])] = (ln["origin_id"], ln["origin_slot"], ln["target_id"], ln["target_slot"],
-                                    ln.get("type"))
-        elif isinstance(ln, list) and len(ln) >= 5:
-            links[int(ln[0])] = tuple(ln[1:6]) if len(ln) >= 6 else tuple(ln[1:5]) + (None,)
+    nodes, links = check_ui_workflow(wf)
 
     def resolve(link_id, seen=()):
         """``[node_key, slot]`` or ``("value", v)`` or None for a link, following virtual/bypassed nodes."""
@@ -270,7 +362,7 @@ def ui_to_api(wf: dict, object_info: dict) -> dict:
         if link_id in seen:
             raise WorkflowError(f"UI workflow: link cycle through link {link_id}")
         oid, oslot, _tid, _tslot, ltype = links[link_id]
-        src = nodes.get(int(oid))
+        src = nodes.get(oid)
         if src is None:
             raise WorkflowError(f"UI workflow: link {link_id} starts at missing node {oid}")
         stype, mode = src.get("type"), src.get("mode", MODE_ALWAYS)
@@ -279,7 +371,7 @@ def ui_to_api(wf: dict, object_info: dict) -> dict:
             return resolve(ins[0].get("link") if ins else None, seen + (link_id,))
         if stype == "PrimitiveNode":
             vals = src.get("widgets_values") or []
-            return ("value", vals[0]) if vals else None
+            return ("value", vals[0]) if isinstance(vals, list) and vals else None
         if mode == MODE_NEVER:
             return None
         if mode == MODE_BYPASS:
@@ -327,7 +419,7 @@ def ui_to_api(wf: dict, object_info: dict) -> dict:
                     inputs[name] = val
                 elif inp["required"]:
                     raise WorkflowError(f"{where} ({ctype}): no value for widget {name!r} "
-                                        f"(widgets_values has {len(values or wv)} entries)")
+                                        f"(widgets_values has {len(values if values is not None else wv or [])} entries)")
             else:
                 src = resolve(linked.get(name))
                 if src is not None:

@@ -7,6 +7,7 @@ through DitKitH3ModelLoader must give a bit-identical latent.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,101 @@ def test_fasth3_gates_reach_sparse_attention_as_attachment(dm):
     assert "to_gate_compress" in summary
     plain, _, _ = _ditkit("h3_tiny_comfy.safetensors")
     assert plain.get_attachment(GATE_ATTACHMENT) is None
+
+
+# --------------------------------------------------------------------------- symlinks inside the model folders
+# The stock loader follows a symlink the user placed in a model folder (folder_paths.get_full_path: isfile on the
+# joined name); ditkit does the same for what it lists, while a NAME still cannot leave the folders ('..',
+# absolute paths), and what is opened is checked on the opened file (a FIFO/device is refused, not waited on).
+
+@pytest.fixture
+def links(dm, tmp_path):
+    """Links in diffusion_models/ to copies that live outside every model folder (removed afterwards)."""
+    import shutil
+
+    out = tmp_path / "elsewhere"
+    out.mkdir()
+    shutil.copyfile(dm / "h3_tiny_comfy.safetensors", out / "h3_real.safetensors")
+    shutil.copytree(dm / "h3_tiny_official", out / "h3_official_real")
+    made = {
+        "h3_link.safetensors": out / "h3_real.safetensors",           # a symlinked single file (the issue)
+        "h3_official_link": out / "h3_official_real",                 # a symlinked official shard folder
+        "h3_linked_dir": out,                                         # a symlinked folder holding a single file
+        "h3_dangling.safetensors": out / "gone.safetensors",          # points nowhere
+    }
+    for name, target in made.items():
+        (dm / name).symlink_to(target, target_is_directory=target.is_dir())
+    fifo = dm / "h3_fifo.safetensors"
+    os.mkfifo(fifo)
+    try:
+        yield out
+    finally:
+        for name in [*made, "h3_fifo.safetensors"]:
+            (dm / name).unlink()
+
+
+def test_symlinked_checkpoints_are_listed_and_load_like_stock(dm, reference, links):
+    import nodes
+
+    from ditkit.nodes.h3_loaders import list_choices
+
+    ch = list_choices()
+    for want in ("h3_link.safetensors", "h3_official_link", "h3_linked_dir/h3_real.safetensors"):
+        assert want in ch, (want, ch)
+    assert "h3_linked_dir/h3_official_real" in ch  # an index folder reached through a linked folder
+    # the stock loader follows the single-file link: same model, same samples
+    stock = nodes.UNETLoader().load_unet("h3_link.safetensors", "default")[0]
+    sv, sa = _sample(stock)
+    assert torch.equal(sv, reference[0]) and torch.equal(sa, reference[1])
+    for name, layout in (("h3_link.safetensors", "comfy"), ("h3_official_link", "official"),
+                         ("h3_linked_dir/h3_real.safetensors", "comfy")):
+        model, summary, _ = _ditkit(name)
+        assert summary.startswith(f"{layout} layout"), (name, summary)
+        v, a = _sample(model)
+        assert torch.equal(v, reference[0]) and torch.equal(a, reference[1]), name
+
+
+def test_dangling_links_and_fifos_are_neither_listed_nor_opened(dm, links):
+    from ditkit.nodes.h3_loaders import list_choices, resolve
+
+    ch = list_choices()
+    assert "h3_dangling.safetensors" not in ch and "h3_fifo.safetensors" not in ch
+    for name in ("h3_dangling.safetensors", "h3_fifo.safetensors"):
+        with pytest.raises(CheckpointError, match="not a checkpoint"):
+            resolve(name)  # returns at once: a FIFO is never opened for reading
+
+
+def test_every_listed_choice_resolves(dm, links):
+    from ditkit.nodes.h3_loaders import list_choices, resolve
+
+    for name in list_choices():
+        assert os.path.exists(resolve(name)), name
+
+
+@pytest.mark.parametrize("name", ["{escape}", "h3_linked_dir/../h3_tiny_comfy.safetensors",
+                                  "h3_official_link/../h3_tiny_comfy.safetensors", "./../x.safetensors", "",
+                                  "/etc/passwd", "h3_tiny_comfy.safetensors\x00.x"])
+def test_names_still_cannot_leave_the_model_folders_by_path(dm, links, name):
+    from ditkit.nodes.h3_loaders import resolve
+
+    if name == "{escape}":  # '../../...' to the real file outside: it exists, so it is refused for its name
+        name = os.path.relpath(links / "h3_real.safetensors", dm)
+        assert name.startswith("..") and (dm / name).resolve().is_file()
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        resolve(name)
+
+
+def test_a_shard_or_ckpt_typed_by_hand_reaches_the_core_message(dm, tmp_path):
+    from ditkit.nodes.h3_loaders import list_choices
+
+    assert "h3_tiny_official/model-00001-of-00002.safetensors" not in list_choices()
+    with pytest.raises(CheckpointError, match="select the folder 'h3_tiny_official'"):
+        _ditkit("h3_tiny_official/model-00001-of-00002.safetensors")
+    ckpt = dm / "zz_pickle.ckpt"
+    ckpt.write_bytes(b"\x80\x04\x95" + b"\x00" * 32)
+    try:
+        assert "zz_pickle.ckpt" not in list_choices()
+        with pytest.raises(CheckpointError, match="never unpickles"):
+            _ditkit("zz_pickle.ckpt")
+    finally:
+        ckpt.unlink()
