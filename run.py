@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import DitKitError
+from .loaders import safe_fs
 from .host import default_dir, find_host
 
 REPO = Path(__file__).resolve().parent
@@ -915,15 +916,44 @@ def to_api(wf: dict, object_info: Callable[[], dict]) -> dict:
 
 
 def download_outputs(client: ComfyClient, entry: dict, out_dir: Path) -> list[Path]:
+    """Fetch the entry's output files from ``/view`` into ``out_dir``. The server's ``subfolder`` and ``filename``
+    are names from another process: each is validated (no ``..``, absolute path, NUL or control characters), the
+    folders below ``out_dir`` are created without following symlinks, and a file is published under a free name
+    (``name``, ``name_1``, ...) with a rename that never replaces anything already there."""
     got = []
-    for _nid, _kind, it in output_items(entry):
-        if isinstance(it, dict) and isinstance(it.get("filename"), str):
-            q = urllib.parse.urlencode({"filename": it["filename"], "subfolder": it.get("subfolder") or "",
-                                        "type": it.get("type") or "output"})
-            dest = out_dir / (it.get("subfolder") or "") / Path(it["filename"]).name
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(client.get_bytes(f"/view?{q}"))
-            got.append(dest)
+    with safe_fs.SafeDir.open_root(out_dir, (), create=True, error=RunnerError, what="--out folder") as root:
+        for _nid, _kind, it in output_items(entry):
+            if not (isinstance(it, dict) and isinstance(it.get("filename"), str)):
+                continue
+            sub, fname = it.get("subfolder") or "", it["filename"]
+            if not isinstance(sub, str):
+                raise RunnerError(f"the server returned a non-string output subfolder {sub!r}")
+            parts = safe_fs.validate_name(sub, f"server output subfolder {sub!r}", RunnerError,
+                                          allow_subdirs=True) if sub else []
+            safe_fs.validate_name(fname, f"server output file name {fname!r}", RunnerError)
+            q = urllib.parse.urlencode({"filename": fname, "subfolder": sub, "type": it.get("type") or "output"})
+            data = client.get_bytes(f"/view?{q}")
+            d = root
+            opened = []
+            try:
+                for part in parts:
+                    d = d.subdir(part, create=True)
+                    opened.append(d)
+                stem, dot, ext = fname.rpartition(".") if "." in fname else (fname, "", "")
+                for i in range(1000):
+                    name = fname if i == 0 else f"{stem}_{i}{dot}{ext}"
+                    if d.lstat(name) is None:
+                        try:
+                            got.append(Path(safe_fs.write_file(d, name, data)))
+                            break
+                        except RunnerError:
+                            if d.lstat(name) is None:
+                                raise
+                else:
+                    raise RunnerError(f"no free name for {fname!r} in {d.path} after 1000 tries")
+            finally:
+                for o in reversed(opened):
+                    o.close()
     return got
 
 
