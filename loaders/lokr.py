@@ -76,11 +76,13 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import AdapterError, CheckpointError, UnsupportedModelError
+from . import safe_fs
 from .lokr_math import add_delta_, delta_weight
 from .safetensors_io import SafeFile, strict_json_loads
 
@@ -238,12 +240,20 @@ def peft_config_from_metadata(metadata: dict | None) -> dict | None:
 
 def read_peft_config_file(path: str) -> dict:
     """``adapter_config.json`` (PEFT ``save_pretrained``), bounded and strictly parsed."""
-    try:
-        size = os.path.getsize(path)
-        if size > MAX_CONFIG_BYTES:
-            raise AdapterError(f"'{path}' is {size} bytes (> {MAX_CONFIG_BYTES}); not a PEFT adapter config")
-        with open(path, "rb") as fh:
-            text = fh.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
+    try:  # opened once (non-blocking), the opened descriptor checked and read: no check-then-open window
+        fd = safe_fs.open_model_file(path)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise AdapterError(f"'{path}' is not a regular file; not a PEFT adapter config")
+            if st.st_size > MAX_CONFIG_BYTES:
+                raise AdapterError(f"'{path}' is {st.st_size} bytes (> {MAX_CONFIG_BYTES}); not a PEFT adapter config")
+            raw = safe_fs.read_fd(fd, MAX_CONFIG_BYTES)
+        finally:
+            os.close(fd)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise AdapterError(f"'{path}' is over {MAX_CONFIG_BYTES} bytes; not a PEFT adapter config")
+        text = raw.decode("utf-8")
     except OSError as e:
         raise AdapterError(f"'{path}' cannot be read ({e.strerror or e})") from None
     except UnicodeDecodeError as e:

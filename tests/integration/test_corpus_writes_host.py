@@ -118,7 +118,7 @@ def test_coefficient_check_and_open_are_one_step(h3_env, tmp_path, monkeypatch):
                               {"family": "h3"}, {"source": "inside", "kind": "calibrated"})
     coef.save(cf, tc / "swap.json")
     secret = tmp_path / "outside_secret.json"
-    coef.save(coef.CoefficientFile("h3", cf.streams, {"family": "h3"}, {"source": "OUTSIDE-7f3a"}), secret)
+    coef.save(coef.CoefficientFile("h3", cf.streams, {"family": "h3"}, {"source": "OUTSIDE-7f3a", "kind": "calibrated"}), secret)
     check = "locate_coefficients" if hasattr(T, "locate_coefficients") else "resolve_coefficients"
     real = getattr(T, check)
 

@@ -98,7 +98,7 @@ def test_a_fit_that_dips_below_zero_is_not_written():
 
 def _cf():
     return coef.CoefficientFile("h3", {"video": coef.StreamCoefficients("video", (1.0, 0.0))}, {"family": "h3"},
-                                {"source": "test"})
+                                {"source": "test", "kind": "calibrated"})
 
 
 def test_save_replaces_only_coefficient_files(tmp_path):

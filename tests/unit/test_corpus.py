@@ -123,7 +123,7 @@ def test_consumers_accept_the_valid_counterparts(tmp_path, flux2_shapes):
     p = consume({"consumer": "lokr"}, lk, flux2_shapes)
     assert [it.target.weight_key for it in p.items] == [f"{t}.weight"]
     cf = coefficients.CoefficientFile("h3", {"video": coefficients.StreamCoefficients("video", (1.0, 0.0))},
-                                      {"family": "h3"}, {"source": "test"})
+                                      {"family": "h3"}, {"source": "test", "kind": "calibrated"})
     cpath = coefficients.save(cf, tmp_path / "c.json")
     assert consume({"consumer": "coefficients"}, Path(cpath)).family == "h3"
     with pytest.raises(errors.DitKitError, match="T=2"):  # 24 channels, 5-D: passes the channel check
