@@ -14,7 +14,7 @@ from comfy_api.latest import io
 
 from ..errors import UnsupportedModelError
 from ..offload.adaln import AdalnScheduleCache, CachedAdalnProj, check_schedule, fp32_bits
-from ._common import report_target, send_report, ui_report
+from ._common import h3_diffusion_model, report_target, send_report, ui_report
 
 NODE_ID = "DitKitH3AdaLNCache"
 WRAPPER_KEY = "ditkit_h3_adaln_cache"
@@ -22,14 +22,8 @@ ADALN_KEYS = ("adaln_proj", "time_embedder", "adaln_t_table")
 
 
 def _h3_model(model):
-    import comfy.ldm.minimax.model as h3
-
-    dm = getattr(getattr(model, "model", None), "diffusion_model", None)
-    if not isinstance(dm, h3.MiniMaxH3Model):
-        raise UnsupportedModelError(
-            f"{NODE_ID}: the MODEL input is {type(dm).__name__ if dm is not None else type(model).__name__}, not a "
-            "MiniMax H3 diffusion model. Connect an H3 model (UNETLoader / DitKit H3 loader); nothing was changed.")
-    return dm
+    return h3_diffusion_model(model, NODE_ID, "the MODEL input is {got}, not a MiniMax H3 diffusion model. Connect an "
+                              "H3 model (UNETLoader / DitKit H3 loader); nothing was changed.")
 
 
 def _patch_fingerprint(patcher) -> str:

@@ -16,7 +16,7 @@ from comfy_api.latest import io
 
 from ..errors import ScheduleError, UnsupportedModelError
 from ..sampling import fasth3 as core
-from ._common import send_report, ui_report
+from ._common import h3_diffusion_model, send_report, ui_report
 
 NODE_ID = "DitKitFastH3Schedule"
 FOLDER = "diffusion_models"
@@ -26,15 +26,7 @@ MAX_NAME_CHARS = 1024
 
 
 def _h3_model(model):
-    dm = getattr(getattr(model, "model", None), "diffusion_model", None)
-    try:
-        from comfy.ldm.minimax.model import MiniMaxH3Model
-    except ImportError as e:  # pragma: no cover - needs ComfyUI 0.33+
-        raise UnsupportedModelError(f"{NODE_ID}: this ComfyUI has no MiniMax H3 support (needs 0.33+)") from e
-    if not isinstance(dm, MiniMaxH3Model):
-        raise UnsupportedModelError(
-            f"{NODE_ID}: FastH3 schedules are for MiniMax H3 / FastH3 models; got "
-            f"{type(dm).__name__ if dm is not None else type(model).__name__}")
+    dm = h3_diffusion_model(model, NODE_ID, "FastH3 schedules are for MiniMax H3 / FastH3 models; got {got}")
     ms = model.get_model_object("model_sampling")
     if not hasattr(ms, "audio_shift"):
         raise UnsupportedModelError(f"{NODE_ID}: the model's sampling ({type(ms).__name__}) is not ComfyUI's "

@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from comfy_api.latest import io
 
-from ..errors import BackendError, UnsupportedModelError
+from ..errors import BackendError
 from ..kernels import REGISTRY
 from ..kernels.vsa_h3_runtime import CTX_KEY, GATE_KEY, VSAH3Config, VSAH3Runtime, make_attention_override
 from ..kernels.vsa_layout import prefix_segments_from_spans
 from ..kernels.vsa_select import sparsity_from_keep_percent
-from ._common import report_target, send_report, ui_report
+from ._common import h3_diffusion_model, report_target, send_report, ui_report
 
 NODE_ID = "DitKitSparseAttention"
 KEY = "ditkit_vsa_h3"
@@ -42,16 +42,8 @@ log = logging.getLogger("ditkit")
 
 
 def _h3_model(model):
-    dm = getattr(getattr(model, "model", None), "diffusion_model", None)
-    try:
-        from comfy.ldm.minimax.model import MiniMaxH3Model
-    except ImportError as e:  # pragma: no cover - needs ComfyUI 0.33+
-        raise UnsupportedModelError(f"{NODE_ID}: this ComfyUI has no MiniMax H3 support (needs 0.33+)") from e
-    if not isinstance(dm, MiniMaxH3Model):
-        raise UnsupportedModelError(
-            f"{NODE_ID}: VSA-H3 needs a MiniMax H3 / FastH3 model; got {type(dm).__name__ if dm is not None else type(model).__name__}. "
-            "Other models are not trained for this sparse pattern; use ComfyUI's Model Sparse Attention node for them.")
-    return dm
+    return h3_diffusion_model(model, NODE_ID, "VSA-H3 needs a MiniMax H3 / FastH3 model; got {got}. Other models are "
+                              "not trained for this sparse pattern; use ComfyUI's Model Sparse Attention node for them.")
 
 
 def _find_gates(model, dm, choice: str):
