@@ -546,7 +546,7 @@ def test_node_scale_input_and_undetermined_scale(models, comfy, tmp_path):
     with pytest.raises(AdapterError, match=r"adapter_config\.json.*'scale' input"):
         DitKitLoKrLoader.execute(model, "peft_noconfig.safetensors", 1.0)
     for bad in ({"strength": float("nan")}, {"strength": 1.0, "scale": float("inf")}):
-        with pytest.raises(AdapterError, match="finite"):
+        with pytest.raises(DitKitError, match="finite"):  # the node-wide float guard (guards.py) refuses first
             DitKitLoKrLoader.execute(model, "peft_noconfig.safetensors", **bad)
     assert model.patches == {} or "diffusion_model.layers.0.attention.qkv.weight" not in model.patches
     m, report = DitKitLoKrLoader.execute(model, "peft_noconfig.safetensors", -0.8, scale=0.25).result
