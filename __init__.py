@@ -1,21 +1,16 @@
-"""ditkit — a ComfyUI node pack for MiniMax H3, LTX-2/2.5, Z-Image and FLUX.2.
+"""ComfyUI entry point of the ditkit pack.
 
-ComfyUI imports this folder under whatever name it was cloned to; every import inside the pack is
-relative. After ``pip install -e .`` the same folder imports as the package ``ditkit`` (tests, CLI).
+ComfyUI imports this folder under whatever name it was cloned to; the package itself is the inner folder
+``ditkit/`` (imported here relatively, so any folder name works). After ``pip install -e .`` the same inner
+folder imports as ``ditkit`` (CLI, tests). Keeping the code one level down means that Python run from this
+folder sees only ``ditkit``, ``tests`` and ``benchmarks`` as top-level names, never ``nodes`` (ComfyUI's own
+module name), ``kernels`` or ``cache``.
 
 Importing this module never imports ComfyUI: the node classes are built only when ComfyUI calls
-:func:`comfy_entrypoint`, so ``import ditkit`` works in plain Python.
+:func:`comfy_entrypoint`.
 """
-__version__ = "0.1.0"
+from .ditkit import __version__, comfy_entrypoint
 
 WEB_DIRECTORY = "./web"
-
-
-async def comfy_entrypoint():
-    """ComfyUI V3 entry point: returns the extension that lists every ditkit node."""
-    from .nodes import DitKitExtension
-
-    return DitKitExtension()
-
 
 __all__ = ["WEB_DIRECTORY", "comfy_entrypoint", "__version__"]

@@ -24,7 +24,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, os.path.dirname(HERE))  # the checkout: ditkit, tests, benchmarks
 
 
 def part_a():
@@ -61,7 +61,7 @@ def part_b(comfyui: str, steps: int, repeats: int):
     from comfy_extras.nodes_minimax_h3 import _empty_av_latent
 
     from ditkit.nodes.adaln_cache import DitKitH3AdaLNCache
-    from ditkit.testing.checkpoints import generate_all
+    from ditkit.tiny.checkpoints import generate_all
 
     print(f"B. tiny H3 on ComfyUI, CPU, {steps} euler steps, median of {repeats}")
     with tempfile.TemporaryDirectory() as d:

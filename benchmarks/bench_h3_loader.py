@@ -70,7 +70,7 @@ print(json.dumps({"mode": mode, "seconds": dt, "base_kib": base, "peak_kib": pea
 def make_checkpoint(folder: Path, hidden: int, layers: int, shards: int) -> int:
     import torch
 
-    from ditkit.testing import ckpt_h3 as C
+    from ditkit.tiny import ckpt_h3 as C
 
     torch.set_num_threads(1)
     heads, hd = 8, hidden // 8 + hidden // 32  # inner != hidden, like the real model

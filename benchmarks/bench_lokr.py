@@ -47,7 +47,7 @@ if comfyui:
     sys.path.insert(0, comfyui)
     from comfy.cli_args import args
     args.cpu = True
-from ditkit.testing import ckpt_image as ci
+from ditkit.tiny import ckpt_image as ci
 shapes = {f"diffusion_model.{k.replace('.scale', '.weight')}": v
           for k, v in ci.flux2_shapes({**ci.FLUX2, "hidden": h, "depth": nd, "depth_single": ns}).items()}
 res = {}
@@ -111,7 +111,7 @@ def make_adapter(path: Path, h: int, nd: int, ns: int, factor: int) -> int:
     import torch
 
     from ditkit.loaders.safetensors_io import save_file
-    from ditkit.testing import ckpt_image as ci
+    from ditkit.tiny import ckpt_image as ci
 
     shapes = ci.flux2_shapes({**ci.FLUX2, "hidden": h, "depth": nd, "depth_single": ns})
     g = torch.Generator().manual_seed(1)

@@ -23,7 +23,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, os.path.dirname(HERE))  # the checkout: ditkit, tests, benchmarks
 
 REAL = {
     "H3 Qwen3-VL-32B (50 of 64 layers)": dict(h=5120, nq=64, nkv=8, hd=128, ff=25600, layers=50, vocab=151936,
@@ -59,7 +59,7 @@ def part_b(comfyui: str, repeats: int):
 
     args.cpu = True
     import ditkit.nodes.text_encoders as te
-    from ditkit.testing.checkpoints import generate_all
+    from ditkit.tiny.checkpoints import generate_all
 
     print(f"B. tiny encoders on ComfyUI, CPU, streaming forced (cpu->cpu), median of {repeats}")
     with tempfile.TemporaryDirectory() as d:

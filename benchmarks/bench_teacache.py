@@ -3,7 +3,7 @@
     COMFYUI_PATH=/work/ComfyUI nice -n 10 python benchmarks/bench_teacache.py [--families h3,ltx2] [--steps 25,50]
 
 Everything runs in-process in the real ComfyUI host (CPU) on the tiny deterministic checkpoints
-(``ditkit.testing.checkpoints``), through the real nodes: ``DitKitTeaCacheCalibrate`` (calibration on
+(``ditkit.tiny.checkpoints``), through the real nodes: ``DitKitTeaCacheCalibrate`` (calibration on
 ``--calib-prompts`` synthetic prompts, per step count), ``DitKitTeaCache`` (a threshold grid) with
 
 * the calibrated file,
@@ -32,6 +32,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # the checkout: ditkit, benchmarks.lab
 import teacache_harness as H  # noqa: E402
 
 FLUX1 = [498.651651, -283.781631, 55.8554382, -3.82021401, 0.264230861]
@@ -40,7 +41,7 @@ EZ_GRID = (0.02, 0.05, 0.08, 0.12, 0.16, 0.2, 0.3, 0.4, 0.6, 0.8, 1.2, 2.0, 3.0)
 
 
 def latent_metrics(ref: torch.Tensor, est: torch.Tensor) -> tuple[float, float]:
-    from ditkit.testing.lab_metrics import psnr, ssim
+    from benchmarks.lab.lab_metrics import psnr, ssim
 
     r = ref.double()
     e = est.double()
@@ -115,7 +116,7 @@ class LabBackend:
         return ("video", "audio")
 
     def metrics(self, ref, est):
-        from ditkit.testing.lab_metrics import log_spectral_distance, psnr, snr, ssim
+        from benchmarks.lab.lab_metrics import log_spectral_distance, psnr, snr, ssim
 
         fr, wr = self.lab.decode(*ref)
         fe, we = self.lab.decode(*est)
@@ -234,7 +235,7 @@ def main(argv=None):
     H.import_comfy(comfy_path)
     import folder_paths
 
-    from ditkit.testing.checkpoints import generate_all
+    from ditkit.tiny.checkpoints import generate_all
 
     logging_off()
     work = tempfile.mkdtemp(prefix="bench_teacache_")

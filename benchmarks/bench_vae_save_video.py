@@ -62,7 +62,7 @@ def child(mode: str, t: int, hh: int, ww: int, out: str) -> dict:
     sv = importlib.import_module("ditkit.nodes.save_video")
     from comfy_api.latest import InputImpl, Types
 
-    from ditkit.testing.checkpoints import generate_all
+    from ditkit.tiny.checkpoints import generate_all
 
     d = Path(out).parent      # the parent's private scratch folder
     generate_all(d, ["h3_video_vae_tiny"])

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the checkout: ditkit
 
 
 def psnr(a, b):
@@ -70,7 +71,7 @@ def main():
     args.cpu = True
     torch.set_num_threads(1)
     h3 = importlib.import_module("ditkit.nodes.h3_vae")
-    from ditkit.testing.checkpoints import generate_all
+    from ditkit.tiny.checkpoints import generate_all
 
     out = Path(tempfile.mkdtemp(prefix="ditkit_bench_vae_t1_"))
     atexit.register(shutil.rmtree, out, True)
@@ -115,7 +116,7 @@ def main():
 
 def lab_quality(h3, path, n=16):
     """The lab VAE on lab-distribution frames at its training size (64x96): round-trip PSNR vs the source."""
-    from ditkit.testing.lab_data import random_spec, render_video
+    from benchmarks.lab.lab_data import random_spec, render_video
 
     vae, info = h3.load_h3_vae(str(path))
     src = torch.stack([render_video(random_spec(1000 + i), 1, 64, 96)[:, 0] for i in range(n)])  # [n,3,H,W] [-1,1]

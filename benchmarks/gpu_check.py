@@ -40,7 +40,6 @@ code path at toy sizes (Triton under TRITON_INTERPRET=1) in the unit tests; the 
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import gc
 import json
@@ -1505,25 +1504,15 @@ SECTION_FNS = {"kernels": sec_kernels, "int64": sec_int64, "vsa_perf": sec_vsa_p
 
 # ------------------------------------------------------------------------------------------------ driver
 def import_ditkit():
-    """``import ditkit`` resolving to THIS checkout (the folder is the package): a temp link dir goes first on
-    sys.path unless ditkit already resolves here."""
-    try:
-        import ditkit
-
-        if Path(ditkit.__file__).resolve().parent == REPO:
-            return ditkit
-    except ImportError:
-        pass
-    link = Path(tempfile.mkdtemp(prefix="gpu_check_ditkit_"))
-    atexit.register(shutil.rmtree, str(link), True)
-    (link / "ditkit").symlink_to(REPO, target_is_directory=True)
-    sys.path.insert(0, str(link))
+    """``import ditkit`` resolving to THIS checkout (the package is the inner folder ``ditkit/``): the checkout's
+    root goes first on sys.path."""
+    sys.path.insert(0, str(REPO))
     for name in [m for m in sys.modules if m == "ditkit" or m.startswith("ditkit.")]:
         del sys.modules[name]
     import ditkit
 
     where = Path(ditkit.__file__).resolve().parent
-    if where != REPO:
+    if where != REPO / "ditkit":
         raise SystemExit(f"gpu_check: `import ditkit` resolves to {where}, not this checkout {REPO}")
     return ditkit
 

@@ -28,9 +28,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the checkout: ditkit, tests.support
 
 from ditkit.run import ComfyServer, WorkflowFailed, history_messages, output_files  # noqa: E402
-from ditkit.testing import corpus  # noqa: E402
+from tests.support import corpus  # noqa: E402
 
 CORPUS = REPO / "tests" / "corpus"
 EXTRA_VALID = {

@@ -7,16 +7,13 @@
 * ``comfy``: ComfyUI imported in-process on CPU (``args.cpu = True`` before ``comfy.model_management``), for
   node-level tests that call ``Node.execute`` directly. Skips when ComfyUI or its requirements are missing
   from this interpreter (run the suite with the ComfyUI venv's python to enable it).
-* ``tiny_ckpts``: the deterministic tiny checkpoints (``python -m ditkit.testing.checkpoints``), generated
+* ``tiny_ckpts``: the deterministic tiny checkpoints (``python -m ditkit.tiny.checkpoints``), generated
   once per session into a temp dir.
 """
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,24 +22,21 @@ REPO = Path(__file__).resolve().parents[1]
 def _import_this_checkout_as_ditkit() -> None:
     """Make ``import ditkit`` mean *this* checkout, in this process and in every subprocess a test starts.
 
-    The pack's folder is the package (``package-dir = {ditkit = "."}``), so a ``ditkit`` installed from another
-    checkout (a host venv's editable install, a CI clone next to a developer tree) would otherwise be tested
-    instead, silently. A temp folder holding a ``ditkit`` link to this checkout goes first on ``sys.path`` and
-    ``PYTHONPATH``; the session fails at once if the import still resolves elsewhere.
+    The package is the inner folder ``ditkit/``, so the checkout's root first on ``sys.path`` and ``PYTHONPATH``
+    is enough: a ``ditkit`` installed from another checkout (a host venv's editable install, a CI clone next to a
+    developer tree) would otherwise be tested instead, silently. The same root makes ``tests.support`` and
+    ``benchmarks.lab`` importable. The session fails at once if the import still resolves elsewhere.
     """
-    link_dir = Path(tempfile.mkdtemp(prefix="ditkit-import-"))
-    atexit.register(shutil.rmtree, link_dir, True)
-    (link_dir / "ditkit").symlink_to(REPO, target_is_directory=True)
-    sys.path.insert(0, str(link_dir))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(link_dir)] + [p for p in
+    sys.path.insert(0, str(REPO))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in
                                                os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     for name in [m for m in sys.modules if m == "ditkit" or m.startswith("ditkit.")]:
         del sys.modules[name]
     import ditkit
 
     where = Path(ditkit.__file__).resolve().parent
-    if where != REPO:
-        raise RuntimeError(f"`import ditkit` resolves to {where}, not the checkout under test ({REPO})")
+    if where != REPO / "ditkit":
+        raise RuntimeError(f"`import ditkit` resolves to {where}, not the checkout under test ({REPO / 'ditkit'})")
 
 
 _import_this_checkout_as_ditkit()
@@ -119,7 +113,7 @@ def comfy(comfyui_path):
 
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory) -> Path:
-    from ditkit.testing.checkpoints import generate_all
+    from ditkit.tiny.checkpoints import generate_all
 
     out = tmp_path_factory.mktemp("tiny_ckpts")
     generate_all(out)

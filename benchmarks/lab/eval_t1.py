@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: ditkit, benchmarks.lab
 import lab_comfy as L  # noqa: E402
 
-from ditkit.testing import lab_data as D  # noqa: E402
-from ditkit.testing.lab_metrics import paired_gain_ci, psnr, ssim  # noqa: E402
+from benchmarks.lab import lab_data as D  # noqa: E402
+from benchmarks.lab.lab_metrics import paired_gain_ci, psnr, ssim  # noqa: E402
 
 HELDOUT_SEED = 7_000_000  # the harness's held-out clips
 VAL_SEED = 7_500_000  # checkpoint selection during training (disjoint from HELDOUT_SEED + i, i < 500k)

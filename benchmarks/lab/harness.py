@@ -10,7 +10,7 @@ Two engines (``--engine``; default ``comfy`` when ``COMFYUI_PATH`` is set, else 
   (``euler`` / ``simple``, H3's video/audio shifts 12/3), and each feature NODE is applied to a clone of the model
   exactly as a workflow would (inputs = the node's schema defaults plus the overrides listed below). ComfyUI-side
   code lives in ``lab_comfy.py`` and the ``ComfyLab`` class here.
-* ``ref``: no ComfyUI (CI): the pure-torch lab references ``ditkit.testing.lab_ref_dit`` / ``lab_ref_sample`` /
+* ``ref``: no ComfyUI (CI): the pure-torch lab references ``benchmarks.lab.lab_ref_dit`` / ``lab_ref_sample`` /
   ``lab_ref_vae`` (proven equal to ComfyUI's DiT, KSampler and VAE by ``tests/integration/
   test_lab_ref_equivalence_*.py``) and ditkit's feature CORES (TeaCache calibration + runtime, VSA-H3 runtime, T=1
   repeat-decode) installed as the nodes install them (``lab_ref.py``). Native ComfyUI nodes (EasyCache) print
@@ -52,10 +52,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: ditkit, benchmarks.lab
 import lab_comfy as L  # noqa: E402
 
-from ditkit.testing import lab_data as D  # noqa: E402
-from ditkit.testing.lab_metrics import (  # noqa: E402
+from benchmarks.lab import lab_data as D  # noqa: E402
+from benchmarks.lab.lab_metrics import (  # noqa: E402
     log_spectral_distance, paired_gain_ci, psnr, psnr_offset_free, snr, ssim)
 
 PROMPTS = ("red circle right", "blue square left", "green triangle up", "yellow circle down",

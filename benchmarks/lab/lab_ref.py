@@ -1,9 +1,9 @@
 """Quality-lab engine without ComfyUI (``harness.py --engine ref``): the pure-torch lab references and ditkit's cores.
 
-* DiT: :mod:`ditkit.testing.lab_ref_dit` (same parameter names and hook protocol as ComfyUI's ``MiniMaxH3Model``),
-  sampled by :mod:`ditkit.testing.lab_ref_sample` (KSampler ``euler`` / ``simple`` with CFG, same noise per seed);
+* DiT: :mod:`benchmarks.lab.lab_ref_dit` (same parameter names and hook protocol as ComfyUI's ``MiniMaxH3Model``),
+  sampled by :mod:`benchmarks.lab.lab_ref_sample` (KSampler ``euler`` / ``simple`` with CFG, same noise per seed);
   both are proven equal to ComfyUI by ``tests/integration/test_lab_ref_equivalence_dit.py``.
-* VAE: :mod:`ditkit.testing.lab_ref_vae` (proven equal by ``tests/integration/test_lab_ref_equivalence_vae.py``).
+* VAE: :mod:`benchmarks.lab.lab_ref_vae` (proven equal by ``tests/integration/test_lab_ref_equivalence_vae.py``).
 * Features: the SAME core objects the ditkit nodes build (``cache.hooks`` / ``cache.teacache`` / ``cache.calibrate``
   / ``cache.coefficients`` for TeaCache, ``kernels.vsa_h3_runtime`` for VSA-H3), installed by a thin replica of the
   node's install step into ``transformer_options`` (block replaces, attention override, diffusion-model wrapper)
@@ -30,9 +30,9 @@ from ditkit.cache.teacache import state_from_coefficients
 from ditkit.kernels.vsa_h3_runtime import CTX_KEY as VSA_CTX_KEY
 from ditkit.kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime, make_attention_override
 from ditkit.kernels.vsa_layout import prefix_segments_from_spans
-from ditkit.testing import lab_data as D
-from ditkit.testing import lab_ref_dit as R
-from ditkit.testing import lab_ref_sample as S
+from benchmarks.lab import lab_data as D
+from benchmarks.lab import lab_ref_dit as R
+from benchmarks.lab import lab_ref_sample as S
 
 ENGINE = "ref"
 ENGINE_DESC = "ref (pure-torch lab references + ditkit cores, no ComfyUI)"
@@ -249,7 +249,7 @@ class RefLab:
     def vae(self):
         """The reference lab VAE (loaded on first use: DiT-only uses need no VAE)."""
         if self._vae is None:
-            from ditkit.testing.lab_ref_vae import load_lab_vae
+            from benchmarks.lab.lab_ref_vae import load_lab_vae
 
             self._vae = load_lab_vae(self.vae_path)
         return self._vae

@@ -2,7 +2,7 @@
 
     COMFYUI_PATH=/path/to/ComfyUI nice -n 10 python benchmarks/lab/train_dit.py [--seed 0] [--minutes 15]
 
-Data: procedural clips (``ditkit.testing.lab_data``) encoded by the trained lab VAE (whitened video latents
+Data: procedural clips (``benchmarks.lab.lab_data``) encoded by the trained lab VAE (whitened video latents
 [1, 24, 7, 4, 6]) and the lab audio codec ([1, 32, 2, 37] at 40 Hz). Text: a learned embedding table over the
 lab vocabulary ([3, 32] per prompt) fed through ``condition_proj`` + the token refiner, exactly H3's text path.
 
@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: ditkit, benchmarks.lab
 import lab_comfy as L  # noqa: E402
 
-from ditkit.testing import lab_data as D  # noqa: E402
+from benchmarks.lab import lab_data as D  # noqa: E402
 
 FRAMES, H, W = 22, 64, 96
 

@@ -77,10 +77,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: ditkit, benchmarks.lab
 import eval_t1  # noqa: E402
 import lab_comfy as L  # noqa: E402
 
-from ditkit.testing.lab_data import make_clip  # noqa: E402
+from benchmarks.lab.lab_data import make_clip  # noqa: E402
 
 FRAMES, H, W = 22, 64, 96
 # kept output frames [a, b) that each of the 7 window tokens decodes to (see decode_window)

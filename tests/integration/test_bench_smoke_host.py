@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ditkit.testing.bench_output import NUM, one as _one, positive as _pos
+from tests.support.bench_output import NUM, one as _one, positive as _pos
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"

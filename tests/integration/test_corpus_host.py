@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ditkit.run import history_messages
-from ditkit.testing import corpus
+from tests.support import corpus
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 CASES = json.loads((CORPUS / corpus.MANIFEST).read_text(encoding="utf-8"))["cases"]

@@ -13,8 +13,8 @@ from ditkit.errors import DitKitError
 
 @pytest.fixture(scope="module")
 def vaes(comfy, tmp_path_factory):
-    from ditkit.testing import ckpt_h3_vae as ck
-    from ditkit.testing.checkpoints import generate_all
+    from ditkit.tiny import ckpt_h3_vae as ck
+    from ditkit.tiny.checkpoints import generate_all
 
     out = tmp_path_factory.mktemp("pf_vae")
     generate_all(out, only=["h3_video_vae_tiny"])

@@ -21,7 +21,7 @@ def h3_env(comfy, tmp_path_factory):
     import comfy.sd
     import folder_paths
 
-    from ditkit.testing.checkpoints import generate_all
+    from ditkit.tiny.checkpoints import generate_all
 
     ck = tmp_path_factory.mktemp("w_ckpts")
     generate_all(ck, only=["h3_dit"])

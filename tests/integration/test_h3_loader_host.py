@@ -29,7 +29,7 @@ def dm(comfy, tiny_ckpts):
 
 
 def _cond():
-    from ditkit.testing.ckpt_h3 import CONFIG
+    from ditkit.tiny.ckpt_h3 import CONFIG
 
     g = torch.Generator().manual_seed(0)
     return [[torch.randn(1, 7, CONFIG["text_dim"], generator=g), {}]]

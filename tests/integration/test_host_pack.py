@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from ditkit.testing.pack_scan import PACK_ROOT, node_declarations
-from ditkit.testing.workflows import api_workflows, twin_path
+from tests.support.pack_scan import REPO_ROOT, node_declarations
+from ditkit.workflows import api_workflows, twin_path
 
 
 
@@ -57,7 +57,7 @@ def test_object_info_lists_every_node_with_tooltips(comfy_server):
 
 
 def test_web_extension_files_are_served(comfy_server):
-    js = sorted(p.relative_to(PACK_ROOT / "web").as_posix() for p in (PACK_ROOT / "web").rglob("*.js"))
+    js = sorted(p.relative_to(REPO_ROOT / "web").as_posix() for p in (REPO_ROOT / "web").rglob("*.js"))
     if not js:
         pytest.skip("web/ has no .js files yet")
     served = comfy_server.get_json("/extensions")

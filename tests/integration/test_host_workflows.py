@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ditkit.run import REPO
-from ditkit.testing import workflows as wfm
+from ditkit import workflows as wfm
 
 API = wfm.api_workflows()
 IDS = [p.stem for p in API]
@@ -30,7 +30,7 @@ def test_example_workflow_runs(comfy_server, path):
 @pytest.mark.parametrize("path", API, ids=IDS)
 def test_ui_twin_converts_back_with_live_schemas(comfy_server, path):
     twin = wfm.twin_path(path)
-    assert twin.is_file(), f"{twin} missing: run `python -m ditkit.testing.workflows sync`"
+    assert twin.is_file(), f"{twin} missing: run `python -m ditkit.workflows sync`"
     api = json.loads(path.read_text(encoding="utf-8"))
     ui = json.loads(twin.read_text(encoding="utf-8"))
     info = comfy_server.object_info()

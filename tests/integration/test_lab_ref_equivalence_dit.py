@@ -1,4 +1,4 @@
-"""The pure-torch lab H3 DiT reference (``ditkit.testing.lab_ref_dit``) and its sampler (``lab_ref_sample``) equal
+"""The pure-torch lab H3 DiT reference (``benchmarks.lab.lab_ref_dit``) and its sampler (``lab_ref_sample``) equal
 ComfyUI's own ``MiniMaxH3Model`` / KSampler on the committed lab weights (the oracle is ComfyUI, in-process).
 
 These tests are what lets the lab harness run its ``--engine ref`` (and the CI smoke) without ComfyUI.
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from ditkit.loaders.safetensors_io import load_file
-from ditkit.testing import lab_data as D
-from ditkit.testing import lab_ref_dit as R
-from ditkit.testing import lab_ref_sample as S
+from benchmarks.lab import lab_data as D
+from benchmarks.lab import lab_ref_dit as R
+from benchmarks.lab import lab_ref_sample as S
 
 FRAMES, H, W = 22, 64, 96  # the harness's clip size
 

@@ -1,4 +1,4 @@
-"""The pure-torch lab VAE reference (``ditkit.testing.lab_ref_vae``) equals ComfyUI's own ``MiniMaxH3VideoVAE`` on
+"""The pure-torch lab VAE reference (``benchmarks.lab.lab_ref_vae``) equals ComfyUI's own ``MiniMaxH3VideoVAE`` on
 the committed lab weights (the oracle is ComfyUI, in-process, fp32, CPU): encode, decode, raw decoder, tiling,
 the T=1 repeat decode. This is what lets the lab harness run its VAE without ComfyUI (CI).
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ditkit.loaders.safetensors_io import load_file, save_file
-from ditkit.testing.lab_data import make_clip
-from ditkit.testing.lab_ref_vae import DEFAULT_VAE_FILE, load_lab_vae
+from benchmarks.lab.lab_data import make_clip
+from benchmarks.lab.lab_ref_vae import DEFAULT_VAE_FILE, load_lab_vae
 from ditkit.vae.t1_decode import repeat_decode_t1
 
 REPO = Path(__file__).resolve().parents[2]

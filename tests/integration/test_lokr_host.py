@@ -14,7 +14,7 @@ import torch
 
 from ditkit.errors import AdapterError, CheckpointError, DitKitError
 from ditkit.loaders.safetensors_io import load_file, save_file
-from ditkit.testing import ckpt_image as ci
+from ditkit.tiny import ckpt_image as ci
 
 REPO = Path(__file__).resolve().parents[2]
 

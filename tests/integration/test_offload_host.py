@@ -12,7 +12,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def ckpts(comfy, tmp_path_factory):
-    from ditkit.testing.checkpoints import generate_all
+    from ditkit.tiny.checkpoints import generate_all
 
     out = tmp_path_factory.mktemp("offload_ckpts")
     generate_all(out, only=["h3_dit", "h3_dit_curve", "h3_te", "ltx_te"])

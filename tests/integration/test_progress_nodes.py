@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ditkit.loaders.safetensors_io import read_header
-from ditkit.testing import ckpt_h3_vae as ck
+from ditkit.tiny import ckpt_h3_vae as ck
 
 torch.set_num_threads(1)
 

@@ -21,8 +21,8 @@ def env(comfy, tmp_path_factory):
     import comfy.sd
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
-    from ditkit.testing.checkpoints import generate_all
-    from ditkit.testing.ckpt_h3 import CONFIG
+    from ditkit.tiny.checkpoints import generate_all
+    from ditkit.tiny.ckpt_h3 import CONFIG
 
     torch.set_num_threads(1)
     out = generate_all(tmp_path_factory.mktemp("vsa_ckpt"), only=["h3_dit_fasth3"])

@@ -20,7 +20,7 @@ FAMILIES = {"h3": "h3_dit", "ltx2": "ltx_dit", "zimage": "zimage_dit", "flux2": 
 def env(comfy, tmp_path_factory):
     import folder_paths
 
-    from ditkit.testing.checkpoints import generate_all
+    from ditkit.tiny.checkpoints import generate_all
 
     torch.set_num_threads(1)
     ck = tmp_path_factory.mktemp("tc_ckpts")

@@ -12,7 +12,7 @@ import torch
 
 from ditkit.errors import CheckpointError, DitKitError, MetadataError, UnsupportedModelError
 from ditkit.loaders.safetensors_io import load_file, save_file
-from ditkit.testing import ckpt_h3_vae as ck
+from ditkit.tiny import ckpt_h3_vae as ck
 
 torch.set_num_threads(1)
 

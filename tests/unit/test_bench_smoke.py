@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditkit.testing.bench_output import NUM, one as _one, positive as _pos
+from tests.support.bench_output import NUM, one as _one, positive as _pos
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"

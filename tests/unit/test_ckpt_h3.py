@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ditkit.loaders.safetensors_io import load_file, read_header
-from ditkit.testing import ckpt_h3 as C
-from ditkit.testing.checkpoints import generate_all
+from ditkit.tiny import ckpt_h3 as C
+from ditkit.tiny.checkpoints import generate_all
 
 NAMES = ["h3_dit", "h3_dit_official", "h3_dit_diffusers", "h3_dit_curve", "h3_dit_fasth3"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 
 from ditkit.loaders.safetensors_io import SafeFile, read_header
-from ditkit.testing import ckpt_h3_vae as ck
+from ditkit.tiny import ckpt_h3_vae as ck
 from ditkit.vae.h3_layout import audio_vae_plan, detect_video_config
 from ditkit.vae.metadata import check_whitening_matches, validate_image_vae_metadata
 

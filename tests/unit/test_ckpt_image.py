@@ -4,8 +4,8 @@ from __future__ import annotations
 import hashlib
 
 from ditkit.loaders.safetensors_io import load_file
-from ditkit.testing import ckpt_image as ci
-from ditkit.testing.checkpoints import generate_all
+from ditkit.tiny import ckpt_image as ci
+from ditkit.tiny.checkpoints import generate_all
 
 
 def _sha(p):

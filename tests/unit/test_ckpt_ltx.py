@@ -5,8 +5,8 @@ import hashlib
 import json
 
 from ditkit.loaders.safetensors_io import read_header
-from ditkit.testing import ckpt_ltx as L
-from ditkit.testing.checkpoints import generate_all
+from ditkit.tiny import ckpt_ltx as L
+from ditkit.tiny.checkpoints import generate_all
 
 
 def test_ltx_tiny_deterministic_and_detectable(tmp_path):

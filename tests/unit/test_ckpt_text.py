@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ditkit.loaders.safetensors_io import load_file, read_header
-from ditkit.testing import ckpt_text
-from ditkit.testing.checkpoints import GENERATORS, generate_all
+from ditkit.tiny import ckpt_text
+from ditkit.tiny.checkpoints import GENERATORS, generate_all
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_h3_te_inventory(two_runs):
 
 
 def test_h3_te_text_dim_matches_tiny_dit():
-    from ditkit.testing import ckpt_h3
+    from ditkit.tiny import ckpt_h3
 
     assert ckpt_text.H3_TE_CONFIG["hidden_size"] == ckpt_h3.CONFIG["text_dim"]
 
@@ -67,7 +67,7 @@ def test_ltx_te_inventory_and_tokenizer(two_runs):
     assert "model.layers.5.self_attn.v_proj.weight" in t     # rules out ComfyUI's Gemma-4-12B branch
     assert t["text_embedding_projection.aggregate_embed.weight"].shape == (40, 49 * 32)
     assert t["spiece_model"].dtype == "U8"
-    from ditkit.testing import ckpt_ltx
+    from ditkit.tiny import ckpt_ltx
 
     assert ckpt_ltx.CONFIG["caption_channels"] == 40
     spm = pytest.importorskip("sentencepiece")

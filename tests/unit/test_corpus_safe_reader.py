@@ -9,7 +9,7 @@ import ast
 
 import pytest
 
-from ditkit.testing.pack_scan import PACK_ROOT, calls, imported_modules, pack_python_files
+from tests.support.pack_scan import PACK_ROOT, calls, imported_modules, pack_python_files
 
 SAFE_READER = "loaders/safetensors_io.py"
 # packages that read files a user downloaded (weights, adapters, metadata, coefficient files)
@@ -34,7 +34,7 @@ def violations(path, rel: str | None = None) -> list[tuple[int, str]]:
         if isinstance(n, ast.ImportFrom) and n.level == 0:
             bad += [(n.lineno, f"from {n.module} import {a.name}") for a in n.names
                     if (n.module, a.name) in FORBIDDEN_FROM_IMPORTS]
-    if not rel.startswith("testing/"):  # the tiny-checkpoint writers may use the reference library to WRITE
+    if not rel.startswith("tiny/"):  # the tiny-checkpoint writers may use the reference library to WRITE
         bad += [(ln, f"import {m}") for ln, m in imported_modules(tree) if m == "safetensors"]
     if rel.startswith(UNTRUSTED_READERS):
         bad += [(ln, name) for ln, name in calls(tree) if name in JSON_CALLS]

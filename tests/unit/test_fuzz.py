@@ -117,7 +117,7 @@ def test_fuzz_vae_metadata_config(field, value, direct, sl):
 @pytest.fixture(scope="module")
 def flux2_shapes():
     from ditkit.loaders.safetensors_io import read_header
-    from ditkit.testing.checkpoints import generate_all
+    from ditkit.tiny.checkpoints import generate_all
 
     out = tempfile.mkdtemp(prefix="ditkit_fuzz_flux2_")
     generate_all(out, only=["flux2_dit"])

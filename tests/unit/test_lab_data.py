@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from ditkit.testing import lab_data as D
-from ditkit.testing.lab_metrics import log_spectral_distance
+from benchmarks.lab import lab_data as D
+from benchmarks.lab.lab_metrics import log_spectral_distance
 
 
 def test_clip_is_deterministic_and_seed_dependent():

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ditkit.testing import lab_data as D
+from benchmarks.lab import lab_data as D
 
 
 def _centroid_x(video, f):

@@ -1,6 +1,6 @@
 """CI smoke of the quality-lab harness WITHOUT ComfyUI: ``benchmarks/lab/harness.py --smoke --engine ref``.
 
-The ref engine samples the committed trained lab weights with the pure-torch references (``ditkit.testing.lab_ref_*``,
+The ref engine samples the committed trained lab weights with the pure-torch references (``benchmarks.lab.lab_ref_*``,
 proven equal to ComfyUI by the host tests ``tests/integration/test_lab_ref_equivalence_*.py``) and runs ditkit's
 TeaCache / VSA-H3 / T=1 cores on them. This checks that every required row is present and measured, that CFG really
 ran (two transformer passes per step), that TeaCache skips, that the sparse row is finite, that native-only rows say
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ditkit.testing.bench_output import NUM, one
+from tests.support.bench_output import NUM, one
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = REPO / "benchmarks" / "lab"

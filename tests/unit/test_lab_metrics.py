@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ditkit.testing.lab_metrics import log_spectral_distance, psnr, psnr_offset_free, snr, ssim
+from benchmarks.lab.lab_metrics import log_spectral_distance, psnr, psnr_offset_free, snr, ssim
 
 
 def _np_ssim(a, b, data_range=1.0, size=11, sigma=1.5):
@@ -127,7 +127,7 @@ def test_shape_mismatch_raises():
 
 
 def test_paired_gain_ci_mean_and_interval():
-    from ditkit.testing.lab_metrics import paired_gain_ci
+    from benchmarks.lab.lab_metrics import paired_gain_ci
 
     # 3 frames per clip, 20 clips; the gain is 1.0 plus a per-clip effect and frame noise
     g = np.random.default_rng(3)

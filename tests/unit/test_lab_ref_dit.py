@@ -5,8 +5,8 @@ import torch
 
 from ditkit.errors import CheckpointError
 from ditkit.loaders.safetensors_io import load_file, save_file
-from ditkit.testing import lab_ref_dit as R
-from ditkit.testing import lab_ref_sample as S
+from benchmarks.lab import lab_ref_dit as R
+from benchmarks.lab import lab_ref_sample as S
 
 
 @pytest.fixture(scope="module")

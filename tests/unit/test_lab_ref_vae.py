@@ -1,4 +1,4 @@
-"""The pure-torch lab VAE reference (ditkit.testing.lab_ref_vae), without ComfyUI.
+"""The pure-torch lab VAE reference (benchmarks.lab.lab_ref_vae), without ComfyUI.
 
 Oracles: the H3 shape table (h3.md §4.5: pixels T 1/5/22 -> latents 1/2/7 -> frames 1/5/22), clip-level causality of
 the encoder, PSNR against the input clip (a trained decoder vs the same model with zero weights), the T=1 repeat
@@ -15,9 +15,9 @@ import torch
 
 from ditkit.errors import CheckpointError
 from ditkit.loaders.safetensors_io import load_file
-from ditkit.testing.lab_data import make_clip
-from ditkit.testing.lab_metrics import paired_gain_ci, psnr, ssim
-from ditkit.testing.lab_ref_vae import DEFAULT_VAE_FILE, LabVAE, load_lab_vae
+from benchmarks.lab.lab_data import make_clip
+from benchmarks.lab.lab_metrics import paired_gain_ci, psnr, ssim
+from benchmarks.lab.lab_ref_vae import DEFAULT_VAE_FILE, LabVAE, load_lab_vae
 from ditkit.vae.t1_decode import repeat_decode_t1
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "lab_ref_vae_golden.safetensors"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import pytest
 
-from ditkit.testing.pack_scan import PACK_ROOT, calls, imported_modules, node_declarations, pack_python_files
+from tests.support.pack_scan import PACK_ROOT, calls, imported_modules, node_declarations, pack_python_files
 
 # ComfyUI's own top-level modules. (comfy_kitchen / comfy_aimdo are separate pip packages usable without the
 # host, so an optional kernel backend may probe them.)
@@ -26,7 +26,7 @@ IDS = [str(p.relative_to(PACK_ROOT)) for p in FILES]
 
 
 def _may_import_host(rel: str) -> bool:
-    return rel == "__init__.py" or rel.startswith("nodes/")
+    return rel.startswith("nodes/")
 
 
 def _tree(p):
@@ -36,7 +36,7 @@ def _tree(p):
 def test_scan_covers_the_pack():
     rel = set(IDS)
     # the scan must see the core packages and skip tests/benchmarks (else the checks below prove nothing)
-    for must in ("run.py", "errors.py", "loaders/safetensors_io.py", "testing/checkpoints.py", "nodes/__init__.py"):
+    for must in ("run.py", "errors.py", "loaders/safetensors_io.py", "tiny/checkpoints.py", "nodes/__init__.py"):
         assert must in rel, f"{must} missing from the scanned files"
     assert not any(r.startswith(("tests/", "benchmarks/")) for r in rel)
 

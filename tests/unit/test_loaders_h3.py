@@ -13,8 +13,8 @@ from ditkit.errors import CheckpointError
 from ditkit.loaders import h3 as L
 from ditkit.loaders import safetensors_io as sio
 from ditkit.loaders.safetensors_io import load_file, load_with_metadata, save_file
-from ditkit.testing import ckpt_h3 as C
-from ditkit.testing.checkpoints import generate_all
+from ditkit.tiny import ckpt_h3 as C
+from ditkit.tiny.checkpoints import generate_all
 
 NAMES = ["h3_dit", "h3_dit_official", "h3_dit_diffusers", "h3_dit_curve", "h3_dit_fasth3", "ltx_dit", "flux2_dit",
          "zimage_dit"]

@@ -18,7 +18,7 @@ import torch
 from ditkit.errors import AdapterError, UnsupportedModelError
 from ditkit.loaders import lokr as core
 from ditkit.loaders.lokr_math import factorization
-from ditkit.testing import ckpt_image as ci
+from ditkit.tiny import ckpt_image as ci
 
 G = torch.Generator().manual_seed(1234)
 

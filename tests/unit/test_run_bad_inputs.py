@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ditkit import run
 from ditkit.errors import WorkflowError
-from ditkit.testing import workflows as wfm
+from ditkit import workflows as wfm
 
 DEAD = f"http://127.0.0.1:{run.free_port()}"  # nothing listens here
 OK_API = {"1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": 0}},

@@ -7,11 +7,11 @@ import ast
 
 import pytest
 
-from ditkit.testing.pack_scan import PACK_ROOT, pack_python_files
+from tests.support.pack_scan import PACK_ROOT, pack_python_files
 
 SERVER_DIRS = ("nodes", "loaders", "vae", "cache", "offload", "kernels")
 SERVER_ROOT_MODULES = ("__init__.py", "errors.py", "guards.py", "_version_check.py")
-# CLI / developer tools that write where their operator says (not reachable from a prompt): run.py, host.py, testing/
+# CLI / developer tools that write where their operator says (not reachable from a prompt): run.py, host.py, tiny/
 WRITE_CALLS = {"os.replace", "os.rename", "os.renames", "os.mkdir", "os.makedirs", "os.link", "os.symlink",
                "os.mkfifo", "shutil.copy", "shutil.copy2", "shutil.copyfile", "shutil.copytree", "shutil.move",
                "torch.save", "json.dump", "np.save", "numpy.save", "save_file", "_save"}

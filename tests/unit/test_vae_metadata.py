@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ditkit.errors import CheckpointError, MetadataError
-from ditkit.testing import ckpt_h3_vae as ck
+from ditkit.tiny import ckpt_h3_vae as ck
 from ditkit.vae.h3_layout import (STOCK_SOURCE_CONFIG, STOCK_VIDEO_CONFIG, audio_vae_plan, classify_vae_keys,
                                   detect_video_config, video_vae_plan)
 from ditkit.vae.metadata import check_whitening_matches, validate_image_vae_metadata

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ditkit.errors import WorkflowError
-from ditkit.testing import workflows as wfm
+from ditkit import workflows as wfm
 
 # /object_info entries written by hand in ComfyUI's shapes (V1 list combos, V3 "COMBO", seed control, upload,
 # optional inputs, forceInput), independent of the converter.
@@ -211,7 +211,7 @@ API = wfm.api_workflows()
 
 def test_example_twins_are_in_sync(capsys):
     """``example_workflows/<name>.json`` == conversion of ``example_workflows/api/<name>.json`` with the schemas
-    the twin embeds (regenerate with ``python -m ditkit.testing.workflows sync --comfyui PATH``)."""
+    the twin embeds (regenerate with ``python -m ditkit.workflows sync --comfyui PATH``)."""
     problems = wfm.sync(check=True)
     assert not problems, "\n".join(problems)
 
@@ -220,7 +220,7 @@ def test_example_twins_are_in_sync(capsys):
 def test_example_workflow_roundtrips(path):
     graph = json.loads(path.read_text(encoding="utf-8"))
     twin = wfm.twin_path(path)
-    assert twin.is_file(), f"{twin} missing (python -m ditkit.testing.workflows sync --comfyui PATH)"
+    assert twin.is_file(), f"{twin} missing (python -m ditkit.workflows sync --comfyui PATH)"
     schemas = wfm.embedded_schemas(json.loads(twin.read_text(encoding="utf-8")))
     # the twin embeds exactly the schemas of the classes its API source uses
     assert set(schemas) == wfm.used_classes([path])

@@ -2,7 +2,7 @@
 
 ``h3_te`` -> ``text_encoders/qwen3vl_tiny_minimax_h3.safetensors``: a Qwen3-VL-style decoder truncated like the
 release (50 layers, no final norm, no lm_head) at hidden width 48 = the tiny H3 DiT's ``text_dim``
-(``testing/ckpt_h3.py``). Keys: ``model.embed_tokens.weight``, ``model.layers.N.{input_layernorm,
+(``tiny/ckpt_h3.py``). Keys: ``model.embed_tokens.weight``, ``model.layers.N.{input_layernorm,
 post_attention_layernorm}.weight``, ``model.layers.N.self_attn.{q,k,v,o}_proj.weight``,
 ``model.layers.N.self_attn.{q,k}_norm.weight``, ``model.layers.N.mlp.{gate,up,down}_proj.weight`` and the
 DeepStack merger norms ``visual.deepstack_merger_list.{0,1,2}.norm.{weight,bias}`` (``[4608]``, the real
@@ -26,7 +26,7 @@ them (``model_options["qwen3vl_32b_model_config"]``).
 keys GEMMA_3_12B on ``model.layers.47.self_attn.q_norm.weight`` + ``post_feedforward_layernorm``, and on
 ``v_proj`` being present, which rules out Gemma 4), hidden 32, head_dim 256 (fixed in ComfyUI's config), final
 ``model.norm``, the LTX-2 text projection ``text_embedding_projection.aggregate_embed.weight``
-``[40, 49*32]`` (40 = the tiny LTX DiT's ``caption_channels``, ``testing/ckpt_ltx.py``) and a SentencePiece
+``[40, 49*32]`` (40 = the tiny LTX DiT's ``caption_channels``, ``tiny/ckpt_ltx.py``) and a SentencePiece
 tokenizer stored under the ``spiece_model`` key as uint8 bytes (how ComfyUI reads Gemma's tokenizer). The
 tokenizer is a tiny BPE model (320 pieces, byte fallback, Gemma's special ids pad 0 / eos 1 / bos 2 / unk 3)
 trained deterministically on a fixed corpus, so the vocab (and the embedding) has 320 rows.

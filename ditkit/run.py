@@ -11,7 +11,7 @@
   ``--models DIR`` (default: the tiny test checkpoints, generated into a temp dir). The server it started is
   stopped by its pid (SIGTERM, then SIGKILL after a grace period).
 * The workflow may be API format or UI (litegraph) format; UI format is converted with the server's
-  ``/object_info`` (:mod:`ditkit.testing.workflows`).
+  ``/object_info`` (:mod:`ditkit.workflows`).
 * Shows progress (websocket events when available, else queue polling), prints ditkit reports, output files,
   validation errors (HTTP 400 ``node_errors``) and execution errors (``/history`` messages).
 
@@ -64,7 +64,7 @@ from .errors import DitKitError
 from .loaders import safe_fs
 from .host import default_dir, find_host
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]  # the checkout: the folder ComfyUI loads as the custom node pack
 PACK_LINK_NAME = "ditkit"
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SERVER = 0, 1, 2, 3
@@ -468,7 +468,7 @@ def load_workflow_file(path) -> dict:
     if isinstance(wf.get("prompt"), dict) and not is_ui_format(wf):  # a saved /prompt body
         wf = wf["prompt"]
     if is_ui_format(wf):
-        from .testing.workflows import check_ui_workflow
+        from .workflows import check_ui_workflow
 
         try:
             check_ui_workflow(wf)
@@ -833,7 +833,7 @@ class ComfyServer:
             self.models_dir.mkdir(exist_ok=True)
             if self.generate_models:
                 t0 = time.monotonic()
-                from .testing.checkpoints import generate_all  # torch needed only here
+                from .tiny.checkpoints import generate_all  # torch needed only here
 
                 written = generate_all(self.models_dir)
                 n = sum(len(v) for v in written.values())
@@ -910,7 +910,7 @@ def to_api(wf: dict, object_info: Callable[[], dict]) -> dict:
     """API-format graph of ``wf`` (UI-format workflows are converted with the server's node schemas)."""
     if not is_ui_format(wf):
         return wf
-    from .testing.workflows import ui_to_api
+    from .workflows import ui_to_api
 
     return ui_to_api(wf, object_info())
 

@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import CheckpointError
+from ditkit.errors import CheckpointError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VAE_FILE = REPO_ROOT / "benchmarks" / "lab" / "weights" / "h3lab_video_vae.safetensors"
 VAE_FILE = DEFAULT_VAE_FILE  # same name as lab_comfy.VAE_FILE / lab_ref_dit.DIT_FILE
 
@@ -608,7 +608,7 @@ class LabVAE:
 def load_lab_vae(path: str | Path | None = None, dtype: torch.dtype = torch.float32, **cfg_overrides) -> LabVAE:
     """The lab VAE from ``path`` (default: the committed ``benchmarks/lab/weights/h3lab_video_vae.safetensors``).
     ``cfg_overrides`` (e.g. ``tile_size``, ``tiling``) change the runtime plan, never the weights' shapes."""
-    from ..loaders.safetensors_io import load_file
+    from ditkit.loaders.safetensors_io import load_file
 
     path = Path(path) if path is not None else DEFAULT_VAE_FILE
     if not path.is_file():

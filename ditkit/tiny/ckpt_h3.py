@@ -52,7 +52,7 @@ CONFIG: dict = {
     "latents_dim": 24,
     "audio_latents_dim": 32,
     "patch_size": [1, 2, 2],
-    "text_dim": 48,  # = the tiny H3 text encoder's width (testing/ckpt_text.py: qwen3vl_tiny_minimax_h3)
+    "text_dim": 48,  # = the tiny H3 text encoder's width (tiny/ckpt_text.py: qwen3vl_tiny_minimax_h3)
     "timestep_input_dim": 16,
     "time_embed_hidden_size": 64,
     "time_embed_dim": 32,

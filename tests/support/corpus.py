@@ -1,6 +1,6 @@
 """Bad-input corpus: deterministic malformed files and prompts, each with the exact error ditkit must raise.
 
-``python -m ditkit.testing.corpus OUTDIR`` writes every case file plus ``manifest.json``. The committed copy lives
+``python -m tests.support.corpus OUTDIR`` writes every case file plus ``manifest.json``. The committed copy lives
 in ``tests/corpus/`` and a test checks it equals a fresh generation (never hand-edit it: add a case here).
 
 Every manifest entry::
@@ -55,7 +55,7 @@ def _raw(header, data: bytes = b"", *, length: int | None = None) -> bytes:
 def _st(tensors: dict, metadata: dict | None = None) -> bytes:
     """A valid safetensors file as bytes, written here byte-deterministically (sorted keys, header padded with
     spaces to 8 bytes as the reference writer does; the reference writer's metadata order is not stable)."""
-    from ..loaders.safetensors_io import TORCH_TO_ST
+    from ditkit.loaders.safetensors_io import TORCH_TO_ST
 
     header: dict = {}
     if metadata:
@@ -139,7 +139,7 @@ def _truncated_lokr() -> bytes:
 
 
 def _vae_meta_cases():
-    from ..vae.h3_layout import STOCK_SOURCE_CONFIG
+    from ditkit.vae.h3_layout import STOCK_SOURCE_CONFIG
 
     def cfg(**over):
         c = {"latents_mean": [0.0] * 24, "latents_std": [1.0] * 24, "vae_clip_length": 17, "vae_token_drop": 3,
@@ -319,7 +319,7 @@ MICRO_H3 = {"hidden_size": 8, "num_attention_heads": 1, "attention_head_dim": 6,
 
 def micro_h3() -> dict:
     """A valid H3 DiT state dict (ComfyUI layout, every real key) at micro widths, ~15 KB."""
-    from .ckpt_h3 import base_state_dict
+    from ditkit.tiny.ckpt_h3 import base_state_dict
 
     return base_state_dict(MICRO_H3, seed=17)
 
@@ -539,14 +539,14 @@ def generate(outdir) -> list[dict]:
     cases = build_cases()
     for c in cases:
         (outdir / c["file"]).write_bytes(c["_bytes"])
-    manifest = {"generator": "python -m ditkit.testing.corpus", "n_cases": len(cases),
+    manifest = {"generator": "python -m tests.support.corpus", "n_cases": len(cases),
                 "cases": [{k: v for k, v in c.items() if k != "_bytes"} for c in cases]}
     (outdir / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return cases
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ditkit.testing.corpus", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.support.corpus", description=__doc__.splitlines()[0])
     ap.add_argument("outdir")
     a = ap.parse_args(argv)
     cases = generate(a.outdir)

@@ -39,7 +39,8 @@ TORCH_SET = ("torch==2.14.1", "torchvision==0.29.1", "torchaudio==2.11.1")
 TORCH_NAMES = ("torch", "torchvision", "torchaudio")
 MARKER = ".ditkit-host.json"
 MARKER_FORMAT = "ditkit-host-v1"
-PACK_ROOT = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent  # the ditkit package
+PACK_ROOT = PACKAGE_DIR.parent  # the checkout (pip install -e target, ComfyUI custom-node folder)
 # What the in-process host tests and ComfyUI's startup import; `check` imports each in the host's python.
 CHECK_IMPORTS = ("torch", "torchvision", "torchaudio", "safetensors", "aiohttp", "av", "yaml", "PIL", "einops",
                  "sentencepiece", "transformers", "comfy_kitchen")
@@ -429,7 +430,7 @@ def _ensure_pack(root: Path, h: Host, log) -> None:
     r = subprocess.run([str(h.python), "-c", "import ditkit, os; print(os.path.dirname(os.path.abspath("
                         "ditkit.__file__)))"], capture_output=True, text=True, cwd=str(root))
     where = r.stdout.strip()
-    if r.returncode == 0 and Path(where).resolve() == PACK_ROOT:
+    if r.returncode == 0 and Path(where).resolve() == PACKAGE_DIR:
         log(f"  ditkit in the host venv is this checkout ({PACK_ROOT})")
         return
     log(f"  ditkit in the host venv is {where or 'missing'}: installing this checkout ({PACK_ROOT}) editable")

@@ -47,10 +47,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import CheckpointError
-from ..loaders.safetensors_io import load_file
+from ditkit.errors import CheckpointError
+from ditkit.loaders.safetensors_io import load_file
 
-LAB_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "lab"
+LAB_DIR = Path(__file__).resolve().parent
 DIT_FILE = LAB_DIR / "weights" / "h3lab_dit.safetensors"
 TEXT_FILE = LAB_DIR / "weights" / "h3lab_text_embed.safetensors"
 

@@ -10,9 +10,9 @@ embedded schemas against a live server.
 
 CLI::
 
-    python -m ditkit.testing.workflows sync [--check] [--comfyui PATH | --server URL]
-    python -m ditkit.testing.workflows to-ui API.json [-o UI.json] [--comfyui PATH | --server URL]
-    python -m ditkit.testing.workflows to-api UI.json [-o API.json] [--comfyui PATH | --server URL]
+    python -m ditkit.workflows sync [--check] [--comfyui PATH | --server URL]
+    python -m ditkit.workflows to-ui API.json [-o UI.json] [--comfyui PATH | --server URL]
+    python -m ditkit.workflows to-api UI.json [-o API.json] [--comfyui PATH | --server URL]
 
 ``sync`` rewrites every twin from its API source (``--check``: only report, exit 1 when a twin is stale,
 missing or orphaned). Schemas come from ``--comfyui``/``--server`` (``/object_info``; use this after adding a
@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import WorkflowError
+from .errors import WorkflowError
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES_DIR = PACK_ROOT / "example_workflows"
@@ -113,7 +113,7 @@ def _schema(schemas: dict, class_type: str, where: str) -> dict:
     s = schemas.get(class_type)
     if s is None:
         raise WorkflowError(f"{where}: node class {class_type!r} is unknown (not installed on the server, or "
-                            f"no example twin embeds its schema yet: run `python -m ditkit.testing.workflows sync "
+                            f"no example twin embeds its schema yet: run `python -m ditkit.workflows sync "
                             f"--comfyui PATH`)")
     return compact_schema(s)
 
@@ -502,7 +502,7 @@ def sync(examples_dir: Path = EXAMPLES_DIR, object_info: dict | None = None, che
             continue
         what = "missing" if old is None else "stale"
         if check:
-            problems.append(f"{twin}: {what} (regenerate with `python -m ditkit.testing.workflows sync"
+            problems.append(f"{twin}: {what} (regenerate with `python -m ditkit.workflows sync"
                             f"{'' if object_info is None else ' --comfyui PATH'}`)")
         else:
             twin.write_text(text, encoding="utf-8")
@@ -518,11 +518,11 @@ def sync(examples_dir: Path = EXAMPLES_DIR, object_info: dict | None = None, che
 
 def _server_object_info(a) -> dict | None:
     if a.server:
-        from ..run import ComfyClient
+        from .run import ComfyClient
 
         return ComfyClient(a.server).object_info()
     if a.comfyui:
-        from ..run import ComfyServer
+        from .run import ComfyServer
 
         with ComfyServer(a.comfyui, python=a.python, generate_models=False, quiet=True) as srv:
             return srv.client.object_info()
@@ -544,7 +544,7 @@ def schema_drift(object_info: dict, examples_dir: Path = EXAMPLES_DIR) -> list[s
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ditkit.testing.workflows", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ditkit.workflows", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, hlp in (("sync", "regenerate/check every example_workflows/<name>.json twin"),
                       ("to-ui", "convert an API-format workflow to UI format"),

@@ -1,6 +1,6 @@
 """Deterministic tiny checkpoints with the real key names, layouts and dtypes, scaled down.
 
-``python -m ditkit.testing.checkpoints OUTDIR [--only NAME ...]`` writes every registered checkpoint.
+``python -m ditkit.tiny.checkpoints OUTDIR [--only NAME ...]`` writes every registered checkpoint.
 Each family module registers generators with :func:`register`; a generator takes the output directory
 and writes its files there (under the ComfyUI model-folder layout: ``diffusion_models/``, ``vae/``,
 ``text_encoders/``, ``loras/``, ``checkpoints/`` ...), returning the written paths.
@@ -50,7 +50,7 @@ def generate_all(outdir, only: list[str] | None = None) -> dict[str, list[Path]]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ditkit.testing.checkpoints", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m ditkit.tiny.checkpoints", description=__doc__.splitlines()[0])
     ap.add_argument("outdir")
     ap.add_argument("--only", nargs="*", help="generator names (default: all)")
     ap.add_argument("--list", action="store_true", help="list generator names and exit")

@@ -1,0 +1,1 @@
+"""ditkit benchmarks (not installed)."""

@@ -1,1 +1,0 @@
-"""ditkit testing (plain torch; no ComfyUI imports)."""

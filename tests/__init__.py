@@ -1,0 +1,1 @@
+"""ditkit tests (not installed)."""

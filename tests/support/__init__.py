@@ -1,0 +1,1 @@
+"""Test support: bad-input corpus generator, pack scan, benchmark-output reading (not installed)."""
