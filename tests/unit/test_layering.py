@@ -117,3 +117,35 @@ def test_node_modules_export_nodes_list():
             isinstance(t, ast.Name) and t.id == "NODES"
             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])) for n in tree.body)
         assert has, f"nodes/{p.name} has no module-level NODES list"
+
+
+@pytest.mark.parametrize("path", FILES, ids=IDS)
+def test_package_does_not_import_test_code(path):
+    """tests/ and benchmarks/ are not installed: the package must run without them."""
+    bad = [(line, mod) for line, mod in imported_modules(_tree(path)) if mod in ("tests", "benchmarks")]
+    assert not bad, f"{path.relative_to(PACK_ROOT)} imports test/benchmark code {bad}"
+
+
+def test_no_top_level_name_shadowing():
+    """Python run from the checkout sees only ditkit, tests and benchmarks as packages (never ``nodes`` -
+    ComfyUI's own module name - or ``kernels``/``cache``); the root ``__init__.py`` only re-exports the inner
+    package, relatively, so ComfyUI loads the folder under any name."""
+    from tests.support.pack_scan import REPO_ROOT
+
+    packages = sorted(p.name for p in REPO_ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert packages == ["benchmarks", "ditkit", "tests"], packages
+    modules = sorted(p.name for p in REPO_ROOT.glob("*.py"))
+    assert modules == ["__init__.py"], modules
+    tree = _tree(REPO_ROOT / "__init__.py")
+    imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert imports and all(isinstance(n, ast.ImportFrom) and n.level == 1 and n.module == "ditkit" for n in imports)
+
+
+def test_installed_packages_are_the_inner_package_only():
+    import tomllib
+
+    from tests.support.pack_scan import REPO_ROOT
+
+    cfg = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    assert cfg["packages"]["find"]["include"] == ["ditkit", "ditkit.*"]
+    assert "package-dir" not in cfg  # the flat {ditkit = "."} mapping installed tests and lab code as ditkit.*
