@@ -1,6 +1,6 @@
 """Peak RSS and wall time of the H3 official-shard loader: lazy per-tensor vs reading every shard at once.
 
-    python benchmarks/bench_h3_loader.py [--hidden 1024] [--layers 6] [--shards 4] [--keep DIR]
+    python benchmarks/bench_h3_loader.py [--hidden 1024] [--layers 6] [--shards 4] [--keep DIR] [--rows FILE]
 
 Writes a synthetic official-layout checkpoint (per-head interleaved qkv, bf16 bulk + fp32 islands, the tiny
 generator's key layout scaled up) into a temp dir, then runs each mode in a FRESH subprocess and reads its
@@ -11,8 +11,9 @@ generator's key layout scaled up) into a temp dir, then runs each mode in a FRES
 * ``eager`` -- the naive way: ``load_file`` every shard into one dict, then de-interleave qkv into a new dict
   (both dicts alive until the conversion finishes).
 
-Both modes must produce the same state dict (checked with a digest over all tensors). Ratios are printed
-from this one run.
+Both modes must produce the same state dict (checked with a digest over all tensors). The modes run interleaved
+(lazy, eager, lazy, eager, ...); ratios (median and min-max over the rounds) are printed from this one run, and with
+``--rows FILE`` written as rows (benchmarks/_harness.py).
 """
 from __future__ import annotations
 
@@ -25,15 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the checkout: ditkit, benchmarks
+
+from benchmarks._harness import Rows, add_rows_argument, ratio_stats, spread, stats  # noqa: E402
+
 CHILD = r"""
 import json, sys, time, hashlib
 import torch
-
-def hwm_kib():  # per-process peak RSS (VmHWM is per address space, fresh after exec, unlike ru_maxrss)
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise SystemExit("no VmHWM in /proc/self/status (Linux only)")
+from benchmarks._harness import peak_rss_kib as hwm_kib  # per-process peak RSS, fresh after exec
 
 torch.set_num_threads(1)
 from ditkit.loaders import h3
@@ -83,7 +84,8 @@ def make_checkpoint(folder: Path, hidden: int, layers: int, shards: int) -> int:
 
 
 def run(mode: str, folder: Path) -> dict:
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "")
+                                                                      .split(os.pathsep) if p]))
     r = subprocess.run([sys.executable, "-c", CHILD, mode, str(folder)], capture_output=True, text=True, env=env,
                        check=False)
     if r.returncode != 0:
@@ -98,7 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--keep", type=Path, help="write the checkpoint here and keep it")
+    add_rows_argument(ap)
     a = ap.parse_args(argv)
+    rows = Rows(a.rows, "bench_h3_loader")
     tmp = None
     if a.keep:
         folder = a.keep
@@ -109,6 +113,8 @@ def main(argv=None) -> int:
     total = make_checkpoint(folder, a.hidden, a.layers, a.shards)
     print(f"checkpoint: {folder} ({a.shards} shards, {total / 2**20:.1f} MiB of tensors, "
           f"written in {time.perf_counter() - t0:.1f} s)")
+    rows.add("checkpoint", "shards", a.shards)
+    rows.add("checkpoint", "tensor_bytes", total, "B")
     res: dict[str, list[dict]] = {"lazy": [], "eager": []}
     for _ in range(a.repeats):
         for mode in ("lazy", "eager"):  # interleaved so drift hits both
@@ -118,12 +124,25 @@ def main(argv=None) -> int:
         raise SystemExit(f"modes disagree on the loaded state dict: {digests}")
     best = {m: min(rs, key=lambda r: r["seconds"]) for m, rs in res.items()}
     peak = {m: max(r["peak_kib"] - r["base_kib"] for r in rs) / 1024 for m, rs in res.items()}
+    secs = {m: [r["seconds"] for r in rs] for m, rs in res.items()}
+    growth = {m: [(r["peak_kib"] - r["base_kib"]) / 1024 for r in rs] for m, rs in res.items()}
     for m in ("lazy", "eager"):
         print(f"{m:5s}: best {best[m]['seconds']:.3f} s over {a.repeats} runs, peak RSS growth {peak[m]:.1f} MiB "
               f"(state dict {best[m]['bytes'] / 2**20:.1f} MiB)")
+        rows.add_stats(m, "time", stats(secs[m]), "s")
+        rows.add_stats(m, "peak_rss_growth", stats(growth[m]), "MiB")
+        rows.add(m, "state_dict_bytes", best[m]["bytes"], "B")
+    rt = ratio_stats(secs["eager"], secs["lazy"])
+    rm = ratio_stats(growth["eager"], growth["lazy"])
+    digest = digests.pop()
     print(f"ratio eager/lazy: peak RSS growth {peak['eager'] / peak['lazy']:.2f}x, "
           f"time {best['eager']['seconds'] / best['lazy']['seconds']:.2f}x; identical output: yes "
-          f"(sha256 {digests.pop()[:16]})")
+          f"(sha256 {digest[:16]})")
+    print(f"per-round ratio eager/lazy: time median {rt['median']:.2f}x {spread(rt)}, peak RSS growth median "
+          f"{rm['median']:.2f}x {spread(rm)}")
+    rows.add_stats("eager/lazy", "time_ratio", rt, "x")
+    rows.add_stats("eager/lazy", "peak_rss_growth_ratio", rm, "x")
+    rows.add("eager/lazy", "identical_output", True, note=f"sha256 {digest[:16]}")
     if tmp:
         tmp.cleanup()
     return 0

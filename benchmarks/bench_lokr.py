@@ -1,6 +1,7 @@
 """LoKr on FLUX.2-dev-sized fused weights: load/plan time, per-layer patch time and peak RSS, ditkit vs native.
 
     python benchmarks/bench_lokr.py [--hidden 6144] [--double 8] [--single 48] [--factor 16] [--comfyui PATH]
+                                    [--rows FILE]
 
 Writes an ai-toolkit-style BFL-named LoKr for a FLUX.2 model of the given size (default: FLUX.2-dev,
 h 6144, 8 double + 48 single blocks; full-rank factors, ``lokr_factor`` 16 like the community setting) into a
@@ -15,7 +16,8 @@ temp dir, then runs each mode in a FRESH subprocess and reads its peak RSS (``Vm
 * ``layer-native``  -- the same with ComfyUI's own ``LoKrAdapter.calculate_weight``.
 
 The two layer results are compared element-wise (max |diff|, the quality delta). A full dev-sized base model
-(32 B parameters) is not built. Ratios are printed from this one run.
+(32 B parameters) is not built. Ratios are printed from this one run (one run per mode), and with ``--rows FILE``
+written as rows (benchmarks/_harness.py).
 """
 from __future__ import annotations
 
@@ -29,16 +31,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the checkout: ditkit, benchmarks
+
+from benchmarks._harness import Rows, add_rows_argument  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
 import torch
-
-def hwm_kib():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise SystemExit("no VmHWM in /proc/self/status (Linux only)")
+from benchmarks._harness import peak_rss_kib as hwm_kib
 
 torch.set_num_threads(1)
 mode, path, cfg, comfyui, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -127,9 +127,11 @@ def make_adapter(path: Path, h: int, nd: int, ns: int, factor: int) -> int:
 
 
 def run(mode, path, cfg, comfyui, out):
-    # cwd outside the repo: its top-level package names (kernels, ...) must not shadow site-packages
+    # cwd outside the repo; the checkout (ditkit, benchmarks) first on the child's path
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "")
+                                                                      .split(os.pathsep) if p]))
     r = subprocess.run([sys.executable, "-c", CHILD, mode, str(path), json.dumps(cfg), comfyui or "", str(out)],
-                       capture_output=True, text=True, cwd=tempfile.gettempdir())
+                       capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env)
     if r.returncode:
         raise SystemExit(f"{mode} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -142,7 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--single", type=int, default=48)
     ap.add_argument("--factor", type=int, default=16)
     ap.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH", ""))
+    add_rows_argument(ap)
     a = ap.parse_args(argv)
+    rows = Rows(a.rows, "bench_lokr")
     cfg = {"hidden": a.hidden, "double": a.double, "single": a.single}
     with tempfile.TemporaryDirectory(prefix="bench_lokr_") as td:
         td = Path(td)
@@ -151,15 +155,29 @@ def main(argv=None) -> int:
         n = make_adapter(f, a.hidden, a.double, a.single, a.factor)
         print(f"adapter: {n} modules, {f.stat().st_size / 2**20:.1f} MiB, factor {a.factor} "
               f"(h {a.hidden}, {a.double}+{a.single} blocks), written in {time.perf_counter() - t:.1f} s")
+        for metric, value in (("modules", n), ("file_bytes", f.stat().st_size), ("factor", a.factor),
+                              ("hidden", a.hidden), ("double_blocks", a.double), ("single_blocks", a.single)):
+            rows.add("adapter", metric, value, "B" if metric == "file_bytes" else "")
         p = run("plan", f, cfg, a.comfyui, td / "x")
         print(f"ditkit  parse+map+validate: {p['seconds']:.2f} s, peak +{p['peak_rss_mib']:.0f} MiB, "
               f"{p['modules']} modules, {p['unused']} unused")
+        rows.add("ditkit plan", "time", p["seconds"], "s", n=1)
+        rows.add("ditkit plan", "peak_rss_growth", p["peak_rss_mib"], "MiB")
+        rows.add("ditkit plan", "modules", p["modules"])
+        rows.add("ditkit plan", "unused", p["unused"])
         if a.comfyui:
             q = run("native-load", f, cfg, a.comfyui, td / "x")
             print(f"native  load_lora:          {q['seconds']:.2f} s, peak +{q['peak_rss_mib']:.0f} MiB, "
                   f"{q['modules']} patches   (time ratio ditkit/native {p['seconds'] / q['seconds']:.2f})")
+            rows.add("native load_lora", "time", q["seconds"], "s", n=1)
+            rows.add("native load_lora", "peak_rss_growth", q["peak_rss_mib"], "MiB")
+            rows.add("native load_lora", "modules", q["modules"])
+            rows.add("ditkit/native load", "time_ratio", p["seconds"] / q["seconds"], "x", n=1)
         d = run("layer-ditkit", f, cfg, a.comfyui, td / "d.safetensors")
         print(f"ditkit  patch linear1 [{9 * a.hidden}x{a.hidden}]: {d['seconds']:.2f} s, peak +{d['peak_rss_mib']:.0f} MiB")
+        rows.add("ditkit patch linear1", "shape", [9 * a.hidden, a.hidden])
+        rows.add("ditkit patch linear1", "time", d["seconds"], "s", n=1)
+        rows.add("ditkit patch linear1", "peak_rss_growth", d["peak_rss_mib"], "MiB")
         if a.comfyui:
             nt = run("layer-native", f, cfg, a.comfyui, td / "n.safetensors")
             from ditkit.loaders.safetensors_io import load_file
@@ -169,6 +187,11 @@ def main(argv=None) -> int:
             print(f"native  patch linear1:       {nt['seconds']:.2f} s, peak +{nt['peak_rss_mib']:.0f} MiB   "
                   f"(time ratio ditkit/native {d['seconds'] / nt['seconds']:.2f}, peak ratio "
                   f"{d['peak_rss_mib'] / max(nt['peak_rss_mib'], 1e-9):.2f}); max |ditkit - native| (bf16) = {diff:.3g}")
+            rows.add("native patch linear1", "time", nt["seconds"], "s", n=1)
+            rows.add("native patch linear1", "peak_rss_growth", nt["peak_rss_mib"], "MiB")
+            rows.add("ditkit/native patch", "time_ratio", d["seconds"] / nt["seconds"], "x", n=1)
+            rows.add("ditkit/native patch", "peak_ratio", d["peak_rss_mib"] / max(nt["peak_rss_mib"], 1e-9), "x")
+            rows.add("ditkit/native patch", "max_abs_diff_bf16", diff)
     return 0
 
 

@@ -1,6 +1,7 @@
 """TeaCache benchmark: block evaluations saved vs output quality, ditkit (calibrated / borrowed) vs native EasyCache.
 
     COMFYUI_PATH=/work/ComfyUI nice -n 10 python benchmarks/bench_teacache.py [--families h3,ltx2] [--steps 25,50]
+        [--rows FILE] [--json FILE]
 
 Everything runs in-process in the real ComfyUI host (CPU) on the tiny deterministic checkpoints
 (``ditkit.tiny.checkpoints``), through the real nodes: ``DitKitTeaCacheCalibrate`` (calibration on
@@ -15,7 +16,8 @@ Quality is measured on the output LATENTS (the tiny models have no meaningful de
 output of the same prompt and seed: SSIM (7x7 Gaussian window, data range of the reference) and PSNR, for the
 video and audio streams separately (image models: one stream). Block evaluations are counted with forward
 pre-hooks on the block modules. Random-weight tiny models do not denoise anything meaningful; treat the
-quality numbers as a test of the mechanism, not of the method's quality on real models.
+quality numbers as a test of the mechanism, not of the method's quality on real models. With ``--rows FILE`` every
+table cell is also written as a row (case ``<family> <steps> steps/<method>/<threshold>``; benchmarks/_harness.py).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # the checkout: ditkit, benchmarks.lab
 import teacache_harness as H  # noqa: E402
+from benchmarks._harness import Rows, add_rows_argument  # noqa: E402
 
 FLUX1 = [498.651651, -283.781631, 55.8554382, -3.82021401, 0.264230861]
 TC_GRID = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2)
@@ -165,7 +168,7 @@ def borrowed_file(family, out_dir) -> str:
     return name
 
 
-def bench_family(backend, steps_list, n_calib, n_eval, out_dir, rows):
+def bench_family(backend, steps_list, n_calib, n_eval, out_dir, rows, table):
     from comfy_extras.nodes_easycache import EasyCacheNode
 
     from ditkit.nodes.teacache import DitKitTeaCache, DitKitTeaCacheCalibrate
@@ -184,6 +187,12 @@ def bench_family(backend, steps_list, n_calib, n_eval, out_dir, rows):
         base, ref = run_case(backend, model, prompts, steps, None)
         print(f"\n## {backend.label}: {steps} steps, {n_calib} calibration prompts, {n_eval} eval prompts; "
               f"uncached {base['time_s']:.2f}s; fit R2 " + ", ".join(f"{s} {v['fit']['r2']:.3f}" for s, v in fit.items()))
+        pre = f"{family} {steps} steps"
+        table.add(f"{pre}/uncached", "block_evals", base["evals"])
+        table.add(f"{pre}/uncached", "time", base["time_s"], "s", n=1)
+        table.add(f"{pre}/uncached", "prompts", n_eval)
+        for s, v in fit.items():
+            table.add(f"{pre}/calibration", f"{s}_fit_r2", v["fit"]["r2"], note=f"{n_calib} calibration prompts")
         results = {"calibrated": [], "borrowed": [], "easycache": []}
         for thr in TC_GRID:
             for kind, spec in (("calibrated", f"{name}.json"), ("borrowed", borrowed)):
@@ -204,6 +213,14 @@ def bench_family(backend, steps_list, n_calib, n_eval, out_dir, rows):
             for r in results[kind]:
                 print(f"| {kind} | {r['thr']} | {r['evals']}/{r['full']} | {r['ratio']:.2f}x | {base['time_s'] / r['time_s']:.2f}x | "
                       + " | ".join(f"{r[f'{s}_ssim']:.4f} | {r[f'{s}_psnr']:.1f}" for s in streams) + " |")
+                case = f"{pre}/{kind}/{r['thr']}"
+                table.add(case, "block_evals", r["evals"])
+                table.add(case, "block_evals_uncached", r["full"])
+                table.add(case, "fewer_evals", r["ratio"], "x")
+                table.add(case, "wall_speedup", base["time_s"] / r["time_s"], "x", n=1)
+                for s in streams:
+                    table.add(case, f"{s}_ssim", r[f"{s}_ssim"])
+                    table.add(case, f"{s}_psnr", r[f"{s}_psnr"], "dB")
         print("\nmatched skip ratio (calibrated TeaCache vs the EasyCache point with the nearest saved fraction):")
         for r in results["calibrated"]:
             if r["saved"] <= 0:
@@ -211,10 +228,19 @@ def bench_family(backend, steps_list, n_calib, n_eval, out_dir, rows):
             e = min(results["easycache"], key=lambda x: (abs(x["saved"] - r["saved"]), -x["saved"]))
             print(f"  TeaCache thr {r['thr']}: {r['ratio']:.2f}x | EasyCache reuse {e['thr']}: {e['ratio']:.2f}x | "
                   + " | ".join(f"{s} SSIM {r[f'{s}_ssim']:.4f} vs {e[f'{s}_ssim']:.4f}" for s in streams))
+            case = f"{pre}/matched/{r['thr']}"
+            table.add(case, "teacache_fewer_evals", r["ratio"], "x")
+            table.add(case, "easycache_threshold", e["thr"])
+            table.add(case, "easycache_fewer_evals", e["ratio"], "x")
+            for s in streams:
+                table.add(case, f"{s}_ssim_teacache", r[f"{s}_ssim"])
+                table.add(case, f"{s}_ssim_easycache", e[f"{s}_ssim"])
         goal = [r for r in results["calibrated"] if r["ratio"] >= 1.8 and all(r[f"{s}_ssim"] >= 0.95 for s in streams)]
         best = max(goal, key=lambda r: r["ratio"]) if goal else None
         print("goal (>= 1.8x fewer block evaluations at SSIM >= 0.95 on every stream): "
               + (f"met, up to threshold {best['thr']} ({best['ratio']:.2f}x)" if best else "NOT met"))
+        table.add(f"{pre}/goal", "met", best is not None, note=">= 1.8x fewer block evaluations at SSIM >= 0.95 on "
+                  "every stream" + (f"; up to threshold {best['thr']} ({best['ratio']:.2f}x)" if best else ""))
         rows.append({"backend": backend.label, "steps": steps, "results": results, "fit": {s: v["fit"] for s, v in fit.items()}})
 
 
@@ -227,7 +253,9 @@ def main(argv=None):
     ap.add_argument("--cfg", type=float, default=1.0)
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--lab", action="store_true", help="use the quality lab's trained H3 (benchmarks/lab/weights)")
+    add_rows_argument(ap)
     a = ap.parse_args(argv)
+    table = Rows(a.rows, "bench_teacache")
     torch.set_num_threads(1)
     comfy_path = os.environ.get("COMFYUI_PATH")
     if not comfy_path:
@@ -244,14 +272,14 @@ def main(argv=None):
     steps_list = [int(s) for s in a.steps.split(",")]
     print(f"# TeaCache benchmark (CPU, torch {torch.__version__}); work dir {work}")
     if a.lab:
-        bench_family(LabBackend(steps_list[0]), steps_list, a.calib_prompts, a.eval_prompts, work, rows)
+        bench_family(LabBackend(steps_list[0]), steps_list, a.calib_prompts, a.eval_prompts, work, rows, table)
     else:
         fams = [f.strip() for f in a.families.split(",") if f.strip()]
         names = {"h3": "h3_dit", "ltx2": "ltx_dit", "zimage": "zimage_dit", "flux2": "flux2_dit"}
         generate_all(os.path.join(work, "ckpts"), only=[names[f] for f in fams])
         for f in fams:
             bench_family(TinyBackend(f, os.path.join(work, "ckpts"), a.cfg), steps_list, a.calib_prompts,
-                         a.eval_prompts, work, rows)
+                         a.eval_prompts, work, rows, table)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1, default=str)

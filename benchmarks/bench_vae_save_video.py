@@ -1,12 +1,12 @@
 """DitKitSaveVideo (streaming chunked decode -> uint8 -> PyAV) vs native VAEDecode -> CreateVideo/SaveVideo.
 
     COMFYUI_PATH=/work/ComfyUI nice -n 10 /work/ComfyUI/venv/bin/python benchmarks/bench_vae_save_video.py \
-        [--latent-t 52] [--hw 16x16]
+        [--latent-t 52] [--hw 16x16] [--rows FILE]
 
 Same tiny H3 video VAE, same latent, each path in a fresh subprocess (so peaks do not mix). Host memory = peak RSS
 sampled every 2 ms minus the RSS after loading the VAE and a warm-up decode; wall time of decode + encode. Prints
 the ratio to the uint8 size of the video (target <= 1.25x) and checks the two files' decoded frames agree within
-1 LSB.
+1 LSB. With ``--rows FILE`` every figure is also written as a row (benchmarks/_harness.py).
 """
 from __future__ import annotations
 
@@ -17,37 +17,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRSS:
-    def __init__(self):
-        self.peak = rss()
-        self._stop = False
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop:
-            self.peak = max(self.peak, rss())
-            time.sleep(0.002)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *a):
-        self._stop = True
-        self._t.join()
-        self.peak = max(self.peak, rss())
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: ditkit, benchmarks
+from benchmarks._harness import PeakRSS, Rows, add_rows_argument, rss_bytes as rss  # noqa: E402
 
 
 def child(mode: str, t: int, hh: int, ww: int, out: str) -> dict:
@@ -102,11 +78,13 @@ def main():
     ap.add_argument("--hw", default="16x16", help="latent HxW (pixels = 16x)")
     ap.add_argument("--child", default=None)
     ap.add_argument("--out", default=None)
+    add_rows_argument(ap)
     a = ap.parse_args()
     hh, ww = map(int, a.hw.split("x"))
     if a.child:
         print(json.dumps(child(a.child, a.latent_t, hh, ww, a.out)))
         return
+    rows = Rows(a.rows, "bench_vae_save_video")
     res = {}
     work = tempfile.mkdtemp(prefix="ditkit_bench_vae_")   # private: concurrent runs never share files
     for mode in ("native", "ditkit"):
@@ -121,13 +99,25 @@ def main():
     u8 = n["frames"] * n["h"] * n["w"] * 3
     print(f"latent T={a.latent_t} {hh}x{ww} -> {n['frames']} frames {n['h']}x{n['w']}; uint8 video {u8 / 2**20:.1f} MiB, "
           f"float32 video {4 * u8 / 2**20:.1f} MiB")
+    for metric, value in (("latent_t", a.latent_t), ("latent_hw", [hh, ww]), ("frames", n["frames"]),
+                          ("height", n["h"]), ("width", n["w"]), ("uint8_bytes", u8)):
+        rows.add("video", metric, value, "B" if metric == "uint8_bytes" else "")
     for r in (n, d):
         print(f"{r['mode']:>7}: peak extra host RSS {r['peak_extra'] / 2**20:7.1f} MiB = {r['peak_extra'] / u8:.2f}x uint8 "
               f"size, wall {r['seconds']:.1f}s")
+        rows.add(r["mode"], "peak_extra_host_rss", r["peak_extra"], "B")
+        rows.add(r["mode"], "peak_extra_over_uint8", r["peak_extra"] / u8, "x")
+        rows.add(r["mode"], "wall", r["seconds"], "s", n=1)
+        rows.add(r["mode"], "frames", r["frames"])
     print(f"ditkit/native: memory {d['peak_extra'] / max(n['peak_extra'], 1):.2f}x, time {d['seconds'] / n['seconds']:.2f}x")
+    rows.add("ditkit/native", "memory_ratio", d["peak_extra"] / max(n["peak_extra"], 1), "x")
+    rows.add("ditkit/native", "time_ratio", d["seconds"] / n["seconds"], "x", n=1)
     fa, fb = decode_frames(n["file"]), decode_frames(d["file"])
     diff = int(abs(fa.astype(int) - fb.astype(int)).max()) if fa.shape == fb.shape else None
     print(f"decoded MP4 frames: shapes {fa.shape} / {fb.shape}, max abs diff {diff} LSB")
+    rows.add("decoded mp4", "native_shape", list(fa.shape))
+    rows.add("decoded mp4", "ditkit_shape", list(fb.shape))
+    rows.add("decoded mp4", "max_abs_diff", diff, "LSB")
     shutil.rmtree(work, ignore_errors=True)
 
 

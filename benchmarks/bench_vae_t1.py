@@ -1,6 +1,6 @@
 """H3 single-latent (T=1) decode: ditkit repeat-decode vs native, quality and memory, all in one run (CPU).
 
-    COMFYUI_PATH=/work/ComfyUI nice -n 10 /work/ComfyUI/venv/bin/python benchmarks/bench_vae_t1.py [--size 384x320]
+    COMFYUI_PATH=/work/ComfyUI nice -n 10 /work/ComfyUI/venv/bin/python benchmarks/bench_vae_t1.py [--sizes 384x320] [--rows FILE]
 
 For each VAE (the tiny random video VAE; the quality lab's trained tiny VAE ``benchmarks/lab/weights/
 h3lab_video_vae.safetensors`` when it exists) and a latent from encoding a procedural image:
@@ -10,6 +10,8 @@ h3lab_video_vae.safetensors`` when it exists) and a latent from encoding a proce
   (b) ditkit;
 * peak live CPU tensor memory (torch profiler allocation/free events) of the tiled T=1 decode vs the native
   duplicated decode, and the floor "one-frame canvas + one raw tile" computed from the shapes.
+
+With ``--rows FILE`` every figure is also written as a row (benchmarks/_harness.py).
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the checkout: ditkit
+sys.path.insert(0, str(REPO))  # the checkout: ditkit, benchmarks
+
+from benchmarks._harness import Rows, add_rows_argument  # noqa: E402
 
 
 def psnr(a, b):
@@ -63,7 +67,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="384x320,768x640", help="HxW in pixels (multiples of 16), comma-separated; "
                                                                  ">256 gives several tiles")
+    add_rows_argument(ap)
     a = ap.parse_args()
+    rows = Rows(a.rows, "bench_vae_t1")
     comfy_path = os.environ.get("COMFYUI_PATH", "/work/ComfyUI")
     sys.path.insert(0, comfy_path)
     from comfy.cli_args import args
@@ -79,10 +85,11 @@ def main():
     files = [("tiny random", out / "vae" / "h3_video_vae_tiny.safetensors")]
     lab = REPO / "benchmarks" / "lab" / "weights" / "h3lab_video_vae.safetensors"
     if lab.is_file():
-        lab_quality(h3, lab)
+        lab_quality(h3, lab, rows)
         files.append(("lab-trained", lab))
     else:
         print(f"(lab VAE {lab} not present; measured on the tiny random VAE only)")
+        rows.add("lab", "present", False, note=f"{lab} not present; measured on the tiny random VAE only")
     for label, path, (h, w) in [(lb, p, tuple(map(int, sz.split("x")))) for lb, p in files
                                 for sz in a.sizes.split(",")]:
         src = image(h, w)
@@ -112,9 +119,24 @@ def main():
               f"{peak_n / 2**20:.2f} MiB ({t_n:.2f}s), native/ditkit {peak_n / max(peak_d, 1):.2f}x; floor (one tile "
               f"decoder pass + one-frame canvas) {floor / 2**20:.2f} MiB -> ditkit/floor {peak_d / floor:.2f}x")
         print(f"ditkit canvas {rep['canvas_bytes'] / 2**20:.2f} MiB, largest raw tile {rep['max_tile_bytes'] / 2**20:.2f} MiB")
+        case = f"{label} {h}x{w}"
+        for metric, value, unit in (
+                ("image_hw", [h, w], ""), ("latent_shape", list(z.shape), ""), ("tiles", rep["tiles"], ""),
+                ("exact_vs_duplicated_oracle", torch.equal(ditkit, oracle), ""),
+                ("max_abs_diff_vs_duplicated_oracle", (ditkit - oracle).abs().max().item(), ""),
+                ("psnr_oracle_native_single", psnr(native_single, oracle), "dB"),
+                ("psnr_oracle_ditkit", psnr(ditkit, oracle), "dB"),
+                ("psnr_source_native_single", psnr(native_single, src), "dB"),
+                ("psnr_source_ditkit", psnr(ditkit, src), "dB"),
+                ("peak_cpu_tensor_ditkit", peak_d, "B"), ("peak_cpu_tensor_native_duplicated", peak_n, "B"),
+                ("native_over_ditkit_memory", peak_n / max(peak_d, 1), "x"), ("floor", floor, "B"),
+                ("ditkit_over_floor", peak_d / floor, "x"), ("canvas_bytes", rep["canvas_bytes"], "B"),
+                ("max_tile_bytes", rep["max_tile_bytes"], "B"), ("time_ditkit", t_d, "s"),
+                ("time_native_duplicated", t_n, "s")):
+            rows.add(case, metric, value, unit)
 
 
-def lab_quality(h3, path, n=16):
+def lab_quality(h3, path, rows, n=16):
     """The lab VAE on lab-distribution frames at its training size (64x96): round-trip PSNR vs the source."""
     from benchmarks.lab.lab_data import random_spec, render_video
 
@@ -136,6 +158,14 @@ def lab_quality(h3, path, n=16):
     per = [(psnr(native[i], img[i]), psnr(ditkit[i], img[i])) for i in range(n)]
     print(f"per-image ditkit - native: min {min(b - a for a, b in per):+.2f} dB, "
           f"max {max(b - a for a, b in per):+.2f} dB, ditkit better on {sum(b > a for a, b in per)}/{n}")
+    for metric, value, unit in (
+            ("present", True, ""), ("frames", n, ""), ("exact_vs_duplicated_oracle", torch.equal(ditkit, oracle), ""),
+            ("psnr_source_native_single", psnr(native, img), "dB"), ("psnr_source_ditkit", psnr(ditkit, img), "dB"),
+            ("psnr_source_static_clip_frame0", psnr(vid, img), "dB"),
+            ("per_image_ditkit_minus_native_min", min(b - a for a, b in per), "dB"),
+            ("per_image_ditkit_minus_native_max", max(b - a for a, b in per), "dB"),
+            ("ditkit_better_count", sum(b > a for a, b in per), "")):
+        rows.add("lab", metric, value, unit)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """CPU: VSA-H3 sparse path vs dense SDPA at S ~ 16k, head_dim 128, keep 10 % (ratio measured in one run).
 
     nice -n 10 python benchmarks/bench_vsa_cpu.py [--heads 2] [--reps 2] [--threads 1] [--backends reference,auto,cpu_native]
-        [--small]
+        [--small] [--rows FILE]
 
 Three sequences of about 16k tokens, video grid 12x24x52 latent-frame x height x width tokens (12 = 5*2+2 latent
 frames = 39 pixel frames, H3's 17k+5 rule):
@@ -13,7 +13,8 @@ frames = 39 pixel frames, H3's 17k+5 rule):
   stress case; the dense prefix rows and columns push the block density to 0.19, whose ceiling is ~5.3x).
 
 For each: dense SDPA time, VSA-H3 time per fine-stage backend (pack + pooled scores + top-k + fine stage +
-unpack; ``auto`` = ``cpu_batched`` on CPU), their ratio, the block density and the ratio a perfect kernel would
+unpack; ``auto`` = ``cpu_batched`` on CPU), timed interleaved (dense, sparse, dense, sparse, ...; CPU time, median
+of ``--reps`` rounds), their per-round ratio (median, min-max), the block density and the ratio a perfect kernel would
 reach (1 / density), and the quality numbers on the same inputs: max |sparse - exact masked attention| on sampled
 query tiles (float64 oracle; exactness of the kernel) and max/mean |sparse - dense| (the approximation itself,
 random inputs).
@@ -26,23 +27,19 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
+import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: ditkit, benchmarks
+from benchmarks._harness import Rows, Timer, add_rows_argument, interleave, ratio_stats, spread  # noqa: E402
 
-def _time(fn, reps):
-    """(best CPU seconds, best wall seconds, result). CPU time (process_time) is what the ratio uses: the
-    box is shared, so wall time mostly measures the neighbours; with --threads 1 CPU time = work done."""
-    fn()  # warm-up
-    best_cpu = best_wall = float("inf")
-    for _ in range(reps):
-        t, c = time.perf_counter(), time.process_time()
-        out = fn()
-        best_cpu = min(best_cpu, time.process_time() - c)
-        best_wall = min(best_wall, time.perf_counter() - t)
-    return best_cpu, best_wall, out
+# CPU time (process_time) is what the ratio uses: the box is shared, so wall time mostly measures the neighbours;
+# with --threads 1 CPU time = work done
+CPU_TIMER = Timer(cpu_time=True)
 
 
 def h3_audio_tokens(latent_frames: int) -> int:
@@ -54,7 +51,7 @@ def h3_audio_tokens(latent_frames: int) -> int:
     return round(frames / 24 * 40)
 
 
-def run_case(name, prefix, grid, heads, keep, reps, backends, dtype):
+def run_case(name, prefix, grid, heads, keep, reps, backends, dtype, table):
     from ditkit.kernels import build_h3_layout, select_h3, vsa_h3_attention
     from ditkit.kernels.vsa import pool_tiles
 
@@ -62,7 +59,7 @@ def run_case(name, prefix, grid, heads, keep, reps, backends, dtype):
     S, D = lay.seq_len, 128
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, S, D, generator=g, dtype=torch.float32).to(dtype) for _ in range(3))
-    t_dense, w_dense, o_dense = _time(lambda: F.scaled_dot_product_attention(q, k, v), reps)
+    o_dense = F.scaled_dot_product_attention(q, k, v)
 
     # exactness on sampled query tiles: float64 attention over exactly the selected key tiles
     qt = q[..., lay.tile_src.clamp(min=0), :] * (lay.tile_src >= 0)[:, None]
@@ -84,20 +81,40 @@ def run_case(name, prefix, grid, heads, keep, reps, backends, dtype):
             refs.append((h, rows, ref))
     ratios = {}
     for backend in backends:
-        t_sparse, w_sparse, (o_sparse, st) = _time(lambda: vsa_h3_attention(q, k, v, lay, keep, backend=backend),
-                                                   reps)
+        keep_out, walls = {}, {}
+        t = interleave({"dense": lambda: F.scaled_dot_product_attention(q, k, v),
+                        "sparse": lambda: vsa_h3_attention(q, k, v, lay, keep, backend=backend)},
+                       reps, timer=CPU_TIMER, keep=keep_out, walls=walls)
+        o_sparse, st = keep_out["sparse"]
+        t_dense, t_sparse = statistics.median(t["dense"]), statistics.median(t["sparse"])
+        w_dense, w_sparse = statistics.median(walls["dense"]), statistics.median(walls["sparse"])
+        r = ratio_stats(t["dense"], t["sparse"])
         err = max(float((o_sparse[0, h, rows].double() - ref).abs().max()) for h, rows, ref in refs)
         diff = (o_sparse.double() - o_dense.double()).abs()
         if not ratios:
             print(f"[{name}] S={S} H={heads} D={D} {str(dtype).replace('torch.', '')} keep={keep:g} k={st.k_video}/"
                   f"{lay.num_video_tiles} video tiles, {lay.num_prefix_tiles} prefix tiles, "
                   f"block density {st.density:.3f} (perfect-kernel ceiling {1 / st.density:.2f}x)")
+            for metric, value in (("seq_len", S), ("heads", heads), ("head_dim", D), ("keep", keep),
+                                  ("k_video", st.k_video), ("video_tiles", lay.num_video_tiles),
+                                  ("prefix_tiles", lay.num_prefix_tiles), ("block_density", st.density)):
+                table.add(name, metric, value)
         print(f"[{name}]   CPU time: dense SDPA {t_dense * 1e3:9.1f} ms | VSA-H3 ({st.backend:>11}) "
-              f"{t_sparse * 1e3:9.1f} ms | speedup {t_dense / t_sparse:5.2f}x   (wall: {w_dense * 1e3:.0f} / "
+              f"{t_sparse * 1e3:9.1f} ms | speedup {r['median']:5.2f}x {spread(r)}  (wall: {w_dense * 1e3:.0f} / "
               f"{w_sparse * 1e3:.0f} ms, {w_dense / w_sparse:.2f}x)")
         print(f"[{name}]     max |sparse - exact masked oracle| ({len(tiles)} sampled query tiles, fp64) = {err:.2e};"
               f" vs dense: max {float(diff.max()):.3e}, mean {float(diff.mean()):.3e} (approximation, random inputs)")
-        ratios[st.backend] = t_dense / t_sparse
+        case = f"{name}/{st.backend}"
+        table.add(case, "dense_cpu_time", t_dense * 1e3, "ms", min=min(t["dense"]) * 1e3, max=max(t["dense"]) * 1e3,
+                 n=len(t["dense"]))
+        table.add(case, "sparse_cpu_time", t_sparse * 1e3, "ms", min=min(t["sparse"]) * 1e3,
+                 max=max(t["sparse"]) * 1e3, n=len(t["sparse"]))
+        table.add_stats(case, "speedup_dense_over_sparse", r, "x", note="per-round CPU-time ratio")
+        table.add(case, "wall_ratio", w_dense / w_sparse, "x", note="medians of the wall clock")
+        table.add(case, "max_err_vs_fp64_oracle", err, note=f"{len(tiles)} sampled query tiles")
+        table.add(case, "max_diff_vs_dense", float(diff.max()))
+        table.add(case, "mean_diff_vs_dense", float(diff.mean()))
+        ratios[st.backend] = r["median"]
     return ratios
 
 
@@ -111,14 +128,16 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--small", action="store_true",
                     help="~1k-token geometry (smoke test of this script, not a benchmark)")
+    add_rows_argument(ap)
     a = ap.parse_args()
+    rows = Rows(a.rows, "bench_vsa_cpu")
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     grid, grid_video_only = ((7, 8, 16), (8, 8, 16)) if a.small else ((12, 24, 52), (12, 24, 56))
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
-    r1 = run_case("h3-t2va", (300, h3_audio_tokens(grid[0])), grid, a.heads, a.keep, a.reps, backends, dtype)
-    r2 = run_case("video-only", (), grid_video_only, a.heads, a.keep, a.reps, backends, dtype)
-    r3 = run_case("prefix-heavy", (300, 414), grid, a.heads, a.keep, a.reps, backends, dtype)
+    r1 = run_case("h3-t2va", (300, h3_audio_tokens(grid[0])), grid, a.heads, a.keep, a.reps, backends, dtype, rows)
+    r2 = run_case("video-only", (), grid_video_only, a.heads, a.keep, a.reps, backends, dtype, rows)
+    r3 = run_case("prefix-heavy", (300, 414), grid, a.heads, a.keep, a.reps, backends, dtype, rows)
     for b in r1:
         print(f"RATIO dense/sparse (CPU time) [{b}]: h3-t2va {r1[b]:.2f}x, video-only {r2.get(b, float('nan')):.2f}x "
               f"(target >= 5x); prefix-heavy stress case {r3.get(b, float('nan')):.2f}x")

@@ -58,6 +58,8 @@ from pathlib import Path
 T_START = time.perf_counter()   # budgets count from process start (imports and CUDA initialisation included)
 HARD_STOP_AFTER_BUDGET_S = 30
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))   # the checkout: benchmarks (plain Python at import: the dry-run needs no torch)
+from benchmarks._harness import CudaMem as Mem, Timer, interleave, ratio_stats  # noqa: E402
 SECTIONS = ("kernels", "int64", "vsa_perf", "te_stream", "adaln", "video_save", "t1_decode", "lokr")
 TILE = 64
 I32_LIMIT = 2 ** 31            # an i32 index * stride product at or above this wraps
@@ -386,87 +388,10 @@ class Ctx:
             self.add(section, check, "FAIL", shape, dtype, error=f"{type(e).__name__}: {e}{where}"[:600])
 
 
-class Timer:
-    """Seconds of one call: CUDA events around it (after a synchronize), or wall clock with synchronize
-    (``wall=True``: host work such as D2H copies, PyAV or Python-side keys is part of what is timed)."""
-
-    def __init__(self, device):
-        import torch
-
-        self.torch = torch
-        self.cuda = device.type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            self.torch.cuda.synchronize()
-
-    def once(self, fn, wall: bool = False):
-        if self.cuda and not wall:
-            self.sync()
-            s, e = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
-            s.record()
-            out = fn()
-            e.record()
-            e.synchronize()
-            return s.elapsed_time(e) / 1e3, out
-        self.sync()
-        t = time.perf_counter()
-        out = fn()
-        self.sync()
-        return time.perf_counter() - t, out
-
-
 def interleaved(timer: Timer, fns: dict, warmup: int, rounds: int, deadline: float, wall: bool = False) -> dict:
     """Warm-up every fn, then ``rounds`` rounds of A, B, (C) in turn (ABAB...): {name: [seconds per round]}.
-    Stops early (after at least 2 rounds) when the deadline passes; the round count is in the result."""
-    for _ in range(warmup):
-        for f in fns.values():
-            f()
-    times = {k: [] for k in fns}
-    for r in range(rounds):
-        if r >= 2 and time.perf_counter() > deadline:
-            break
-        for k, f in fns.items():
-            dt, out = timer.once(f, wall)
-            del out
-            times[k].append(dt)
-    return times
-
-
-def ratio_stats(num: list, den: list) -> dict:
-    """Per-round ratio num/den: median, min, max, rounds."""
-    r = [a / b for a, b in zip(num, den) if b > 0]
-    if not r:
-        return dict(median=float("nan"), min=float("nan"), max=float("nan"), rounds=0)
-    return dict(median=statistics.median(r), min=min(r), max=max(r), rounds=len(r))
-
-
-class Mem:
-    """Peak device bytes a call adds on top of what was allocated before it (CUDA only; None elsewhere)."""
-
-    def __init__(self, device):
-        import torch
-
-        self.torch = torch
-        self.device = device
-        self.cuda = device.type == "cuda"
-
-    def allocated(self):
-        if not self.cuda:
-            return None
-        self.torch.cuda.synchronize(self.device)
-        return self.torch.cuda.memory_allocated(self.device)
-
-    def measure(self, fn):
-        if not self.cuda:
-            return fn(), None
-        t = self.torch
-        t.cuda.synchronize(self.device)
-        base = t.cuda.memory_allocated(self.device)
-        t.cuda.reset_peak_memory_stats(self.device)
-        out = fn()
-        t.cuda.synchronize(self.device)
-        return out, t.cuda.max_memory_allocated(self.device) - base
+    Stops early (after at least 2 rounds) when the deadline passes (benchmarks/_harness.py's interleave)."""
+    return interleave(fns, rounds, warmup=warmup, timer=timer, deadline=deadline, wall=wall)
 
 
 TOL = {  # per dtype: elementwise relative bound of one rounding (with margin) and attention atol = rtol
@@ -1263,100 +1188,16 @@ def sec_video_save(ctx: Ctx, c: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ T=1 decode
-class FakeH3VideoVAE:
-    """Duck-typed H3 video VAE with the attributes ditkit's T=1 core uses (see vae/t1_decode.py) on any device:
-    the decoder mixes every token it is given (context matters), 4 frames per token, ``ratio`` x upsampling."""
-
-    tokens_chunk_size, token_overlap, frame_pre_padding = 5, 2, 3
-    tiling = True
-
-    def __init__(self, c: dict, device):
-        import torch
-
-        C = c["latent"][0]
-        g = torch.Generator(device=device).manual_seed(31)
-        self.device = device
-        self.vae_ratio, self.tile_size, self.tile_overlap_min = c["ratio"], c["tile"], c["overlap"]
-        self.latents_mean = torch.randn(C, generator=g, device=device)
-        self.latents_std = torch.rand(C, generator=g, device=device) + 0.5
-        self.w = torch.randn(3, C, generator=g, device=device) / C ** 0.5
-        self.wt = torch.randn(4, generator=g, device=device)
-        self.decoder = type("D", (), {"patch_size_t": 4})()
-
-    def _decode_temporal_chunks(self, t):
-        return (5, 1) if t == 2 else (0, 1)
-
-    def _decode_pixels(self, z):
-        import torch
-
-        b, c, t, h, w = z.shape
-        base = torch.einsum("bcthw,kc->bkthw", z, self.w)
-        ctx = base.mean(dim=(2, 3, 4), keepdim=True)
-        pos = ((torch.arange(0.5, t, device=z.device) / t) * 2 - 1).view(1, 1, t, 1, 1)
-        frames = [torch.tanh(base * (p + 1) / 4 + ctx * self.wt[p] + 0.1 * pos * p) for p in range(4)]
-        out = torch.stack(frames, dim=3).reshape(b, 3, 4 * t, h, w)
-        return out.repeat_interleave(self.vae_ratio, -2).repeat_interleave(self.vae_ratio, -1)
-
-    def split_tiles(self, n):
-        if self.tile_size >= n:
-            return [0], [n], []
-        k = math.ceil((n - self.tile_overlap_min) / (self.tile_size - self.tile_overlap_min))
-        step = (n - self.tile_size) // (k - 1)
-        step -= step % self.vae_ratio
-        starts = [i * step for i in range(k - 1)] + [n - self.tile_size]
-        ov = [starts[i] + self.tile_size - starts[i + 1] for i in range(k - 1)]
-        return starts, [self.tile_size] * k, ov
-
-    def blend(self, a, b, e, dim):
-        import torch
-
-        e = min(a.shape[dim], b.shape[dim], e)
-        shape = [1] * a.ndim
-        shape[dim] = e
-        wgt = (torch.arange(e, dtype=b.dtype, device=b.device) / e).view(shape)
-        blended = a.narrow(dim, a.shape[dim] - e, e) * (1 - wgt) + b.narrow(dim, 0, e) * wgt
-        return torch.cat([blended, b.narrow(dim, e, b.shape[dim] - e)], dim=dim)
-
-    def _finalize_pixels(self, x):
-        return (x.float() * 0.5 + 0.5).clamp(0, 1)
-
-
-def full_clip_tiled_decode(m, z):
-    """Decode every frame of every tile, blend the whole tiles, then crop: the clip the kept frame is defined from."""
-    import torch
-
-    r = m.vae_ratio
-    H, W = z.shape[-2] * r, z.shape[-1] * r
-    ys, yl, yo = m.split_tiles(H)
-    xs, xl, xo = m.split_tiles(W)
-    raw = [[m._decode_pixels(z[..., y // r:(y + a) // r, x // r:(x + b) // r]) for x, b in zip(xs, xl)]
-           for y, a in zip(ys, yl)]
-    rows = []
-    for i in range(len(ys)):
-        row = []
-        for j in range(len(xs)):
-            t = raw[i][j]
-            if i > 0:
-                t = m.blend(raw[i - 1][j][..., -yo[i - 1]:, :], t, yo[i - 1], -2)
-            if j > 0:
-                t = m.blend(raw[i][j - 1][..., :, -xo[j - 1]:], t, xo[j - 1], -1)
-            if i < len(ys) - 1:
-                t = t[..., :-yo[i], :]
-            if j < len(xs) - 1:
-                t = t[..., :, :-xo[j]]
-            row.append(t)
-        rows.append(torch.cat(row, -1))
-    return torch.cat(rows, -2)
-
-
 def sec_t1_decode(ctx: Ctx, c: dict) -> None:
     import torch
 
+    from benchmarks._fakes import FakeH3VideoVAE, full_tiled_decode  # the unit tests' fake, on this device
     from ditkit.vae.t1_decode import repeat_decode_t1, unwhiten
 
     sec, dev = "t1_decode", ctx.device
     mem = Mem(dev)
-    m = FakeH3VideoVAE(c, dev)
+    m = FakeH3VideoVAE(c["latent"][0], 31, device=dev, vae_ratio=c["ratio"], tile_size=c["tile"],
+                       tile_overlap_min=c["overlap"])
     C, _, h, w = c["latent"]
     B = c["batch"]
     z = torch.randn(B, C, 1, h, w, generator=torch.Generator(device=dev).manual_seed(32), device=dev)
@@ -1367,7 +1208,7 @@ def sec_t1_decode(ctx: Ctx, c: dict) -> None:
 
         def full():
             clip = unwhiten(m, z).repeat(1, 1, 7, 1, 1)
-            return m._finalize_pixels(full_clip_tiled_decode(m, clip)[:, :, 3:4])
+            return m._finalize_pixels(full_tiled_decode(m, clip)[:, :, 3:4])
 
         ref, peak_full = mem.measure(full)
     equal = torch.equal(out, ref)

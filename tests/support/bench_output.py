@@ -1,5 +1,6 @@
-"""Parsing helpers for the benchmark smoke tests (``tests/*/test_bench_smoke*.py``): the benchmarks print human
-tables, and the smokes check their structure without hard-coding any figure the scripts produce."""
+"""Parsing helpers for ``tests/unit/test_lab_harness_ref.py`` (the quality lab's printed tables). The
+``benchmarks/bench_*.py`` smokes no longer parse prose: those scripts write rows (``--rows``, benchmarks/_harness.py)
+that the smokes read as data."""
 from __future__ import annotations
 
 import math

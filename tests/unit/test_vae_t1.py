@@ -11,7 +11,8 @@ import torch
 from ditkit.errors import DitKitError
 from ditkit.vae.t1_decode import direct_decode_t1, repeat_decode_t1, tiled_decode_frame, unwhiten
 
-from _fake_h3 import FakeH3  # noqa: E402,F401  (tests/unit on sys.path)
+from _fake_h3 import FakeH3, full_tiled_decode  # noqa: E402  (tests/unit on sys.path; the oracle decode is
+#   benchmarks/_fakes.py's, shared with gpu_check.py)
 
 
 def raw_latents(m, z):
@@ -22,32 +23,6 @@ def raw_latents(m, z):
     std = m.latents_std.to(z.dtype).reshape(1, c, 1, 1, 1)
     mean = m.latents_mean.to(z.dtype).reshape(1, c, 1, 1, 1)
     return z * std + mean
-
-
-def full_tiled_decode(m, z):
-    """Oracle: all frames, tiles blended (previous row's raw bottom strip, then the left raw strip), then cropped."""
-    r = m.vae_ratio
-    H, W = z.shape[-2] * r, z.shape[-1] * r
-    ys, yl, yo = m.split_tiles(H)
-    xs, xl, xo = m.split_tiles(W)
-    raw = [[m._decode_pixels(z[..., y // r:(y + a) // r, x // r:(x + b) // r]) for x, b in zip(xs, xl)]
-           for y, a in zip(ys, yl)]
-    rows = []
-    for i in range(len(ys)):
-        row = []
-        for j in range(len(xs)):
-            t = raw[i][j]
-            if i > 0:
-                t = m.blend(raw[i - 1][j][..., -yo[i - 1]:, :], t, yo[i - 1], -2)
-            if j > 0:
-                t = m.blend(raw[i][j - 1][..., :, -xo[j - 1]:], t, xo[j - 1], -1)
-            if i < len(ys) - 1:
-                t = t[..., :-yo[i], :]
-            if j < len(xs) - 1:
-                t = t[..., :, :-xo[j]]
-            row.append(t)
-        rows.append(torch.cat(row, -1))
-    return torch.cat(rows, -2)
 
 
 @pytest.mark.parametrize("hw", [(3, 3), (6, 5), (11, 7)])

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ditkit.errors import WorkflowError
-from ditkit import workflows as wfm
+from ditkit.runner import workflows as wfm  # the module itself: tests below patch its known_schemas
 
 # /object_info entries written by hand in ComfyUI's shapes (V1 list combos, V3 "COMBO", seed control, upload,
 # optional inputs, forceInput), independent of the converter.
@@ -291,3 +291,16 @@ def test_sync_uses_live_schemas_and_detects_drift(tmp_path, capsys):
     reordered["Src"]["input_order"]["required"] = ["mode", "w"]
     assert wfm.sync(ex, object_info=reordered, check=True)  # widget order changed on the server: stale twin
     capsys.readouterr()
+
+
+def test_python_m_ditkit_workflows_still_works(tmp_path):
+    """``python -m ditkit.workflows`` is the thin entry point over ditkit/runner/workflows.py."""
+    import subprocess
+    import sys
+
+    (tmp_path / "g.json").write_text(json.dumps({"1": {"class_type": "Nope", "inputs": {}}}))
+    r = subprocess.run([sys.executable, "-m", "ditkit.workflows", "to-ui", str(tmp_path / "g.json")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("ERROR: API node '1': node class 'Nope' is unknown"), r.stderr
+    r = subprocess.run([sys.executable, "-m", "ditkit.workflows", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "sync" in r.stdout and "to-api" in r.stdout
