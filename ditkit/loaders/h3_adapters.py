@@ -633,6 +633,9 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
             items.append(Item(m, tgt, "dense", (v.float().reshape(tgt.shape[0], -1),), scale, rule, row_map, lay))
         else:  # set / set_b
             v = m.tensors["value"]
+            if m.family == "curve" and not g.curve:
+                raise AdapterError(f"{source}: key {m.keys[0]!r} is a curve-form (pruned) AdaLN weight but the base is "
+                                   "not curve-form (no adaln_t_table); load the pruned checkpoint it was made for")
             _check_tensor(source, m.keys[0], v, None)
             if tuple(v.shape) != tuple(tgt.shape) or tgt.rows is not None:
                 raise AdapterError(f"{source}: key {m.keys[0]!r} (assigned weight) has shape {tuple(v.shape)} but its "
