@@ -20,7 +20,7 @@ import torch
 
 from ditkit.errors import AdapterError, DitKitError
 from ditkit.loaders.safetensors_io import save_file
-from ditkit.testing import ckpt_h3 as c
+from ditkit.tiny import ckpt_h3 as c
 
 CFG = c.CONFIG
 H, HD, NH = CFG["hidden_size"], CFG["attention_head_dim"], CFG["num_attention_heads"]
