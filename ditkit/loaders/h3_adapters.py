@@ -64,6 +64,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import AdapterError, CheckpointError
+from ..kernels import delta_fuse
 from . import h3 as h3core
 from . import lokr as lokr_core
 from .lokr_math import rebuild_w1, rebuild_w2
@@ -754,8 +755,6 @@ def _lora_scale(m: Module, pre: str, rank: int, writer: str, tgt: Target, cfg: d
 def apply_item_(weight: torch.Tensor, item: Item, strength: float, function=None, backend: str = "auto") -> str:
     """``weight += function(strength * scale * ΔW)`` in place; ``weight`` is the target (slice) ComfyUI hands the
     patch. Returns the fuse backend that ran."""
-    from ..kernels import delta_fuse
-
     if tuple(weight.shape) != tuple(item.target.shape):
         raise AdapterError(f"DitKitAdapterLoader: patch for '{item.target.describe()}' expects shape "
                            f"{tuple(item.target.shape)}, weight is {tuple(weight.shape)}")
