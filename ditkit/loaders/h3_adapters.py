@@ -516,6 +516,13 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
     refused: dict[str, str] = {}
     namings: dict[str, str] = {}
     table_module = modules.pop("adaln_t_table", None)
+    lowrank_prefixes = {m.prefix for m in modules.values() if m.kind == "lowrank"}
+    for m in modules.values():   # ComfyUI pruned_lora.has_legacy_dora: checked before any name is mapped
+        if m.kind == "diff_b" and (m.tensors["value"].dim() != 1 or (writer != "fastvideo" and m.prefix in lowrank_prefixes)):
+            raise AdapterError(f"{source}: key {m.keys[0]!r} is a '.diff_b' "
+                               + ("that is not 1-D" if m.tensors["value"].dim() != 1 else "next to LoRA factors of the "
+                                  "same module outside a fastvideo-lora-v2 file")
+                               + ": the legacy LyCORIS-DoRA convention (not a bias diff) is not supported")
     # ---- map every module
     mapped: list[tuple[Module, str, Target]] = []
     for m in modules.values():
@@ -617,11 +624,6 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
             v = m.tensors["value"]
             want = 1 if m.kind == "diff_b" else len(tgt.shape)
             _check_tensor(source, m.keys[0], v, want)
-            if m.kind == "diff_b" and writer != "fastvideo" and any(
-                    o.prefix == m.prefix and o.kind == "lowrank" for o, _, _ in mapped):
-                raise AdapterError(f"{source}: key {m.keys[0]!r} is a '.diff_b' next to LoRA factors of the same module "
-                                   "outside a fastvideo-lora-v2 file: the legacy LyCORIS-DoRA convention (not a bias "
-                                   "diff) is not supported")
             if tuple(v.shape) != tuple(tgt.shape):
                 raise AdapterError(f"{source}: key {m.keys[0]!r} has shape {tuple(v.shape)}, its target "
                                    f"'{tgt.describe()}' {tuple(tgt.shape)}")
