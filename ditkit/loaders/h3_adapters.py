@@ -26,11 +26,15 @@ adapter                                              layout of its ``qkv_proj`` 
 diffusers names ``to_q`` / ``to_k`` / ``to_v``        per projection: no interleave question
 node input ``qkv_layout`` interleaved / contiguous    as given (the file's own hint, if any, is reported)
 metadata ``qkv_layout`` = interleaved / contiguous    as written
-PEFT naming (``lora_A``/``lora_B``) on original       interleaved: DiffSynth-Studio / PEFT train on the official H3
-names, bare or ``base_model.model.*``                 module tree, whose fused qkv is per-head interleaved (h3.md §2.7)
-``diffusion_model.*`` + ``lora_up``/``lora_down``     contiguous: ComfyUI's own LoRA writers (Extract / Save LoRA nodes,
-                                                      comfy_extras/nodes_lora_extract.py) name ComfyUI's module tree
-anything else on a fused ``qkv_proj``                 refused: the message names the ambiguity and ``qkv_layout``
+DiffSynth-Studio: original names, no prefix, PEFT's   interleaved: it trains on the raw checkpoint's per-head
+``.default`` infix                                    interleaved qkv (diffusers' H3 LoRA converter de-interleaves
+                                                      exactly these files)
+original names with ``diffusion_model.``, no prefix   contiguous: ai-toolkit / ComfyUI, the reference generate.py and
+(no ``.default``) or ``lora_unet_``                   musubi-tuner train on the ``[q_all; k_all; v_all]`` module tree
+                                                      (``diffusers/loaders/lora_conversion_utils.py``
+                                                      ``_convert_non_diffusers_minimax_h3_lora_to_diffusers``)
+anything else on a fused ``qkv_proj`` (PEFT           refused: the message names the ambiguity and ``qkv_layout``
+``base_model.model.*``, ``lycoris_*``, ...)
 ==================================================== ===============================================================
 
 Scale (ΔW = scale * B @ A, per module; the report says which rule gave it):
@@ -48,6 +52,9 @@ Scale (ΔW = scale * B @ A, per module; the report says which rule gave it):
   (``huggingface/diffusers:src/diffusers/utils/peft_utils.py`` ``get_peft_kwargs``).
 * ``diffusion_model.*`` + ``lora_up``/``lora_down`` without ``.alpha``: 1.0, ComfyUI's own rule for such files
   (``comfy/weight_adapter/lora.py`` ``LoRAAdapter.calculate_weight``: no alpha -> 1.0).
+* metadata ``alpha`` in a file without ``.alpha`` keys: alpha / rank (diffusers ``MiniMaxH3LoraLoaderMixin``).
+* other alpha-less LoRAs on original names (no prefix, ``lora_unet_``): alpha = rank -> 1.0, as diffusers'
+  ``MiniMaxH3LoraLoaderMixin.lora_state_dict`` loads them (the convention larryvrh/MiniMax-H3-Turbo-Lora states).
 * LoKr: the shared LoKr core's rules (``loaders/lokr.py``). LoHa: alpha / rank (LyCORIS ``LohaModule``).
 * ``.diff`` / ``.diff_b``: 1.0 (full-rank deltas). ``.set_weight`` / curve-form full AdaLN weights: assigned, i.e.
   ``W = W_base + strength * (W_new - W_base)`` (ComfyUI's pruned-AdaLN merge rule, h3.md §9).
@@ -495,6 +502,9 @@ _CONVENTIONS = {
                   "(huggingface/diffusers src/diffusers/utils/peft_utils.py get_peft_kwargs)"),
     "comfyui": ("1.0: ComfyUI's rule for a lora_up/lora_down module without '.alpha' (comfy/weight_adapter/lora.py "
                 "LoRAAdapter.calculate_weight)"),
+    "h3": ("alpha = rank -> 1.0: diffusers loads alpha-less H3 LoRAs on the original names that way, the convention "
+           "larryvrh/MiniMax-H3-Turbo-Lora states (huggingface/diffusers src/diffusers/loaders/lora_pipeline.py "
+           "MiniMaxH3LoraLoaderMixin.lora_state_dict)"),
 }
 
 
@@ -559,6 +569,15 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
         notes.extend(lokr_parsed.notes)
     undetermined: list[tuple[Module, str]] = []
     gates: dict[int, torch.Tensor] = {}
+    net_alpha = None
+    if "alpha" in meta and not any(k.endswith(".alpha") for k in sd):
+        try:
+            net_alpha = float(meta["alpha"])
+        except (TypeError, ValueError):
+            net_alpha = float("nan")
+        if not math.isfinite(net_alpha) or net_alpha == 0.0:
+            raise AdapterError(f"{source}: metadata 'alpha' is {str(meta['alpha'])[:40]!r}; a network alpha must be a "
+                               "finite non-zero number")
     for m, pre, tgt in mapped:
         row_map = None
         lay = ""
@@ -580,7 +599,8 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
                                    f"its target '{tgt.describe()}' has shape {tuple(tgt.shape)} (key {m.keys[0]!r}; "
                                    "adapter for another model size?)")
             rank = int(down.shape[0])
-            scale, rule = _lora_scale(m, pre, rank, writer, tgt, ctx_cfg, af.config_source, source, scale_override)
+            scale, rule = _lora_scale(m, pre, rank, writer, tgt, ctx_cfg, af.config_source, source, scale_override,
+                                      net_alpha)
             if scale is None:
                 undetermined.append((m, rule))
                 continue
@@ -693,6 +713,14 @@ def _overlap(rows, tgt: Target) -> bool:
     return rows[0] < tgt.rows[1] and tgt.rows[0] < rows[1]
 
 
+# prefixes of the producers diffusers' H3 converter lists as training on the [q_all; k_all; v_all] module tree
+# (ai-toolkit / ComfyUI "diffusion_model.", the reference generate.py / ComfyUI checkpoints with no prefix,
+# musubi-tuner "lora_unet_"); DiffSynth-Studio (no prefix, PEFT ".default." infix) runs the raw interleaved qkv
+CONTIGUOUS_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "", "lora_unet_")
+DIFFUSERS_CONVERTER = ("huggingface/diffusers src/diffusers/loaders/lora_conversion_utils.py "
+                       "_convert_non_diffusers_minimax_h3_lora_to_diffusers")
+
+
 def _decide_layout(fused, writer: str, meta: dict, choice: str, source: str) -> tuple[str, str]:
     if not fused:
         return "n/a", "no module on a fused qkv_proj (split to_q/to_k/to_v or no attention modules)"
@@ -704,34 +732,44 @@ def _decide_layout(fused, writer: str, meta: dict, choice: str, source: str) -> 
                                "'contiguous'")
         hint = (raw, "the file's metadata 'qkv_layout'")
     else:
-        fams = {m.family for m, _, _ in fused}
-        pres = {pre for _, pre, _ in fused}
-        if len(fams) > 1:
-            raise AdapterError(f"{source}: mixed layouts in one file: qkv_proj modules use {sorted(fams)} namings")
-        fam = fams.pop()
-        if fam in ("peft", "peft-default") and pres <= {"", "base_model.model."}:
-            hint = ("interleaved", "PEFT naming (lora_A/lora_B) on the original module names: DiffSynth-Studio / PEFT "
-                                   "train on the official H3 module tree, whose fused qkv rows are per-head interleaved")
-        elif fam == "kohya" and pres <= {"diffusion_model.", "model.diffusion_model."}:
-            hint = ("contiguous", "ComfyUI naming (diffusion_model.* + lora_up/lora_down, as ComfyUI's Extract / Save "
-                                  "LoRA nodes write from ComfyUI's [q_all; k_all; v_all] module tree)")
+        kinds = set()
+        for m, pre, _ in fused:
+            if m.family == "peft-default" and pre == "":
+                kinds.add("diffsynth")
+            elif pre in CONTIGUOUS_PREFIXES and m.family != "peft-default":
+                kinds.add("contiguous:" + (pre or "no prefix"))
+            else:
+                kinds.add("unknown")
+        if "diffsynth" in kinds and len(kinds) > 1:
+            raise AdapterError(f"{source}: mixed layouts in one file: DiffSynth-Studio '.default.' qkv_proj keys next to "
+                               "other namings")
+        if kinds == {"diffsynth"}:
+            hint = ("interleaved", "DiffSynth-Studio naming (original names with PEFT's '.default.' infix): it trains on "
+                                   f"the raw checkpoint's per-head interleaved qkv ({DIFFUSERS_CONVERTER} de-interleaves "
+                                   "exactly these files)")
+        elif "unknown" not in kinds:
+            pres = ", ".join(sorted(k.split(":", 1)[1] for k in kinds))
+            hint = ("contiguous", f"original names with prefix {pres}: ai-toolkit / ComfyUI (diffusion_model.), the "
+                                  "reference generate.py (no prefix) and musubi-tuner (lora_unet_) train on the module "
+                                  f"tree that holds qkv as [q_all; k_all; v_all] ({DIFFUSERS_CONVERTER})")
     if choice != "auto":
         why = f"node input qkv_layout = {choice}"
         if hint is not None and hint[0] != choice:
             why += f" (the file suggests {hint[0]}: {hint[1]})"
         return choice, why
     if hint is None:
-        m = fused[0][0]
-        raise AdapterError(f"{source}: module '{m.prefix}' (key {m.keys[0]!r}) is a LoRA on the fused qkv_proj, and "
-                           f"nothing in the file says which qkv row layout it was trained on ({writer} naming, no "
-                           "'qkv_layout' metadata): official-code trainers use per-head interleaved rows [h0: q,k,v; "
-                           "h1: ...], ComfyUI-based ones [q_all; k_all; v_all]. Nothing was applied. Set the "
-                           "DitKitAdapterLoader input 'qkv_layout' to 'interleaved' or 'contiguous'")
+        m, pre, _ = next((x for x in fused if not (x[1] in CONTIGUOUS_PREFIXES or x[0].family == "peft-default")),
+                         fused[0])
+        raise AdapterError(f"{source}: module '{m.prefix}' (key {m.keys[0]!r}) is an adapter on the fused qkv_proj, and "
+                           f"nothing in the file says which qkv row layout it was trained on ({writer} naming, prefix "
+                           f"{pre!r}, no 'qkv_layout' metadata): the raw official checkpoint holds per-head interleaved "
+                           "rows [h0: q,k,v; h1: ...], ComfyUI and the reference code [q_all; k_all; v_all]. Nothing was "
+                           "applied. Set the DitKitAdapterLoader input 'qkv_layout' to 'interleaved' or 'contiguous'")
     return hint
 
 
 def _lora_scale(m: Module, pre: str, rank: int, writer: str, tgt: Target, cfg: dict | None, cfg_src: str | None,
-                source: str, override: float | None) -> tuple[float | None, str]:
+                source: str, override: float | None, net_alpha: float | None = None) -> tuple[float | None, str]:
     if override is not None:
         return override, "node 'scale' input"
     if m.alpha is not None:
@@ -748,9 +786,14 @@ def _lora_scale(m: Module, pre: str, rank: int, writer: str, tgt: Target, cfg: d
         return 1.0, _CONVENTIONS["diffsynth"]
     if m.family in ("peft", "peft-default") and tgt.naming == "diffusers":
         return 1.0, _CONVENTIONS["diffusers"]
+    if net_alpha is not None:
+        return net_alpha / rank, (f"metadata 'alpha' = {net_alpha:g} / rank {rank} (network alpha of an alpha-less file, "
+                                  "as diffusers' MiniMaxH3LoraLoaderMixin honors it)")
     if m.family == "kohya" and pre in ("diffusion_model.", "model.diffusion_model."):
         return 1.0, _CONVENTIONS["comfyui"]
-    return None, f"no '.alpha' key, no PEFT config and no trainer convention for {writer} files"
+    if tgt.naming == "original" and pre in CONTIGUOUS_PREFIXES:
+        return 1.0, _CONVENTIONS["h3"]
+    return None, f"no '.alpha' key, no PEFT config and no trainer convention for {writer} files (prefix {pre!r})"
 
 
 # ------------------------------------------------------------------------------------------------ apply

@@ -189,8 +189,8 @@ def worst_error(m, ref, base):
     return worst
 
 
-CASES = [("diffsynth", "auto", "interleaved"), ("peft", "auto", "interleaved"), ("comfyui", "auto", "contiguous"),
-         ("kohya", "interleaved", "interleaved"), ("kohya", "contiguous", "contiguous"),
+CASES = [("diffsynth", "auto", "interleaved"), ("peft", "interleaved", "interleaved"), ("comfyui", "auto", "contiguous"),
+         ("kohya", "auto", "contiguous"), ("kohya", "interleaved", "interleaved"), ("peft", "contiguous", "contiguous"),
          ("diffusers", "auto", "n/a"), ("lokr", "contiguous", "contiguous"), ("lokr", "interleaved", "interleaved"),
          ("loha", "interleaved", "interleaved")]
 
@@ -227,15 +227,19 @@ def test_wrong_interleave_is_visible(bases, tmp_path):
     assert worst_error(m, oracle(base, expect, 1.0), base) > 0.1
 
 
-def test_ambiguous_qkv_layout_refused_naming_the_input(bases, tmp_path):
+@pytest.mark.parametrize("fmt,key", [("peft", "base_model.model.blocks.0.attn.qkv_proj"),
+                                     ("lokr", "lycoris_blocks_0_attn_qkv_proj")])
+def test_ambiguous_qkv_layout_refused_naming_the_input(bases, tmp_path, fmt, key):
+    """PEFT save_pretrained / LyCORIS on the original names: which module tree (raw interleaved checkpoint or the
+    reordered one) was trained is not in the file."""
     from ditkit.nodes.adapters import apply_h3_adapter
 
     model = bases["comfy"]
-    sd, meta, cfg, _ = build("kohya")
-    p = write(tmp_path, "kohya", sd, meta, cfg)
+    sd, meta, cfg, _ = build(fmt)
+    p = write(tmp_path, fmt, sd, meta, cfg)
     with pytest.raises(AdapterError, match="qkv_layout") as e:
         apply_h3_adapter(model, str(p), 1.0)
-    assert "interleaved" in str(e.value) and "lora_unet_blocks_0_attn_qkv_proj" in str(e.value)
+    assert "interleaved" in str(e.value) and key in str(e.value)
     assert not model.patches
 
 
@@ -374,8 +378,9 @@ def test_peft_written_file_loads_with_zero_unused(bases, tmp_path):
     path = tmp_path / "peft_out" / "adapter_model.safetensors"
     from ditkit.nodes.adapters import apply_h3_adapter
 
-    m, plan = apply_h3_adapter(model, str(path), 1.0)
+    m, plan = apply_h3_adapter(model, str(path), 1.0, qkv_layout="interleaved")
     assert not plan.unused and len(plan.items) == len(ORIG) and plan.layout == "interleaved"
+    assert all("PEFT lora_alpha/r = 6/4" in it.scale_rule for it in plan.items)
     worst = 0.0
     for n, _, _ in ORIG:
         d = _forward_delta(pm.base_model.model, n) - ref_w[n]     # what PEFT's own forward adds
@@ -468,7 +473,7 @@ def test_undetermined_scale_refused_then_scale_input(bases, tmp_path):
     from ditkit.nodes.adapters import apply_h3_adapter
 
     g = torch.Generator().manual_seed(3)
-    q = "lora_unet_blocks_0_attn_out_proj"
+    q = "lycoris_blocks_0_attn_out_proj"
     a, b = _rand(g, RANK, INNER), _rand(g, H, RANK)
     p = write(tmp_path, "noalpha", {q + ".lora_down.weight": a, q + ".lora_up.weight": b}, {}, None)
     with pytest.raises(AdapterError, match="does not determine the scale") as e:

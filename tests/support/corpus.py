@@ -396,15 +396,15 @@ def _h3_adapter_cases():
          ["'blocks.0.attn.out_proj.diff_b'", "legacy LyCORIS-DoRA"]),
         ("h3a_curve_on_full_base", {"diffusion_model.blocks.0.adaln_proj.linear.weight": r(1152, 8)}, {},
          ["'diffusion_model.blocks.0.adaln_proj.linear.weight'", "curve-form"]),
-        ("h3a_undetermined_scale", {"lora_unet_blocks_0_attn_out_proj.lora_down.weight": r(4, 96),
-                                    "lora_unet_blocks_0_attn_out_proj.lora_up.weight": r(64, 4)}, {},
-         ["does not determine the scale", "'lora_unet_blocks_0_attn_out_proj'", "'scale' input"]),
+        ("h3a_undetermined_scale", {"lycoris_blocks_0_attn_out_proj.lora_down.weight": r(4, 96),
+                                    "lycoris_blocks_0_attn_out_proj.lora_up.weight": r(64, 4)}, {},
+         ["does not determine the scale", "'lycoris_blocks_0_attn_out_proj'", "'scale' input"]),
+        ("h3a_bad_metadata_alpha", lora(p=o, rows=64, cols=96), {"alpha": "0"}, ["metadata 'alpha'", "non-zero"]),
         ("h3a_bad_qkv_metadata", lora(), {"qkv_layout": "rows"}, ["metadata 'qkv_layout'", "'rows'"]),
         ("h3a_two_assignments", {"transformer_blocks.0.attn.to_gate_compress.set_weight": r(96, 64),
                                  "blocks.0.attn.to_gate_compress.set_weight": r(96, 64)}, {},
          ["mixed layouts"]),
     ]
-    del o
     return [(cid, ".safetensors", _st(sd, meta or None), "h3_adapter", "AdapterError", w) for cid, sd, meta, w in cases]
 
 
