@@ -134,10 +134,11 @@ class DitKitAdapterLoader(io.ComfyNode):
                                        "(.set_weight) become W_base + strength * (W_new - W_base)."),
                 io.Combo.Input("qkv_layout", options=list(core.QKV_LAYOUTS), default="auto", optional=True,
                                tooltip="Row layout of the fused qkv_proj the adapter was trained on. auto: decided from "
-                                       "the file (diffusers to_q/to_k/to_v: no question; PEFT / DiffSynth naming: "
-                                       "interleaved; ComfyUI diffusion_model.* lora_up/lora_down: contiguous); the "
-                                       "loader refuses a file that does not say. interleaved = official per-head "
-                                       "[h0: q,k,v; ...], contiguous = ComfyUI [q_all; k_all; v_all]."),
+                                       "the file as diffusers' H3 converter does (to_q/to_k/to_v: no question; "
+                                       "DiffSynth '.default.' naming: interleaved; diffusion_model.* / no prefix / "
+                                       "lora_unet_*: contiguous); PEFT base_model.model.* and lycoris_* files are "
+                                       "refused until you choose. interleaved = official per-head [h0: q,k,v; ...], "
+                                       "contiguous = ComfyUI [q_all; k_all; v_all]."),
                 io.Float.Input("scale", default=0.0, min=-1000.0, max=1000.0, step=0.001, round=0.000001,
                                optional=True,
                                tooltip="0 = from the file (alpha/rank, PEFT lora_alpha/r, or the trainer's documented "

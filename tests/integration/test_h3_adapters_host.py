@@ -508,3 +508,94 @@ def test_node_execute_report_and_lokr_passthrough(bases, comfy, tiny_ckpts, tmp_
 
 def test_errors_are_ditkit_errors():
     assert issubclass(AdapterError, DitKitError) and math.isfinite(1.0)
+
+
+# ------------------------------------------------------------------ FastH3 base with gates, quantized bases
+def test_fasth3_base_gates_blend_and_survive_other_adapters(comfy, tiny_ckpts):
+    from ditkit.loaders.safetensors_io import load_file
+    from ditkit.nodes.adapters import apply_h3_adapter
+    from ditkit.nodes.h3_loaders import GATE_ATTACHMENT, load_h3_model
+
+    base, _ = load_h3_model(str(tiny_ckpts / c.FASTH3_FILE))
+    g0 = base.get_attachment(GATE_ATTACHMENT)
+    assert sorted(g0) == [0, 1]
+    g0_copy = {i: w.clone() for i, w in g0.items()}
+    new = load_file(tiny_ckpts / c.FASTH3_ADAPTER)
+    lora, _ = apply_h3_adapter(base, str(tiny_ckpts / c.DIFFSYNTH_LORA), 1.0)
+    assert lora.get_attachment(GATE_ATTACHMENT) is g0                 # a plain LoRA keeps the base's gates
+    # the tiny FastH3 adapter assigns the same gates the FastH3 base has: blend a perturbed copy instead
+    import tempfile
+
+    pert = {k: (v.float() + 0.25).to(v.dtype) if k.endswith("to_gate_compress.set_weight") else v for k, v in new.items()}
+    with tempfile.TemporaryDirectory() as td:
+        p = Path(td) / "gates.safetensors"
+        save_file(pert, p, metadata=c.fasth3_adapter_metadata(pert))
+        m, plan = apply_h3_adapter(base, str(p), 0.5)
+    g = m.get_attachment(GATE_ATTACHMENT)
+    for i in (0, 1):
+        k = f"transformer_blocks.{i}.attn.to_gate_compress.set_weight"
+        want = (g0[i].double() + 0.5 * (pert[k].double() - g0[i].double())).to(pert[k].dtype)
+        assert torch.equal(g[i], want)
+    assert base.get_attachment(GATE_ATTACHMENT) is g0 and all(torch.equal(g0[i], g0_copy[i]) for i in g0)
+
+
+def _h3_comfy_quant(sd, fmt, convrot=False):
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("blocks.") and k.endswith(".weight") and v.dim() == 2 and "adaln" not in k:
+            p, w = k[: -len("weight")], v.float()
+            qmax = 448.0 if fmt == "float8_e4m3fn" else 127.0
+            s = w.abs().max() / qmax
+            out[k] = (w / s).to(torch.float8_e4m3fn) if fmt == "float8_e4m3fn" else \
+                torch.round(w / s).clamp(-127, 127).to(torch.int8)
+            out[p + "weight_scale"] = s.reshape(())
+            js = {"format": fmt, **({"convrot": True, "convrot_groupsize": 64} if convrot else {})}
+            out[p + "comfy_quant"] = torch.tensor(list(json.dumps(js).encode()), dtype=torch.uint8)
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("fmt,qmax", [("float8_e4m3fn", 448.0), ("int8_tensorwise", 127.0)])
+def test_quantized_h3_base_requantized_same_scheme(comfy, tmp_path, fmt, qmax):
+    """Per-tensor comfy_quant fp8 / int8 H3 layers: ComfyUI dequantizes, ditkit adds ΔW (DiffSynth interleave
+    mapped), ComfyUI requantizes into the same layout; every element within one quantization step of
+    dequant(base) + ΔW (float64 oracle)."""
+    import comfy.sd
+    import comfy.utils
+
+    from ditkit.nodes.adapters import apply_h3_adapter
+
+    q = comfy.sd.load_diffusion_model_state_dict(_h3_comfy_quant(c.base_state_dict(), fmt))
+    sd, meta, cfg, expect = build("diffsynth", seed=4)
+    p = write(tmp_path, "diffsynth", sd, meta, cfg)
+    m, plan = apply_h3_adapter(q, str(p), 1.0)
+    assert any("quantized layers" in n for n in plan.notes)
+    for k, parts in expect.items():
+        if not k.startswith("diffusion_model.blocks."):
+            continue
+        w0q = comfy.utils.get_attr(q.model, k)
+        before = w0q.dequantize().clone()
+        wt = w0q.dequantize().double() + sum(d for _, d in parts)
+        out = patched(m, k)
+        assert type(out).__name__ == "QuantizedTensor" and out.storage_dtype == w0q.storage_dtype
+        s = float(out._params.scale)
+        err = (out.dequantize().double() - wt).abs()
+        if fmt == "int8_tensorwise":
+            assert err.max().item() <= s * (1 + 1e-6)
+        else:
+            assert (err / wt.abs().clamp_min(s)).max().item() <= 0.125 + 1e-6
+        assert torch.equal(comfy.utils.get_attr(q.model, k).dequantize(), before)
+
+
+def test_convrot_h3_base_refused_by_layer(comfy, tmp_path):
+    import comfy.sd
+
+    from ditkit.nodes.adapters import apply_h3_adapter
+
+    q = comfy.sd.load_diffusion_model_state_dict(_h3_comfy_quant(c.base_state_dict(), "int8_tensorwise", convrot=True))
+    sd, meta, cfg, _ = build("diffsynth", seed=4)
+    with pytest.raises(AdapterError, match=r"layer 'diffusion_model\.blocks\.\d\.[a-z_.0-9]+\.weight' is stored "
+                                           r"quantized/packed \(comfy_quant format int8_tensorwise \(ConvRot\)"):
+        apply_h3_adapter(q, str(write(tmp_path, "diffsynth", sd, meta, cfg)), 1.0)
+    assert not q.patches
