@@ -234,3 +234,66 @@ def test_set_weight_becomes_a_difference_to_the_base():
     w = base.clone()
     A.apply_item_(w, p.items[0], -0.5)
     assert torch.allclose(w.double(), base.double() - 0.5 * (new.double() - base.double()), atol=1e-5)
+
+
+DIFF_MODS = [("transformer_blocks.0.attn.to_q", INNER, H), ("transformer_blocks.0.attn.to_k", INNER, H),
+             ("transformer_blocks.1.attn.to_v", INNER, H), ("transformer_blocks.0.attn.to_out.0", H, INNER),
+             ("transformer_blocks.1.ff.net.0.proj", 2 * FFN, H), ("transformer_blocks.0.ff.net.2", H, FFN),
+             ("token_refiner.refiner_blocks.0.attn.to_k", INNER, H), ("norm_out.linear", 2 * H, TD)]
+
+
+def _tree(mods):
+    root = torch.nn.Module()
+    for name, o, n in mods:
+        parent = root
+        for p in name.split(".")[:-1]:
+            if not hasattr(parent, p):
+                parent.add_module(p, torch.nn.Module())
+            parent = getattr(parent, p)
+        parent.add_module(name.split(".")[-1], torch.nn.Linear(n, o, bias=False))
+    return root
+
+
+@pytest.mark.parametrize("with_metadata", [True, False], ids=["metadata", "no-metadata"])
+def test_diffusers_h3_writer_file(tmp_path, with_metadata):
+    """MiniMaxH3LoraLoaderMixin.save_lora_weights of a PEFT LoRA on diffusers H3 names: 0 unused keys; with the
+    metadata (rank / alpha patterns) ditkit's ΔW equals PEFT's own merge; without it, diffusers' convention
+    (alpha = rank) and the file's B @ A."""
+    try:
+        with _clean_path():
+            import peft
+            from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+    except ImportError:
+        pytest.skip("peft / diffusers with MiniMaxH3LoraLoaderMixin not installed")
+    torch.manual_seed(0)
+    tree = _tree(DIFF_MODS)
+    w0 = {n: tree.get_submodule(n).weight.detach().double().clone() for n, _, _ in DIFF_MODS}
+    with _clean_path():
+        pc = peft.LoraConfig(r=4, lora_alpha=6, target_modules=[n for n, _, _ in DIFF_MODS], init_lora_weights=False,
+                             rank_pattern={"to_out.0": 2}, alpha_pattern={"to_out.0": 5})
+        peft.inject_adapter_in_model(pc, tree)
+        state = peft.get_peft_model_state_dict(tree)
+        MiniMaxH3LoraLoaderMixin.save_lora_weights(str(tmp_path), transformer_lora_layers=state,
+                                                   transformer_lora_adapter_metadata=pc.to_dict() if with_metadata
+                                                   else None)
+        for mod in tree.modules():
+            if isinstance(mod, peft.tuners.lora.LoraLayer):
+                mod.merge()
+    path = tmp_path / "pytorch_lora_weights.safetensors"
+    from ditkit.loaders.safetensors_io import load_with_metadata
+
+    raw, _ = load_with_metadata(path)
+    plan = A.plan(A.read_adapter_file(str(path)), GEO, lambda k: None, source=path.name)
+    assert not plan.unused and len(plan.items) == len(DIFF_MODS) and plan.layout == "n/a"
+    got = _ditkit_deltas(plan)
+    for n, o, i in DIFF_MODS:
+        if with_metadata:
+            d = tree.get_submodule(n).base_layer.weight.detach().double() - w0[n]    # PEFT's own merge
+        else:
+            d = raw[f"transformer.{n}.lora_B.weight"].double() @ raw[f"transformer.{n}.lora_A.weight"].double()
+        key, rows, swap = _diffusers_to_comfy(n)
+        if swap:
+            d = torch.cat([d[d.shape[0] // 2:], d[:d.shape[0] // 2]])
+        g = got[key] if rows is None else got[key][rows[0]:rows[1]]
+        err = (g.double() - d).abs().max().item() / d.abs().max().item()
+        assert err <= 1e-5, (n, err)
