@@ -58,11 +58,15 @@ def check_weight_formats(model, plan: core.LoKrPlan) -> dict[str, str]:
     """Quantized target layers -> format, for the per-tensor schemes ComfyUI re-quantizes with the same layout
     and a recomputed scale; any other quantized / packed layer is refused (layer + format) before anything
     is patched."""
+    return check_weight_keys(model, [it.target.weight_key for it in plan.items], "LoKr")
+
+
+def check_weight_keys(model, keys, what: str = "LoKr", node_id: str = NODE_ID) -> dict[str, str]:
+    """:func:`check_weight_formats` on a list of weight keys (shared with DitKitAdapterLoader)."""
     import comfy.utils
 
     handled: dict[str, str] = {}
-    for it in plan.items:
-        wk = it.target.weight_key
+    for wk in keys:
         w = comfy.utils.get_attr(model.model, wk)
         mod = comfy.utils.get_attr(model.model, wk.rsplit(".", 1)[0])
         qfmt = getattr(mod, "quant_format", None)
@@ -76,7 +80,7 @@ def check_weight_formats(model, plan: core.LoKrPlan) -> dict[str, str]:
         fmt = (f"comfy_quant format {qfmt}{' (ConvRot)' if convrot else ''}, layout {getattr(mod, 'layout_type', None)}"
                if qfmt is not None else f"{cls}, dtype {w.dtype}")
         raise AdapterError(
-            f"{NODE_ID}: layer '{wk}' is stored quantized/packed ({fmt}); ditkit merges LoKr only into "
+            f"{node_id}: layer '{wk}' is stored quantized/packed ({fmt}); ditkit merges {what} only into "
             f"unquantized weights or the per-tensor comfy_quant schemes {', '.join(REQUANT_OK)} (dequantize -> "
             "fp32 add -> requantize, same layout, scale recomputed). Load the model unquantized, or quantize after "
             "merging.")

@@ -370,3 +370,107 @@ def gen_h3_dit_curve(out: Path) -> list[Path]:
 @register("h3_dit_fasth3")
 def gen_h3_dit_fasth3(out: Path) -> list[Path]:
     return _single(out, FASTH3_FILE, fasth3_state_dict(base_state_dict()))
+
+
+# ---------------------------------------------------------------- adapters (DitKitAdapterLoader examples / tests)
+
+DIFFSYNTH_LORA = "loras/h3_diffsynth_lora_tiny.safetensors"
+FASTH3_ADAPTER = "loras/h3_fasth3_adapter_tiny.safetensors"
+FASTH3_FUSED_FILE = "diffusion_models/h3_tiny_fasth3_fused.safetensors"
+ADAPTER_RANK = 4
+
+
+def dyadic(shape, g: torch.Generator, denom: int = 16) -> torch.Tensor:
+    """Small multiples of 1/denom: B @ A of such factors is exact in fp32 and bf16 holds them exactly, so a
+    fused checkpoint built in float64 and a patch built in fp32 agree bit for bit."""
+    return torch.randint(-4, 5, tuple(shape), generator=g).to(torch.float32) / denom
+
+
+def diffsynth_lora_state_dict(cfg=CONFIG, rank: int = ADAPTER_RANK, seed: int = SEED + 7) -> dict[str, torch.Tensor]:
+    """DiffSynth-Studio's export of a PEFT LoRA on the official module tree: ``blocks.N.<module>.lora_A.default.weight``
+    [rank, in] / ``lora_B.default.weight`` [out, rank], bf16, no alpha, no metadata. The qkv_proj factors act on the
+    official per-head interleaved rows."""
+    g = torch.Generator("cpu").manual_seed(seed)
+    shapes = comfy_shapes(cfg)
+    out = {}
+    for i in range(cfg["num_layers"]):
+        for mod in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"):
+            o, n = shapes[f"blocks.{i}.{mod}.weight"]
+            out[f"blocks.{i}.{mod}.lora_A.default.weight"] = dyadic((rank, n), g).to(torch.bfloat16)
+            out[f"blocks.{i}.{mod}.lora_B.default.weight"] = dyadic((o, rank), g).to(torch.bfloat16)
+    return out
+
+
+def fasth3_adapter_state_dict(base: dict[str, torch.Tensor] | None = None, cfg=CONFIG, rank: int = ADAPTER_RANK,
+                              seed: int = SEED + 8) -> dict[str, torch.Tensor]:
+    """A FastVideo ``fastvideo-lora-v2`` adapter in the diffusers namespace: rank-``rank`` factors without alpha on
+    ``to_q/to_k/to_v``, ``to_out.0`` and ``ff.net.0.proj``; full-rank ``.diff`` (``norm1``) and ``.diff_b``
+    (``proj_in``, ``norm_out.linear``); ``.set_weight`` of every block's ``to_gate_compress`` (the FastH3 gates of
+    :func:`fasth3_state_dict`)."""
+    base = base if base is not None else base_state_dict(cfg)
+    g = torch.Generator("cpu").manual_seed(seed)
+    h, inner, ffn = cfg["hidden_size"], inner_dim(cfg), cfg["ffn_hidden_size"]
+    out: dict[str, torch.Tensor] = {}
+    gates = fasth3_state_dict(base, cfg)
+    for i in range(cfg["num_layers"]):
+        b = f"transformer_blocks.{i}."
+        for mod, (o, n) in (("attn.to_q", (inner, h)), ("attn.to_k", (inner, h)), ("attn.to_v", (inner, h)),
+                            ("attn.to_out.0", (h, inner)), ("ff.net.0.proj", (2 * ffn, h))):
+            out[f"{b}{mod}.lora_A.weight"] = dyadic((rank, n), g).to(torch.bfloat16)
+            out[f"{b}{mod}.lora_B.weight"] = dyadic((o, rank), g).to(torch.bfloat16)
+        out[f"{b}norm1.diff"] = dyadic((h,), g, 64).to(torch.bfloat16)
+        out[f"{b}attn.to_gate_compress.set_weight"] = gates[f"blocks.{i}.attn.to_gate_compress.weight"]
+    out["proj_in.diff_b"] = dyadic((h,), g, 64)
+    out["norm_out.linear.diff_b"] = dyadic((2 * h,), g, 64).to(torch.bfloat16)
+    return out
+
+
+def fasth3_adapter_metadata(sd: dict[str, torch.Tensor], rank: int = ADAPTER_RANK) -> dict[str, str]:
+    return {"format": "fastvideo-lora-v2", "finetuned_model": "FastVideo/FastVideo-FastH3-tiny-test",
+            "base_model": "MiniMaxAI/MiniMax-H3", "rank": str(rank),
+            "application": "W = W_base + lora_B @ lora_A; then .diff/.diff_b added and .set_weight assigned",
+            "low_rank_tensors": str(sum(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in sd)),
+            "diff_tensors": str(sum(k.endswith((".diff", ".diff_b")) for k in sd)),
+            "set_weight_tensors": str(sum(k.endswith(".set_weight") for k in sd))}
+
+
+def fasth3_fused_state_dict(base: dict[str, torch.Tensor] | None = None, cfg=CONFIG) -> dict[str, torch.Tensor]:
+    """The fused FastH3 checkpoint of :func:`fasth3_adapter_state_dict` (ComfyUI layout, float64 math, every float
+    tensor stored fp32 so the bulk keeps one dtype): ``W + B @ A`` (to_q/k/v onto their thirds of the contiguous
+    qkv, ``ff.net.0.proj``'s ``[value; gate]`` rows onto fc1's ``[gate; value]``), ``+ diff``, gates assigned."""
+    base = base if base is not None else base_state_dict(cfg)
+    ad = fasth3_adapter_state_dict(base, cfg)
+    inner, ffn = inner_dim(cfg), cfg["ffn_hidden_size"]
+    out = {k: v.double() for k, v in base.items()}
+
+    def ba(m):
+        return ad[m + ".lora_B.weight"].double() @ ad[m + ".lora_A.weight"].double()
+
+    for i in range(cfg["num_layers"]):
+        b, n = f"transformer_blocks.{i}.", f"blocks.{i}."
+        for j, p in enumerate("qkv"):
+            out[n + "attn.qkv_proj.weight"][j * inner:(j + 1) * inner] += ba(f"{b}attn.to_{p}")
+        out[n + "attn.out_proj.weight"] += ba(b + "attn.to_out.0")
+        d = ba(b + "ff.net.0.proj")                      # [value; gate]
+        out[n + "mlp.fc1.weight"] += torch.cat([d[ffn:], d[:ffn]])
+        out[n + "norm1.weight"] += ad[b + "norm1.diff"].double()
+        out[n + "attn.to_gate_compress.weight"] = ad[b + "attn.to_gate_compress.set_weight"].double()
+    out["video_patch_proj.bias"] += ad["proj_in.diff_b"].double()
+    out["final_layer.adaln_proj.linear.bias"] += ad["norm_out.linear.diff_b"].double()
+    return {k: v.to(torch.float32).contiguous() for k, v in out.items()}
+
+
+@register("h3_adapters")
+def gen_h3_adapters(out: Path) -> list[Path]:
+    base = base_state_dict()
+    files = []
+    p = Path(out) / DIFFSYNTH_LORA
+    p.parent.mkdir(parents=True, exist_ok=True)
+    save_file(diffsynth_lora_state_dict(), p)
+    files.append(p)
+    ad = fasth3_adapter_state_dict(base)
+    p = Path(out) / FASTH3_ADAPTER
+    save_file(ad, p, metadata=fasth3_adapter_metadata(ad))
+    files.append(p)
+    files += _single(out, FASTH3_FUSED_FILE, fasth3_fused_state_dict(base))
+    return files

@@ -36,6 +36,11 @@ def graph_for(case_consumer: str, name: str) -> dict:
                       "inputs": {"model": ["1", 0], "coefficients": name, "threshold": 0.2, "audio_threshold": 0.2,
                                  "start_percent": 0.0, "end_percent": 1.0, "cache_device": "model", "strict": False}},
                 "3": _preview(["2", 0])}
+    if case_consumer == "h3_adapter":
+        return {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": corpus.H3_MODEL, "weight_dtype": "default"}},
+                "2": {"class_type": "DitKitAdapterLoader", "inputs": {"model": ["1", 0], "adapter_name": name,
+                                                                       "strength": 1.0, "qkv_layout": "contiguous"}},
+                "3": _preview(["2", 1])}
     if case_consumer == "h3_checkpoint":
         return {"1": {"class_type": "DitKitH3ModelLoader", "inputs": {"model_name": name, "weight_dtype": "default"}},
                 "2": _preview(["1", 1])}
@@ -43,7 +48,8 @@ def graph_for(case_consumer: str, name: str) -> dict:
 
 
 VALID_NAME = {"safetensors_header": corpus.H3_VIDEO_VAE, "vae_metadata": corpus.H3_IMAGE_VAE,
-              "lokr": "flux2_lokr_tiny.safetensors", "coefficients": VALID_COEFS, "h3_checkpoint": corpus.H3_MODEL}
+              "lokr": "flux2_lokr_tiny.safetensors", "coefficients": VALID_COEFS, "h3_checkpoint": corpus.H3_MODEL,
+              "h3_adapter": "h3_diffsynth_lora_tiny.safetensors"}
 CHEAP_VALID = {"1": {"class_type": "EmptyImage", "inputs": {"width": 16, "height": 16, "batch_size": 1, "color": 0}},
                "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "corpus/after"}}}
 

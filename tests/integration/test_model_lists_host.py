@@ -22,6 +22,7 @@ LOADERS = [  # module, node class, input, folder, tiny file
     ("ditkit.nodes.h3_loaders", "DitKitH3ModelLoader", "model_name", "diffusion_models", "h3_tiny_comfy.safetensors"),
     ("ditkit.nodes.h3_vae", "DitKitH3VAELoader", "vae_name", "vae", "h3_video_vae_tiny.safetensors"),
     ("ditkit.nodes.lokr", "DitKitLoKrLoader", "lokr_name", "loras", "zimage_lokr_tiny.safetensors"),
+    ("ditkit.nodes.adapters", "DitKitAdapterLoader", "adapter_name", "loras", "h3_diffsynth_lora_tiny.safetensors"),
     ("ditkit.nodes.text_encoders", "DitKitH3TextEncoderLoader", "text_encoder", "text_encoders",
      "qwen3vl_tiny_minimax_h3.safetensors"),
     ("ditkit.nodes.text_encoders", "DitKitLTXTextEncoderLoader", "text_encoder", "text_encoders",
@@ -105,6 +106,11 @@ def _load(module, cls, inp, name, tiny_ckpts):
 
             model, _, _ = load_zimage(str(tiny_ckpts / "diffusion_models" / "zimage_tiny.safetensors"))
             return node.execute(model, name, 1.0)
+        if cls == "DitKitAdapterLoader":
+            import comfy.sd
+
+            model = comfy.sd.load_diffusion_model(str(tiny_ckpts / "diffusion_models" / "h3_tiny_comfy.safetensors"))
+            return node.execute(model, name, 1.0)
         return node.execute(**{inp: name})
     finally:
         node.hidden = had
@@ -114,7 +120,7 @@ def _tensors(cls, out, path) -> dict:
     """What the loader produced, as tensors: the model / VAE / text-encoder weights, or for LoKr the patched
     weights of every key it patched (computed through ComfyUI's own patch path)."""
     first = out.args[0]
-    if cls == "DitKitLoKrLoader":
+    if cls in ("DitKitLoKrLoader", "DitKitAdapterLoader"):
         return {k: first.patch_weight_to_device(k, device_to=torch.device("cpu"), return_weight=True).clone()
                 for k in sorted(first.patches)}
     if type(first).__name__ == "CLIP":  # only what came from the file (modules the file lacks stay uninitialised)

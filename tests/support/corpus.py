@@ -24,6 +24,8 @@ Consumers (in-process function / real-host node):
   wrong latent made by a stock node, since the host's input folder is not ours to write);
 * ``h3_checkpoint``: ``loaders.h3.load_h3_state_dict`` / ``DitKitH3ModelLoader`` (file in ``diffusion_models/``):
   a micro H3 DiT (all real keys, tiny widths) with one broken tensor each;
+* ``h3_adapter``: ``loaders.h3_adapters.plan`` against the tiny H3 shapes with ``qkv_layout="contiguous"`` /
+  ``DitKitAdapterLoader`` on ``h3_tiny_comfy.safetensors`` (file in ``loras/``);
 * ``prompt``: an API-format prompt with wrong wiring, host only: ``/prompt`` answers 400 with node errors
   (``expect: "validation"``) or the run ends in a node execution error (``expect: "execution"``).
 """
@@ -353,6 +355,59 @@ def _h3_cases():
     return [(cid, ".safetensors", blob, "h3_checkpoint", "CheckpointError", w) for cid, blob, w in cases]
 
 
+def _h3_adapter_cases():
+    """Bad H3 adapters for the tiny H3 config (hidden 64, 3 heads x 32: qkv 288 x 64), each naming its key."""
+    import torch
+
+    g = torch.Generator().manual_seed(23)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g) * 0.1).contiguous()
+
+    q = "diffusion_model.blocks.0.attn.qkv_proj"
+    o = "diffusion_model.blocks.0.attn.out_proj"
+
+    def lora(p=q, rows=288, cols=64, **extra):
+        sd = {f"{p}.lora_down.weight": r(4, cols), f"{p}.lora_up.weight": r(rows, 4)}
+        sd.update(extra)
+        return sd
+
+    cases = [
+        ("h3a_wrong_shape", lora(rows=287), {}, [f"'{q}'", "builds ΔW of shape (287, 64)", "(288, 64)"]),
+        ("h3a_unknown_prefix", lora(p="diffusion_model.blocks.0.attn.nope"), {},
+         ["'diffusion_model.blocks.0.attn.nope.lora_down.weight'", "matches no weight"]),
+        ("h3a_other_model", lora(p="lora_unet_down_blocks_0_attentions_0_proj_in", rows=8, cols=8), {},
+         ["lora_unet_down_blocks_0_attentions_0_proj_in", "matches no weight"]),
+        ("h3a_mixed_layouts", {**lora(), "transformer_blocks.1.attn.to_q.lora_A.weight": r(4, 64),
+                               "transformer_blocks.1.attn.to_q.lora_B.weight": r(96, 4)}, {},
+         ["mixed layouts", "transformer_blocks.1.attn.to_q", "qkv_proj"]),
+        ("h3a_alpha_zero", lora(**{f"{q}.alpha": torch.tensor(0.0)}), {}, [f"'{q}.alpha' is 0.0", "non-zero"]),
+        ("h3a_alpha_nan", lora(**{f"{q}.alpha": torch.tensor(float("nan"))}), {}, [f"'{q}.alpha' is nan", "finite"]),
+        ("h3a_nan_factor", {f"{q}.lora_down.weight": torch.full((4, 64), float("nan")), f"{q}.lora_up.weight": r(288, 4)},
+         {}, [f"'{q}.lora_down.weight'", "NaN or Inf"]),
+        ("h3a_set_weight_shape", {"transformer_blocks.0.attn.to_gate_compress.set_weight": r(96, 65)},
+         {"format": "fastvideo-lora-v2"}, ["'transformer_blocks.0.attn.to_gate_compress.set_weight'", "(96, 65)",
+                                           "(96, 64)"]),
+        ("h3a_unknown_suffix", lora(**{f"{q}.lora_magic": r(2)}), {}, [f"'{q}.lora_magic'", "not an adapter tensor"]),
+        ("h3a_dora", lora(**{f"{q}.dora_scale": r(288, 1)}), {}, [f"'{q}.dora_scale'", "DoRA"]),
+        ("h3a_legacy_dora_diff_b", {"blocks.0.attn.out_proj.lora_A.weight": r(4, 96),
+                                    "blocks.0.attn.out_proj.lora_B.weight": r(64, 4),
+                                    "blocks.0.attn.out_proj.diff_b": r(64)}, {},
+         ["'blocks.0.attn.out_proj.diff_b'", "legacy LyCORIS-DoRA"]),
+        ("h3a_curve_on_full_base", {"diffusion_model.blocks.0.adaln_proj.linear.weight": r(1152, 8)}, {},
+         ["'diffusion_model.blocks.0.adaln_proj.linear.weight'", "curve-form"]),
+        ("h3a_undetermined_scale", {"lycoris_blocks_0_attn_out_proj.lora_down.weight": r(4, 96),
+                                    "lycoris_blocks_0_attn_out_proj.lora_up.weight": r(64, 4)}, {},
+         ["does not determine the scale", "'lycoris_blocks_0_attn_out_proj'", "'scale' input"]),
+        ("h3a_bad_metadata_alpha", lora(p=o, rows=64, cols=96), {"alpha": "0"}, ["metadata 'alpha'", "non-zero"]),
+        ("h3a_bad_qkv_metadata", lora(), {"qkv_layout": "rows"}, ["metadata 'qkv_layout'", "'rows'"]),
+        ("h3a_two_assignments", {"transformer_blocks.0.attn.to_gate_compress.set_weight": r(96, 64),
+                                 "blocks.0.attn.to_gate_compress.set_weight": r(96, 64)}, {},
+         ["mixed layouts"]),
+    ]
+    return [(cid, ".safetensors", _st(sd, meta or None), "h3_adapter", "AdapterError", w) for cid, sd, meta, w in cases]
+
+
 def _latent_cases():
     import torch
 
@@ -514,13 +569,14 @@ HOST = {
                      "model": H3_MODEL},
     "h3_latent": None,  # covered on the host by the prompt_*_into_h3_decode cases (same check, same words)
     "h3_checkpoint": {"node": "DitKitH3ModelLoader", "input": "model_name", "folder": "diffusion_models"},
+    "h3_adapter": {"node": "DitKitAdapterLoader", "input": "adapter_name", "folder": "loras", "model": H3_MODEL},
 }
 
 
 def build_cases() -> list[dict]:
     """All cases, as manifest entries plus their bytes under ``_bytes``."""
     rows = (_header_cases() + _vae_meta_cases() + _lokr_cases() + _coef_cases() + _h3_cases() + _latent_cases()
-            + _prompt_cases())
+            + _h3_adapter_cases() + _prompt_cases())
     out = []
     seen = set()
     for row in rows:

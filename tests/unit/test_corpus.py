@@ -32,7 +32,7 @@ def test_corpus_size_and_coverage():
     assert len(CASES) >= 40
     kinds = {c["consumer"] for c in CASES}
     assert kinds == {"safetensors_header", "vae_metadata", "lokr", "coefficients", "h3_latent", "h3_checkpoint",
-                     "prompt"}, kinds
+                     "h3_adapter", "prompt"}, kinds
     for c in CASES:
         assert c["words"] and all(isinstance(w, str) and w for w in c["words"]), c
         if c["consumer"] != "prompt":
@@ -76,6 +76,13 @@ def consume(case: dict, path: Path, flux2_shapes=None):
         sd, meta = load_with_metadata(path)
         parsed = lokr.parse_lokr(sd, peft_config=lokr.peft_config_from_metadata(meta), source=path.name)
         return lokr.plan(parsed, flux2_shapes, source=path.name)
+    if kind == "h3_adapter":
+        from ditkit.loaders import h3_adapters
+        from ditkit.tiny.ckpt_h3 import comfy_shapes
+
+        g = h3_adapters.geometry({"diffusion_model." + k: v for k, v in comfy_shapes().items()})
+        return h3_adapters.plan(h3_adapters.read_adapter_file(path), g, lambda k: None, source=path.name,
+                                qkv_layout="contiguous")
     if kind == "coefficients":
         from ditkit.cache import coefficients
 
@@ -128,6 +135,11 @@ def test_consumers_accept_the_valid_counterparts(tmp_path, flux2_shapes):
     assert consume({"consumer": "coefficients"}, Path(cpath)).family == "h3"
     with pytest.raises(errors.DitKitError, match="T=2"):  # 24 channels, 5-D: passes the channel check
         consume({"consumer": "h3_latent"}, _latent(tmp_path, torch.zeros(1, 24, 2, 2, 2)))
+    from ditkit.tiny.ckpt_h3 import diffsynth_lora_state_dict
+
+    ad = tmp_path / "h3_adapter.safetensors"
+    save_file(diffsynth_lora_state_dict(), ad)
+    assert len(consume({"consumer": "h3_adapter"}, ad).items) == 8
     h3 = tmp_path / "h3_micro.safetensors"
     save_file(corpus.micro_h3(), h3)
     sd, rep = consume({"consumer": "h3_checkpoint"}, h3)   # the valid micro H3 the h3_* cases break

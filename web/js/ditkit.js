@@ -105,6 +105,16 @@ export function badgeSpecs(p) {
       return [{ text: `LoKr ${applied} applied · ${unused} unused · ${refused} refused`,
                 color: refused || unused ? WARN : OK }];
     }
+    case "adapter": {  // DitKitAdapterLoader: H3 plan (qkv_layout, gates) or the LoKr plan on Z-Image / FLUX.2
+      const applied = (d.applied || []).length;
+      const unused = Object.keys(d.unused || {}).length;
+      const refused = Object.keys(d.refused || {}).length;
+      const out = [{ text: `adapter ${applied} applied · ${unused} unused · ${refused} refused`,
+                     color: refused || unused ? WARN : OK }];
+      if (d.qkv_layout && d.qkv_layout !== "n/a") out.push({ text: `qkv ${d.qkv_layout}`, color: INFO });
+      if ((d.gates || []).length) out.push({ text: `${d.gates.length} VSA gates assigned`, color: INFO });
+      return out;
+    }
     case "adaln_cache": {
       if (d.run) {
         const r = d.run;

@@ -1,0 +1,183 @@
+"""DitKitAdapterLoader: any MiniMax H3 adapter (LoRA / LoKr / LoHa in every trainer's naming, FastVideo
+``fastvideo-lora-v2`` FastH3 adapters, curve-form AdaLN sets) exactly onto ComfyUI's H3 weights; Z-Image / FLUX.2
+LoKr through the shared LoKr core (the same path as DitKitLoKrLoader).
+
+The core (``loaders/h3_adapters.py``) parses, maps, decides the qkv layout and the scales and validates; this node
+clones the model and registers one lazy patch per module with ``ModelPatcher.add_patches`` (row offsets for
+``to_q/to_k/to_v`` thirds of the fused qkv). The patch is a ``WeightAdapterBase`` that ComfyUI's
+``lora.calculate_weight`` calls when it patches a weight: ΔW is added chunk by chunk by ``kernels/delta_fuse.py``,
+so strength changes, unpatching and dynamic VRAM work as for ComfyUI's own LoRAs. Assigned FastH3 gates
+(``to_gate_compress.set_weight``) replace the clone's gate attachment, which DitKitSparseAttention reads.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from comfy.weight_adapter.base import WeightAdapterBase
+from comfy_api.latest import io
+
+from ..errors import AdapterError
+from ..loaders import h3_adapters as core
+from . import _files
+from ._common import send_report, ui_report
+from .h3_loaders import GATE_ATTACHMENT
+from .lokr import apply_lokr, check_weight_keys
+from .lokr import report_text as lokr_report_text
+
+NODE_ID = "DitKitAdapterLoader"
+
+
+class DitKitAdapterPatch(WeightAdapterBase):
+    """Lazy patch of one plan item (``weights`` = the :class:`core.Item`)."""
+
+    name = "ditkit_h3_adapter"
+
+    def __init__(self, loaded_keys, weights):
+        self.loaded_keys = loaded_keys
+        self.weights = weights
+
+    def calculate_weight(self, weight, key, strength, strength_model, offset, function,
+                         intermediate_dtype=torch.float32, original_weights=None):
+        items = self.weights if isinstance(self.weights, tuple) else (self.weights,)
+        for it in items:
+            core.apply_item_(weight, it, strength, function)
+        return weight
+
+
+def is_h3(model) -> bool:
+    dm = getattr(getattr(model, "model", None), "diffusion_model", None)
+    try:
+        from comfy.ldm.minimax.model import MiniMaxH3Model
+    except ImportError:  # pragma: no cover - ComfyUI < 0.33
+        return False
+    return isinstance(dm, MiniMaxH3Model)
+
+
+def apply_h3_adapter(model, path: str, strength: float, source: str | None = None, qkv_layout: str = "auto",
+                     scale: float | None = None):
+    """-> (patched clone, plan). Raises a DitKitError before touching anything on bad input."""
+    source = source or os.path.basename(path)
+    sd = model.model_state_dict(filter_prefix="diffusion_model.")
+    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    base_gates = model.get_attachment(GATE_ATTACHMENT) or {}
+    g = core.geometry(shapes, {int(i): tuple(w.shape) for i, w in dict(base_gates).items()})
+
+    def base_weight(k: str):
+        if k.startswith("gate:"):
+            return dict(base_gates).get(int(k[5:]))
+        return sd.get(k)
+
+    af = core.read_adapter_file(path)
+    plan = core.plan(af, g, base_weight, source=source, qkv_layout=qkv_layout, scale_override=scale)
+    quant = check_weight_keys(model, sorted({it.target.key for it in plan.items}), "H3 adapters", NODE_ID)
+    if quant:
+        plan.notes.append(f"{len(quant)} quantized layers patched by ComfyUI as dequantize -> fp32 add -> requantize "
+                          "into the same per-tensor layout (whole layer, not chunked)")
+    gates = core.assigned_gates(plan, base_gates, float(strength), source) if plan.gates else None
+    patches: dict = {}
+    for it in plan.items:
+        t = it.target
+        key = t.key if t.rows is None else (t.key, (0, t.rows[0], t.rows[1] - t.rows[0]))
+        prev = patches.get(key)
+        items = (prev.weights if isinstance(prev.weights, tuple) else (prev.weights,)) + (it,) if prev else it
+        patches[key] = DitKitAdapterPatch(set(it.module.keys) | (prev.loaded_keys if prev else set()), items)
+    m = model.clone()
+    added = set(m.add_patches(patches, strength_patch=float(strength)))
+    missing = [k for k in patches if k not in added]
+    if missing:
+        raise AdapterError(f"{NODE_ID}: ComfyUI did not accept patches for {missing[:3]} (model keys changed?)")
+    if gates is not None:
+        m.set_attachments(GATE_ATTACHMENT, gates)
+    return m, plan
+
+
+def report_text(plan: core.Plan, file: str, strength: float, scale: float | None, qkv_layout: str) -> str:
+    lines = [f"{plan.summary()} | file {file}, strength {strength:g}, qkv_layout input {qkv_layout}"
+             + (f", scale {scale:g} (node input)" if scale is not None else ", scale from the file"),
+             f"qkv layout: {plan.layout} ({plan.layout_reason})"]
+    for it in plan.items:
+        lines.append("applied " + it.describe())
+    for i in sorted(plan.gates):
+        lines.append(f"assigned sparse-attention gate of block {i} (to_gate_compress.set_weight)")
+    for k, why in plan.unused.items():
+        lines.append(f"unused {k}: {why}")
+    for k, why in plan.refused.items():
+        lines.append(f"refused {k}: {why}")
+    for n in plan.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+class DitKitAdapterLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID,
+            display_name="Adapter Loader (MiniMax H3 LoRA / LoKr / FastH3, exact, ditkit)",
+            category="ditkit/loaders",
+            description=("Applies a MiniMax H3 adapter exactly onto ComfyUI's H3 weights, whatever layout the base was "
+                         "loaded from: ComfyUI, PEFT / DiffSynth-Studio, diffusers, kohya / musubi-tuner, LyCORIS LoKr / "
+                         "LoHa naming, FastVideo fastvideo-lora-v2 (FastH3: .diff, .set_weight, VSA gates) and "
+                         "curve-form AdaLN adapters. Decides the qkv row layout the adapter was trained on, reports "
+                         "every key. On Z-Image / FLUX.2 it applies LoKr files like DitKitLoKrLoader."),
+            search_aliases=["h3 lora", "minimax h3 lora", "fasth3 adapter", "diffsynth lora", "lora loader h3",
+                            "h3 lokr", "adapter loader"],
+            inputs=[
+                io.Model.Input("model", tooltip="A MiniMax H3 model (any layout DitKitH3ModelLoader or UNETLoader "
+                                                "loads), or a Z-Image / FLUX.2 model for LoKr files."),
+                io.Combo.Input("adapter_name", options=_files.safetensors_files("loras"),
+                               tooltip="Adapter file (.safetensors) in models/loras. A PEFT adapter_model.safetensors "
+                                       "takes its adapter_config.json from the same folder."),
+                io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01,
+                               tooltip="Multiplier on ΔW (after the adapter's own alpha/rank scale). Assigned weights "
+                                       "(.set_weight) become W_base + strength * (W_new - W_base)."),
+                io.Combo.Input("qkv_layout", options=list(core.QKV_LAYOUTS), default="auto", optional=True,
+                               tooltip="Row layout of the fused qkv_proj the adapter was trained on. auto: decided from "
+                                       "the file as diffusers' H3 converter does (to_q/to_k/to_v: no question; "
+                                       "DiffSynth '.default.' naming: interleaved; diffusion_model.* / no prefix / "
+                                       "lora_unet_*: contiguous); PEFT base_model.model.* and lycoris_* files are "
+                                       "refused until you choose. interleaved = official per-head [h0: q,k,v; ...], "
+                                       "contiguous = ComfyUI [q_all; k_all; v_all]."),
+                io.Float.Input("scale", default=0.0, min=-1000.0, max=1000.0, step=0.001, round=0.000001,
+                               optional=True,
+                               tooltip="0 = from the file (alpha/rank, PEFT lora_alpha/r, or the trainer's documented "
+                                       "convention; the report names which). Any other value replaces the alpha/rank "
+                                       "scale of every low-rank module: set it when the loader says the file does "
+                                       "not determine the scale."),
+            ],
+            outputs=[io.Model.Output(tooltip="A clone of the model with the adapter patches registered."),
+                     io.String.Output(display_name="report",
+                                      tooltip="Modules applied (target, scale, layout), keys unused, with why.")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, adapter_name: str, strength: float, qkv_layout: str = "auto",
+                scale: float = 0.0) -> io.NodeOutput:
+        from ..loaders import lokr as lokr_core
+
+        override = None if lokr_core.check_scale_input(scale, "scale") == 0.0 else float(scale)
+        lokr_core.check_scale_input(strength, "strength")
+        if qkv_layout not in core.QKV_LAYOUTS:
+            raise AdapterError(f"{NODE_ID}: qkv_layout {qkv_layout!r} is not one of {list(core.QKV_LAYOUTS)}")
+        path = _files.safetensors_path("loras", adapter_name, NODE_ID)
+        uid = cls.hidden.unique_id if cls.hidden is not None else None
+        if not is_h3(model):
+            if qkv_layout != "auto":
+                raise AdapterError(f"{NODE_ID}: qkv_layout {qkv_layout!r} applies to MiniMax H3 models only; this model "
+                                   "is not H3 (leave it on auto for Z-Image / FLUX.2 LoKr)")
+            patched, lplan = apply_lokr(model, path, strength, source=adapter_name, scale=override)
+            text = lokr_report_text(lplan, adapter_name, strength, override)
+            payload = send_report(uid, NODE_ID, "adapter", lplan.summary(),
+                                  {**lplan.as_dict(), "file": adapter_name, "strength": strength, "scale_input": override})
+            return io.NodeOutput(patched, text, ui=ui_report(payload))
+        patched, plan = apply_h3_adapter(model, path, strength, adapter_name, qkv_layout, override)
+        text = report_text(plan, adapter_name, strength, override, qkv_layout)
+        payload = send_report(uid, NODE_ID, "adapter", plan.summary(),
+                              {**plan.as_dict(), "file": adapter_name, "strength": strength, "scale_input": override,
+                               "qkv_layout_input": qkv_layout})
+        return io.NodeOutput(patched, text, ui=ui_report(payload))
+
+
+NODES = [DitKitAdapterLoader]
