@@ -155,3 +155,18 @@ def test_bench_te_streaming_without_host():
             assert abs(float(peak) - (int(p) + 1) * layer) < 1, (p, peak, layer)
             assert abs(float(copied) - layer * n / 1024) < 0.01, (copied, layer, n)
     assert "B. skipped: set COMFYUI_PATH or --comfyui" in out
+
+
+def test_bench_vsa_cpu_reuse_smoke():
+    """--reuse: recomputed vs reused per-call layout buffers, interleaved, outputs bit-identical (the script exits
+    non-zero otherwise)."""
+    out = _run("bench_vsa_cpu.py", "--reuse", "--small", "--heads", "1", "--rounds", "2",
+               "--backends", "reference,auto").stdout
+    rows = re.findall(rf"^\[(h3-t2va|h3-t2va \+gate|h3-tiny-host \+gate)\] S=\d+ backend\s+(\w+): recomputed per call\s+"
+                      rf"{NUM} ms \| reused\s+{NUM} ms \| ratio median {NUM}x \(min {NUM}, max {NUM}, 2 ABAB rounds\) \| "
+                      r"outputs bit-identical: (\w+)$", out, flags=re.M)
+    assert len(rows) == 6, out
+    for row in rows:
+        assert row[1] in ("reference", "cpu_batched") and row[-1] == "True", row
+        for g in row[2:-1]:
+            _pos(g)
