@@ -2,6 +2,7 @@
 
     nice -n 10 python benchmarks/bench_vsa_cpu.py [--heads 2] [--reps 2] [--threads 1] [--backends reference,auto,cpu_native]
         [--small] [--rows FILE]
+    nice -n 10 python benchmarks/bench_vsa_cpu.py --reuse [--rounds 7] [--backends reference,auto] [--rows FILE]
 
 Three sequences of about 16k tokens, video grid 12x24x52 latent-frame x height x width tokens (12 = 5*2+2 latent
 frames = 39 pixel frames, H3's 17k+5 rule):
@@ -118,6 +119,62 @@ def run_case(name, prefix, grid, heads, keep, reps, backends, dtype, table):
     return ratios
 
 
+def run_reuse(name, prefix, grid, heads, keep, rounds, backends, dtype, gate: bool, table=None):
+    """Per-call layout buffers (pack gather index + pad slots, fp32 tile sizes, untile tile ids) recomputed in every
+    call (A, what ran before) vs built once per geometry and reused (B), interleaved A B A B ... on the same inputs;
+    outputs must be bit-identical. Prints the median and min-max of the per-round ratio A/B (CPU time)."""
+    import statistics
+    import time
+
+    from ditkit.kernels import build_h3_layout, vsa, vsa_h3_attention
+
+    lay = build_h3_layout(prefix, grid)
+    S, D = lay.seq_len, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, S, D, generator=g, dtype=torch.float32).to(dtype) for _ in range(3))
+    gt = torch.randn(1, heads, S, D, generator=g, dtype=torch.float32).to(dtype) if gate else None
+    rows = {}
+    for backend in backends:
+        def call(reuse):
+            vsa.REUSE_LAYOUT_BUFFERS = reuse
+            lay.extra.pop("buffers", None) if not reuse else None
+            c = time.process_time()
+            out, st = vsa_h3_attention(q, k, v, lay, keep, gate=gt, backend=backend)
+            return time.process_time() - c, out, st
+
+        try:
+            call(False), call(True)                      # warm-up both
+            ratios, ta, tb = [], [], []
+            same = True
+            for _ in range(rounds):
+                a, oa, st = call(False)
+                b, ob, _ = call(True)
+                same &= torch.equal(oa, ob)
+                ratios.append(a / b)
+                ta.append(a)
+                tb.append(b)
+        finally:
+            vsa.REUSE_LAYOUT_BUFFERS = True
+        rows[st.backend] = statistics.median(ratios)
+        print(f"[{name}{' +gate' if gate else ''}] S={S} backend {st.backend:>11}: recomputed per call "
+              f"{statistics.median(ta) * 1e3:9.2f} ms | reused {statistics.median(tb) * 1e3:9.2f} ms | ratio median "
+              f"{statistics.median(ratios):.4f}x (min {min(ratios):.4f}, max {max(ratios):.4f}, {rounds} ABAB rounds) "
+              f"| outputs bit-identical: {same}")
+        if table is not None:
+            case = f"{name}{' +gate' if gate else ''}/{st.backend}"
+            table.add(case, "seq_len", S)
+            table.add(case, "recomputed_ms", statistics.median(ta) * 1e3, "ms", min=min(ta) * 1e3, max=max(ta) * 1e3,
+                      n=rounds)
+            table.add(case, "reused_ms", statistics.median(tb) * 1e3, "ms", min=min(tb) * 1e3, max=max(tb) * 1e3,
+                      n=rounds)
+            table.add(case, "ratio_recomputed_over_reused", statistics.median(ratios), "x", min=min(ratios),
+                      max=max(ratios), n=rounds)
+            table.add(case, "bit_identical", bool(same))
+        if not same:
+            raise SystemExit(f"[{name}] reused layout buffers changed the output ({st.backend})")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=2)
@@ -129,12 +186,21 @@ def main():
     ap.add_argument("--small", action="store_true",
                     help="~1k-token geometry (smoke test of this script, not a benchmark)")
     add_rows_argument(ap)
+    ap.add_argument("--reuse", action="store_true",
+                    help="instead: per-call layout buffers recomputed vs reused, ABAB, bit-identity checked")
+    ap.add_argument("--rounds", type=int, default=7, help="ABAB rounds for --reuse")
     a = ap.parse_args()
     rows = Rows(a.rows, "bench_vsa_cpu")
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     grid, grid_video_only = ((7, 8, 16), (8, 8, 16)) if a.small else ((12, 24, 52), (12, 24, 56))
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    if a.reuse:
+        for gate in (False, True):
+            run_reuse("h3-t2va", (300, h3_audio_tokens(grid[0])), grid, a.heads, a.keep, a.rounds, backends, dtype,
+                      gate, rows)
+        run_reuse("h3-tiny-host", (10, 74), (7, 8, 8), 3, 0.25, a.rounds, backends, dtype, True, rows)
+        return
     r1 = run_case("h3-t2va", (300, h3_audio_tokens(grid[0])), grid, a.heads, a.keep, a.reps, backends, dtype, rows)
     r2 = run_case("video-only", (), grid_video_only, a.heads, a.keep, a.reps, backends, dtype, rows)
     r3 = run_case("prefix-heavy", (300, 414), grid, a.heads, a.keep, a.reps, backends, dtype, rows)

@@ -23,23 +23,29 @@ TILE = 64
 
 # ---------------------------------------------------------------------------------------------------------
 # references
-def pack_reference(x: torch.Tensor, tile_src: torch.Tensor) -> torch.Tensor:
-    src = tile_src.to(device=x.device, dtype=torch.long)
+def pack_reference(x: torch.Tensor, tile_src: torch.Tensor, gather: Optional[torch.Tensor] = None,
+                   pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``gather`` / ``pad``: ``tile_src.clamp(min=0)`` and the pad slots, when the caller already has them (the
+    layout's cached :class:`~.vsa_layout.LayoutBuffers`)."""
+    if gather is None or pad is None:
+        src = tile_src.to(device=x.device, dtype=torch.long)
+        gather, pad = src.clamp(min=0), torch.nonzero(src < 0).view(-1)
     # one index_select (pad slots read row 0), then the few pad slots are zeroed: no full-size concat copy
-    out = x.index_select(-2, src.clamp(min=0))
-    pad = torch.nonzero(src < 0).view(-1)
+    out = x.index_select(-2, gather)
     if pad.numel():
         out.index_fill_(-2, pad, 0)
     return out
 
 
 def unpack_combine_reference(fine: torch.Tensor, untile_index: torch.Tensor, coarse: Optional[torch.Tensor] = None,
-                             gate: Optional[torch.Tensor] = None, tile: int = TILE) -> torch.Tensor:
+                             gate: Optional[torch.Tensor] = None, tile: int = TILE,
+                             untile_tiles: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``untile_tiles``: ``untile_index // tile`` when the caller already has it (cached per layout)."""
     u = untile_index.to(device=fine.device, dtype=torch.long)
     out = fine[..., u, :]
     if coarse is None:
         return out
-    c = coarse[..., u // tile, :].float()
+    c = coarse[..., untile_tiles if untile_tiles is not None else u // tile, :].float()
     if gate is not None:
         c = c * gate.float()
     return (out.float() + c).to(fine.dtype)

@@ -27,7 +27,7 @@ from ..errors import DitKitError
 from . import block_sparse, block_sparse_cpu, block_sparse_cpu_native, tile_pack  # noqa: F401  (registers the ops)
 from ._triton import HAS_TRITON
 from .registry import REGISTRY, Selection
-from .vsa_layout import TILE, H3TileLayout, check_seq_len
+from .vsa_layout import TILE, H3TileLayout, check_seq_len, layout_buffers
 from .vsa_select import fused_topk_mask, h3_block_mask, mask_to_index
 
 LOG2E = block_sparse.LOG2E
@@ -169,6 +169,9 @@ def select_h3(scores: torch.Tensor, num_prefix_tiles: int, num_video_tiles: int,
 REGISTRY.op("vsa_select", select_h3)   # pooled-score top-k: one implementation for every fine-stage backend
 
 
+REUSE_LAYOUT_BUFFERS = True
+
+
 @dataclass
 class VSAStats:
     backend: str
@@ -199,9 +202,16 @@ def vsa_h3_attention(q, k, v, layout: H3TileLayout, keep: float, gate: Optional[
     lay = layout.to(q.device)
     pk = resolve_aux("vsa_pack", q, backend)
     un = resolve_aux("vsa_unpack_combine", q, backend)
-    qt, kt, vt = (pk.fn(x, lay.tile_src) for x in (q, k, v))
-    qp = pool_tiles(qt, lay.sizes)
-    kp = pool_tiles(kt, lay.sizes)
+    # per-geometry index buffers, built once per (geometry, device) and reused by every call (exact);
+    # REUSE_LAYOUT_BUFFERS = False recomputes them in every call (the A side of bench_vsa_cpu.py --reuse)
+    buf = layout_buffers(lay) if REUSE_LAYOUT_BUFFERS else None
+    if buf is not None and pk.backend == "reference":
+        qt, kt, vt = (pk.fn(x, lay.tile_src, buf.gather, buf.pad) for x in (q, k, v))
+    else:
+        qt, kt, vt = (pk.fn(x, lay.tile_src) for x in (q, k, v))
+    sizes = buf.sizes_f32 if buf is not None else lay.sizes
+    qp = pool_tiles(qt, sizes)
+    kp = pool_tiles(kt, sizes)
     scores = torch.matmul(qp, kp.transpose(-2, -1)) / (D ** 0.5)
     k_vid = layout.topk_sparsity(sparsity) if sparsity is not None else layout.topk(keep)
     sel_k = REGISTRY.resolve("vsa_select", q.device, torch.float32, D)
@@ -210,9 +220,12 @@ def vsa_h3_attention(q, k, v, layout: H3TileLayout, keep: float, gate: Optional[
     fine, _ = sel.fn(qt, kt, vt, idx, num, lay.sizes, need_lse=False)
     coarse = None
     if gate is not None:
-        vp = pool_tiles(vt, lay.sizes)
+        vp = pool_tiles(vt, sizes)
         coarse = torch.matmul(torch.softmax(scores, dim=-1), vp)
-    out = un.fn(fine, lay.untile_index, coarse, gate)
+    if buf is not None and un.backend == "reference" and coarse is not None:
+        out = un.fn(fine, lay.untile_index, coarse, gate, untile_tiles=buf.untile_tiles)
+    else:
+        out = un.fn(fine, lay.untile_index, coarse, gate)
     T = lay.n_tiles
     stats = VSAStats(sel.backend, pk.backend, int(num.long().sum()), B * H * T * T, k_vid, T)
     return out, stats

@@ -162,6 +162,33 @@ def _layout_on(layout: H3TileLayout, device: torch.device) -> H3TileLayout:
     return hit
 
 
+@dataclass(frozen=True)
+class LayoutBuffers:
+    """Index buffers derived from one layout on one device, identical for every attention call of that geometry
+    (every block of every step): the pack gather index with pad slots pointing at row 0, the pad slots, the tile
+    sizes in fp32 (pooling divisor) and the tile of each untile position (coarse-branch gather)."""
+
+    gather: torch.Tensor      # [n_tiles*tile] int64, tile_src clamped at 0
+    pad: torch.Tensor         # [n_pad] int64, padded positions with tile_src == -1
+    sizes_f32: torch.Tensor   # [n_tiles] fp32
+    untile_tiles: torch.Tensor  # [seq_len] int64, untile_index // tile
+
+
+def layout_buffers(layout: H3TileLayout) -> LayoutBuffers:
+    """The :class:`LayoutBuffers` of ``layout`` (on its device), built on first use and kept in ``layout.extra``.
+
+    Layouts are cached per (prefix segments, video grid, tile) and per device (:func:`build_h3_layout`,
+    :meth:`H3TileLayout.to`), so this is a cache keyed by (geometry, tile, device): exact, nothing depends on the
+    activations."""
+    buf = layout.extra.get("buffers")
+    if buf is None:
+        src = layout.tile_src
+        buf = LayoutBuffers(src.clamp(min=0), torch.nonzero(src < 0).view(-1), layout.sizes.to(torch.float32),
+                            layout.untile_index // layout.tile)
+        layout.extra["buffers"] = buf
+    return buf
+
+
 def check_seq_len(layout: H3TileLayout, n: int) -> None:
     if n != layout.seq_len:
         raise LayoutError(f"VSA-H3 metadata was built for {layout.seq_len} packed rows, got {n} "

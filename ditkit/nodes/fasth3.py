@@ -95,6 +95,24 @@ def find_contract(model, contract_file: str) -> tuple[str | None, str]:
     return None, f"none next to the loaded checkpoint folder {os.path.basename(src)!r}"
 
 
+def find_sidecar(model, filename: str) -> str | None:
+    """``filename`` (e.g. ``provenance.json``) next to a folder checkpoint loaded by DitKitH3ModelLoader (or above
+    its ``transformer/`` folder), inside models/diffusion_models; None for single files and unknown sources."""
+    src = (getattr(model, "attachments", None) or {}).get(SOURCE_ATTACHMENT)
+    if not isinstance(src, str) or not os.path.isdir(src):
+        return None
+    src = os.path.realpath(src)
+    cands = [os.path.join(src, filename)]
+    if os.path.basename(src) == "transformer":
+        cands.append(os.path.join(os.path.dirname(src), filename))
+    roots = [real for _, real in _roots()]
+    for c in cands:
+        real = os.path.realpath(c)
+        if any(_inside(real, r) for r in roots) and os.path.isfile(real):
+            return real
+    return None
+
+
 def install_shifts(model, shift_video: float, shift_audio: float):
     """A clone with ComfyUI's own ``MiniMaxH3SigmaShift`` patch (same classes, same keys)."""
     import comfy.model_sampling

@@ -85,6 +85,7 @@ def resolve(name: str) -> str:
 
 GATE_ATTACHMENT = "ditkit_h3_gate_compress"
 SOURCE_ATTACHMENT = "ditkit_h3_source"  # read by nodes/fasth3.py
+METADATA_ATTACHMENT = "ditkit_h3_metadata"  # read by nodes/_fasth3_evidence.py
 
 
 def model_options(weight_dtype: str) -> dict:
@@ -119,8 +120,9 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
     # as an attachment that DitKitSparseAttention reads (nodes/sparse_attention.py GATE_ATTACHMENT).
     gates = {int(k.split(".")[1]): sd.pop(k) for k in [k for k in sd if k.startswith("blocks.")
                                                        and k.endswith(".attn.to_gate_compress.weight")]}
+    meta = core.comfy_metadata(path)
     try:
-        model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts, metadata=core.comfy_metadata(path))
+        model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts, metadata=meta)
     finally:
         sd.clear()
     if model is None:
@@ -134,6 +136,8 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
         report.converted["to_gate_compress -> sparse-attention attachment"] = len(gates)
     # where it came from: DitKitFastH3Schedule looks for the export's fastvideo_inference.json there
     model.set_attachments(SOURCE_ATTACHMENT, path)
+    # the single file's safetensors metadata: DitKitSparseAttention's recipe 'auto' reads the release id from it
+    model.set_attachments(METADATA_ATTACHMENT, dict(meta or {}))
     return model, report
 
 

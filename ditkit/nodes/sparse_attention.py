@@ -21,15 +21,16 @@ from ..errors import BackendError
 from ..kernels import REGISTRY
 from ..kernels.vsa_h3_runtime import CTX_KEY, GATE_KEY, VSAH3Config, VSAH3Runtime, make_attention_override
 from ..kernels.vsa_layout import prefix_segments_from_spans
-from ..kernels.vsa_select import sparsity_from_keep_percent
 from ._common import h3_diffusion_model, report_target, send_report, ui_report
+from ._fasth3_evidence import choose_recipe
 
 NODE_ID = "DitKitSparseAttention"
 KEY = "ditkit_vsa_h3"
 GATE_ATTACHMENT = "ditkit_h3_gate_compress"
 BACKENDS = ["auto", "triton", "flex", "cpu_batched", "cpu_native", "reference", "flashinfer", "comfy_kitchen"]
 GATE_CHOICES = ["auto", "none"]
-RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 20%)": 20.0, "custom": None}
+RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 20%)": 20.0, "custom": None,
+           "auto (from the checkpoint)": "auto"}   # auto: sampling/fasth3_recipe.py decides from the checkpoint
 BACKEND_TOOLTIP = (
     "Fine-stage kernel. auto = the fastest exact backend that has been run and can run here (triton on sm80+ "
     "CUDA, flex for other head dims, cpu_batched on CPU). cpu_native (CPU, fp32, explicit only) compiles a small "
@@ -97,7 +98,11 @@ class DitKitSparseAttention(io.ComfyNode):
                 io.Model.Input("model", tooltip="A MiniMax H3 / FastH3 model (other models are refused)."),
                 io.Combo.Input("recipe", options=list(RECIPES), default="FastH3 Preview v1 (keep 10%)",
                                tooltip=("The density the checkpoint was trained at: FastH3 Preview v1 keeps 10% of "
-                                        "video tiles, FastH3 8-step V2 keeps 20%. 'custom' uses keep_percent.")),
+                                        "video tiles, FastH3 8-step V2 keeps 20%. 'custom' uses keep_percent. "
+                                        "'auto' takes it from the checkpoint (its fastvideo_inference.json, "
+                                        "provenance.json, file metadata or name, trained to_gate_compress) and "
+                                        "says why; refused when the checkpoint does not say. An explicit choice "
+                                        "that contradicts the checkpoint runs and is reported as an override.")),
                 io.Float.Input("keep_percent", default=10.0, min=0.5, max=100.0, step=0.5,
                                tooltip="Percent of video key tiles kept per video query tile (recipe 'custom' only)."),
                 io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01,
@@ -131,10 +136,12 @@ class DitKitSparseAttention(io.ComfyNode):
             raise BackendError(f"{NODE_ID}: unknown gate option {gate!r}; choose one of {GATE_CHOICES}")
         if start_percent > end_percent:
             raise BackendError(f"{NODE_ID}: start_percent {start_percent} is after end_percent {end_percent}")
-        pct = RECIPES[recipe] if RECIPES[recipe] is not None else float(keep_percent)
+        rc = choose_recipe(model, len(dm.blocks), _find_gates(model, dm, "auto"), RECIPES[recipe], recipe,
+                           keep_percent, f"{NODE_ID}: recipe")
+        pct = rc.keep_percent
         keep = pct / 100.0
         ms = model.get_model_object("model_sampling")
-        cfg = VSAH3Config(keep=keep, sparsity=sparsity_from_keep_percent(pct),
+        cfg = VSAH3Config(keep=keep, sparsity=rc.sparsity,
                           sigma_start=float(ms.percent_to_sigma(start_percent)),
                           sigma_end=float(ms.percent_to_sigma(end_percent)),
                           backend=None if backend == "auto" else backend, min_tokens=int(min_tokens))
@@ -200,9 +207,10 @@ class DitKitSparseAttention(io.ComfyNode):
         summary = (f"VSA-H3 installed: keep {keep * 100:g}% of video tiles (recipe {recipe}), backend {shown}, "
                    f"sigma window [{cfg.sigma_end:.4g}, {cfg.sigma_start:.4g}], min_tokens {min_tokens}, "
                    f"gate {gate_src}" + (f"; chains previous attention override {prev_name} for dense calls"
-                                         if prev is not None else ""))
+                                         if prev is not None else "") + f"; {rc.summary()}")
         data = {"keep": keep, "vsa_sparsity": cfg.sparsity, "recipe": recipe, "backend": backend,
                 "backend_unverified": unverified, "gate": gate_src, "chained_override": prev_name,
+                "recipe_choice": rc.as_dict(),
                 "backends_here": REGISTRY.explain("block_sparse_attn", model.load_device, torch.float32,
                                                   dm.blocks[0].attn.head_dim)}
         payload = send_report(node_id, NODE_ID, "install", summary, data)

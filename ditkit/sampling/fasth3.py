@@ -179,6 +179,9 @@ def parse_contract(obj, where: str, path: str | None = None) -> Contract:
         v = obj.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             extra[key] = float(v)
+    v = obj.get("vsa_tile_size")
+    if type(v) is int:
+        extra["vsa_tile_size"] = v
     for key in ("task", "attention_backend"):
         v = obj.get(key)
         if isinstance(v, str) and _SAFE_TEXT.match(v):

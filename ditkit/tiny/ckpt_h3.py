@@ -17,6 +17,11 @@ layouts are comparable tensor by tensor:
   ``W' = W V_K``, ``b' = b + W mean(silu(e))``.
 * ``h3_dit_fasth3``    -> ``diffusion_models/h3_tiny_fasth3.safetensors``: ComfyUI layout + trained-gate stand-ins
   ``blocks.N.attn.to_gate_compress.weight [inner, hidden]`` (FastH3 VSA checkpoints).
+* ``h3_dit_fasth3_v2`` -> ``diffusion_models/h3_tiny_fasth3_v2/``: a FastVideo FastH3 8-Step V2 export layout: the
+  same gated weights in diffusers names under ``transformer/`` (2 shards + index + ``config.json``) and, at the export
+  root, the release's ``fastvideo_inference.json`` (the fields vllm-omni ``FastH3CheckpointSpec.from_metadata``
+  requires: V2 rungs, shifts 10 / 3, ``VIDEO_SPARSE_ATTN_H3`` at sparsity 0.8, tile 64) and a ``provenance.json``
+  (``model_id``, ``base_model`` pinning an H3 revision). The weights are tiny stand-ins, not the release.
 
 Dtypes follow the official bf16 release: fp32 islands ``video_patch_proj``, ``audio_patch_proj``,
 ``time_embedder``, ``final_layer.video_out``/``audio_out`` and ``rope.inv_freq``; bf16 everywhere else.
@@ -70,6 +75,8 @@ OFFICIAL_DIR = "diffusion_models/h3_tiny_official"
 DIFFUSERS_DIR = "diffusion_models/h3_tiny_diffusers"
 CURVE_FILE = "diffusion_models/h3_tiny_curve.safetensors"
 FASTH3_FILE = "diffusion_models/h3_tiny_fasth3.safetensors"
+FASTH3_V2_DIR = "diffusion_models/h3_tiny_fasth3_v2"     # load "h3_tiny_fasth3_v2/transformer"
+FASTH3_V2_MODEL_ID = "FastVideo/FastVideo-FastH3-8-Step-V2"
 
 FP32_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
                  "final_layer.audio_out.", "rope.")
@@ -267,6 +274,20 @@ def fasth3_state_dict(base: dict[str, torch.Tensor], cfg=CONFIG, seed: int = SEE
         w = torch.randn((inner, h), generator=g, dtype=torch.float32) / math.sqrt(h)
         out[f"blocks.{i}.attn.to_gate_compress.weight"] = w.to(torch.bfloat16)
     return out
+
+
+def fasth3_v2_contract() -> dict:
+    """The V2 release's ``fastvideo_inference.json`` fields (vllm-omni ``fasth3_checkpoint.py`` required set)."""
+    return {"schema_version": "fasth3-inference-contract-v1", "model_id": FASTH3_V2_MODEL_ID,
+            "dmd_denoising_steps": [999, 874, 749, 624, 500, 375, 250, 125], "num_inference_steps": 9,
+            "transformer_forwards": 8, "video_scheduler_shift": 10.0, "audio_scheduler_shift": 3.0,
+            "guidance_scale": 1.0, "attention_backend": "VIDEO_SPARSE_ATTN_H3", "vsa_sparsity": 0.8,
+            "vsa_tile_size": 64, "task": "t2av"}
+
+
+def fasth3_v2_provenance() -> dict:
+    return {"model_id": FASTH3_V2_MODEL_ID, "base_model": "hf://MiniMaxAI/MiniMax-H3@ditkit-tiny",
+            "note": "ditkit tiny stand-in with the release's layout, not its weights"}
 
 
 def official_config(cfg=CONFIG) -> dict:
@@ -474,3 +495,15 @@ def gen_h3_adapters(out: Path) -> list[Path]:
     files.append(p)
     files += _single(out, FASTH3_FUSED_FILE, fasth3_fused_state_dict(base))
     return files
+
+
+@register("h3_dit_fasth3_v2")
+def gen_h3_dit_fasth3_v2(out: Path) -> list[Path]:
+    root = Path(out) / FASTH3_V2_DIR
+    sd = diffusers_state_dict(fasth3_state_dict(base_state_dict()))
+    written = write_sharded(sd, root / "transformer", "diffusion_pytorch_model",
+                            "diffusion_pytorch_model.safetensors.index.json", 2, diffusers_config())
+    for name, obj in (("fastvideo_inference.json", fasth3_v2_contract()), ("provenance.json", fasth3_v2_provenance())):
+        _write_json(root / name, obj)
+        written.append(root / name)
+    return written

@@ -44,12 +44,18 @@ def graph_for(case_consumer: str, name: str) -> dict:
     if case_consumer == "h3_checkpoint":
         return {"1": {"class_type": "DitKitH3ModelLoader", "inputs": {"model_name": name, "weight_dtype": "default"}},
                 "2": _preview(["1", 1])}
+    if case_consumer == "fasth3_contract":
+        return {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": corpus.H3_MODEL, "weight_dtype": "default"}},
+                "2": {"class_type": "DitKitFastH3Schedule",
+                      "inputs": {"model": ["1", 0], "recipe": "from_contract", "contract_file": name}},
+                "3": _preview(["2", 1])}
     raise AssertionError(case_consumer)
 
 
 VALID_NAME = {"safetensors_header": corpus.H3_VIDEO_VAE, "vae_metadata": corpus.H3_IMAGE_VAE,
               "lokr": "flux2_lokr_tiny.safetensors", "coefficients": VALID_COEFS, "h3_checkpoint": corpus.H3_MODEL,
-              "h3_adapter": "h3_diffsynth_lora_tiny.safetensors"}
+              "h3_adapter": "h3_diffsynth_lora_tiny.safetensors",
+              "fasth3_contract": "h3_tiny_fasth3_v2"}   # the tiny FastH3 V2 export's own contract
 CHEAP_VALID = {"1": {"class_type": "EmptyImage", "inputs": {"width": 16, "height": 16, "batch_size": 1, "color": 0}},
                "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "corpus/after"}}}
 
@@ -74,7 +80,11 @@ def placed(comfy_server):
         name = "corpus__" + c["file"]
         folder = c["host"]["folder"]
         dst = (teacache if folder.startswith("output:") else models / folder) / name
-        if c["consumer"] == "vae_metadata":  # the tiny image VAE's tensors, saved with this case's metadata
+        if c["host"].get("as"):                # a folder holding the file under the name the node looks for
+            dst.mkdir()
+            dst = dst / c["host"]["as"]
+            shutil.copyfile(src, dst)
+        elif c["consumer"] == "vae_metadata":  # the tiny image VAE's tensors, saved with this case's metadata
             save_file(image_vae, dst, metadata=read_header(src).metadata)
         else:
             shutil.copyfile(src, dst)
@@ -83,6 +93,8 @@ def placed(comfy_server):
     yield names
     for p in written:
         p.unlink(missing_ok=True)
+        if p.parent.name.startswith("corpus__"):
+            p.parent.rmdir()
 
 
 def _exception(err) -> tuple[str, str]:

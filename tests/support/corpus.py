@@ -26,6 +26,9 @@ Consumers (in-process function / real-host node):
   a micro H3 DiT (all real keys, tiny widths) with one broken tensor each;
 * ``h3_adapter``: ``loaders.h3_adapters.plan`` against the tiny H3 shapes with ``qkv_layout="contiguous"`` /
   ``DitKitAdapterLoader`` on ``h3_tiny_comfy.safetensors`` (file in ``loras/``);
+* ``fasth3_contract``: ``sampling.fasth3.load_contract`` then ``sampling.fasth3_recipe.decide`` /
+  ``DitKitFastH3Schedule`` (the file as ``diffusion_models/<name>/fastvideo_inference.json``, named in
+  ``contract_file``; the VSA-field cases are in-process only: the schedule node does not read those fields);
 * ``prompt``: an API-format prompt with wrong wiring, host only: ``/prompt`` answers 400 with node errors
   (``expect: "validation"``) or the run ends in a node execution error (``expect: "execution"``).
 """
@@ -561,6 +564,62 @@ def _prompt_cases():
     return out
 
 
+def _fasth3_contract_cases():
+    """FastH3 ``fastvideo_inference.json`` files that break one rule each (FastVideo ``_load_checkpoint_schedule``'s
+    schedule rules, read by ``sampling.fasth3.load_contract``; the VSA fields, read by
+    ``sampling.fasth3_recipe.decide``). The valid base is the FastH3 8-Step V2 contract."""
+    base = {"schema_version": "fasth3-inference-contract-v1", "model_id": "FastVideo/FastVideo-FastH3-8-Step-V2",
+            "dmd_denoising_steps": [999, 874, 749, 624, 500, 375, 250, 125], "num_inference_steps": 9,
+            "transformer_forwards": 8, "video_scheduler_shift": 10.0, "audio_scheduler_shift": 3.0,
+            "guidance_scale": 1.0, "attention_backend": "VIDEO_SPARSE_ATTN_H3", "vsa_sparsity": 0.8,
+            "vsa_tile_size": 64, "task": "t2av"}
+
+    def doc(**over):
+        d = dict(base)
+        for k, v in over.items():
+            if v is None:
+                d.pop(k)
+            else:
+                d[k] = v
+        return (json.dumps(d, indent=1, sort_keys=True) + "\n").encode()
+
+    sched = [
+        ("fasth3_contract_wrong_schema", doc(schema_version="fasth3-inference-contract-v2"),
+         ["schema_version must be 'fasth3-inference-contract-v1'"]),
+        ("fasth3_contract_pdd", doc(pdd_steps=32), ["PDD", "DMD contracts"]),
+        ("fasth3_contract_rungs_not_decreasing", doc(dmd_denoising_steps=[999, 874, 874, 624, 500, 375, 250, 125]),
+         ["dmd_denoising_steps must be strictly decreasing"]),
+        ("fasth3_contract_rung_out_of_range", doc(dmd_denoising_steps=[1200, 874, 749, 624, 500, 375, 250, 125]),
+         ["integers in (0, 1000]"]),
+        ("fasth3_contract_rung_float", doc(dmd_denoising_steps=[999.0, 874, 749, 624, 500, 375, 250, 125]),
+         ["integers in (0, 1000]"]),
+        ("fasth3_contract_no_rungs", doc(dmd_denoising_steps=None), ["non-empty list of integers"]),
+        ("fasth3_contract_steps_mismatch", doc(num_inference_steps=8), ["num_inference_steps must be the grid-point "
+                                                                       "count 9"]),
+        ("fasth3_contract_forwards_mismatch", doc(transformer_forwards=9), ["transformer_forwards must equal the rung "
+                                                                           "count 8"]),
+        ("fasth3_contract_shift_nan", doc().replace(b'"video_scheduler_shift": 10.0', b'"video_scheduler_shift": NaN'),
+         ["non-finite JSON constant NaN"]),
+        ("fasth3_contract_shift_negative", doc(video_scheduler_shift=-10.0),
+         ["video_scheduler_shift must be a positive finite number"]),
+        ("fasth3_contract_shift_out_of_range", doc(audio_scheduler_shift=1000.0),
+         ["audio_scheduler_shift 1000 is outside 0.01..100"]),
+        ("fasth3_contract_shift_string", doc(video_scheduler_shift="10"),
+         ["video_scheduler_shift must be a positive finite number"]),
+        ("fasth3_contract_duplicate_key", doc()[:-2] + b',"transformer_forwards":8}\n', ["duplicate JSON key"]),
+        ("fasth3_contract_not_utf8", b'{"schema_version": "\xff\xfe"}', ["not UTF-8 text"]),
+        ("fasth3_contract_root_array", b"[1, 2]", ["must hold a JSON object"]),
+        ("fasth3_contract_too_large", b"{" + b" " * (64 * 1024) + b"}", ["larger than 65536 bytes"]),
+    ]
+    vsa = [
+        ("fasth3_contract_vsa_tile_128", doc(vsa_tile_size=128), ["vsa_tile_size 128 is not 64"]),
+        ("fasth3_contract_vsa_sparsity_1", doc(vsa_sparsity=1.0), ["vsa_sparsity 1 is outside [0, 1)"]),
+        ("fasth3_contract_vsa_no_sparsity", doc(vsa_sparsity=None), ["VIDEO_SPARSE_ATTN_H3 without vsa_sparsity"]),
+    ]
+    return ([(cid, ".json", b, "fasth3_contract", "ScheduleError", w) for cid, b, w in sched]
+            + [(cid, ".json", b, "fasth3_contract", "CheckpointError", w, None) for cid, b, w in vsa])
+
+
 HOST = {
     "safetensors_header": {"node": "DitKitH3VAELoader", "input": "vae_name", "folder": "vae"},
     "vae_metadata": {"node": "DitKitH3VAELoader", "input": "vae_name", "folder": "vae", "tensors_from": H3_IMAGE_VAE},
@@ -570,13 +629,16 @@ HOST = {
     "h3_latent": None,  # covered on the host by the prompt_*_into_h3_decode cases (same check, same words)
     "h3_checkpoint": {"node": "DitKitH3ModelLoader", "input": "model_name", "folder": "diffusion_models"},
     "h3_adapter": {"node": "DitKitAdapterLoader", "input": "adapter_name", "folder": "loras", "model": H3_MODEL},
+    # the file becomes diffusion_models/<name>/fastvideo_inference.json, named in the node's contract_file
+    "fasth3_contract": {"node": "DitKitFastH3Schedule", "input": "contract_file", "folder": "diffusion_models",
+                        "as": "fastvideo_inference.json", "model": H3_MODEL},
 }
 
 
 def build_cases() -> list[dict]:
     """All cases, as manifest entries plus their bytes under ``_bytes``."""
     rows = (_header_cases() + _vae_meta_cases() + _lokr_cases() + _coef_cases() + _h3_cases() + _latent_cases()
-            + _h3_adapter_cases() + _prompt_cases())
+            + _h3_adapter_cases() + _prompt_cases() + _fasth3_contract_cases())
     out = []
     seen = set()
     for row in rows:

@@ -160,3 +160,19 @@ def test_bench_te_streaming_without_host(tmp_path):
             assert rows.value(c, "copied_bytes_per_prompt") == layer * n  # every layer crosses once per prompt
     assert rows.value("B", "skipped") is True
     assert "B. skipped" in proc.stdout
+
+
+def test_bench_vsa_cpu_reuse_smoke(tmp_path):
+    """--reuse: recomputed vs reused per-call layout buffers, interleaved, outputs bit-identical (the script exits
+    non-zero otherwise)."""
+    proc, rows = _run(tmp_path, "bench_vsa_cpu.py", "--reuse", "--small", "--heads", "1", "--rounds", "2",
+                      "--backends", "reference,auto")
+    cases = rows.cases("ratio_recomputed_over_reused")
+    assert len(cases) == 6, cases
+    for case in cases:
+        name, backend = case.rsplit("/", 1)
+        assert name in ("h3-t2va", "h3-t2va +gate", "h3-tiny-host +gate") and backend in ("reference", "cpu_batched")
+        assert rows.value(case, "bit_identical") is True
+        _ratio_row(rows, case, "ratio_recomputed_over_reused")
+        rows.positive(case, "recomputed_ms"), rows.positive(case, "reused_ms")
+    assert "outputs bit-identical: True" in proc.stdout

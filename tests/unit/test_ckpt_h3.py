@@ -17,7 +17,7 @@ from ditkit.loaders.safetensors_io import load_file, read_header
 from ditkit.tiny import ckpt_h3 as C
 from ditkit.tiny.checkpoints import generate_all
 
-NAMES = ["h3_dit", "h3_dit_official", "h3_dit_diffusers", "h3_dit_curve", "h3_dit_fasth3"]
+NAMES = ["h3_dit", "h3_dit_official", "h3_dit_diffusers", "h3_dit_curve", "h3_dit_fasth3", "h3_dit_fasth3_v2"]
 
 REAL = dict(C.CONFIG, hidden_size=5376, num_attention_heads=56, attention_head_dim=128, num_layers=50,
             ffn_hidden_size=14336, text_dim=5120, timestep_input_dim=256, time_embed_hidden_size=5376,
@@ -69,6 +69,26 @@ def test_file_names(two_runs):
         "diffusion_models/h3_tiny_diffusers/config.json",
         *[f"diffusion_models/h3_tiny_diffusers/diffusion_pytorch_model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)],
         "diffusion_models/h3_tiny_diffusers/diffusion_pytorch_model.safetensors.index.json"]
+    v2 = "diffusion_models/h3_tiny_fasth3_v2/"
+    assert rel["h3_dit_fasth3_v2"] == sorted([
+        v2 + "fastvideo_inference.json", v2 + "provenance.json", v2 + "transformer/config.json",
+        *[f"{v2}transformer/diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)],
+        v2 + "transformer/diffusion_pytorch_model.safetensors.index.json"])
+
+
+def test_fasth3_v2_export_is_the_gated_fasth3_weights_in_diffusers_names(two_runs):
+    """Same tensors as h3_tiny_fasth3 (the loader converts them back), and a contract the schedule parser accepts."""
+    from ditkit.loaders import h3 as L
+    from ditkit.sampling import fasth3 as sched
+
+    a, *_ = two_runs
+    sd, rep = L.load_h3_state_dict(a / C.FASTH3_V2_DIR / "transformer")
+    ref = load_file(a / C.FASTH3_FILE)
+    assert rep.layout == "diffusers" and "fasth3-gates" in rep.variant
+    assert sorted(sd) == sorted(ref) and all(torch.equal(sd[k], ref[k]) for k in ref if k != "rope.inv_freq")
+    c = sched.load_contract(a / C.FASTH3_V2_DIR / "fastvideo_inference.json")
+    assert c.rungs == (999, 874, 749, 624, 500, 375, 250, 125) and (c.video_shift, c.audio_shift) == (10.0, 3.0)
+    assert c.extra["vsa_sparsity"] == 0.8 and c.extra["vsa_tile_size"] == 64
 
 
 def _meta_sd(cfg):

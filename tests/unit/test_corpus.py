@@ -32,7 +32,7 @@ def test_corpus_size_and_coverage():
     assert len(CASES) >= 40
     kinds = {c["consumer"] for c in CASES}
     assert kinds == {"safetensors_header", "vae_metadata", "lokr", "coefficients", "h3_latent", "h3_checkpoint",
-                     "h3_adapter", "prompt"}, kinds
+                     "h3_adapter", "prompt", "fasth3_contract"}, kinds
     for c in CASES:
         assert c["words"] and all(isinstance(w, str) and w for w in c["words"]), c
         if c["consumer"] != "prompt":
@@ -96,6 +96,10 @@ def consume(case: dict, path: Path, flux2_shapes=None):
         from ditkit.vae.t1_decode import repeat_decode_t1
 
         return repeat_decode_t1(_FakeH3VAE(), load_file(path)["latent_tensor"])
+    if kind == "fasth3_contract":
+        from ditkit.sampling import fasth3, fasth3_recipe
+
+        return fasth3_recipe.decide(fasth3_recipe.Evidence(contract=fasth3.load_contract(path)))
     raise AssertionError(f"unknown consumer {kind}")
 
 
@@ -144,6 +148,11 @@ def test_consumers_accept_the_valid_counterparts(tmp_path, flux2_shapes):
     save_file(corpus.micro_h3(), h3)
     sd, rep = consume({"consumer": "h3_checkpoint"}, h3)   # the valid micro H3 the h3_* cases break
     assert rep.config["attention_head_dim"] == 6 and len(sd) == len(corpus.micro_h3())
+    from ditkit.tiny.ckpt_h3 import fasth3_v2_contract
+
+    fc = tmp_path / "fastvideo_inference.json"
+    fc.write_text(json.dumps(fasth3_v2_contract()))
+    assert consume({"consumer": "fasth3_contract"}, fc).sparsity == 0.8   # the V2 contract the cases break
 
 
 def _latent(tmp_path, z):

@@ -1,0 +1,144 @@
+"""DitKitH3AudioVAELoader: the MiniMax H3 audio VAE at the size the file's shapes give (MODEL -> VAE).
+
+The stock ``VAELoader`` always builds ComfyUI's full-size ``MiniMaxH3AudioVAE()`` (encoder_dim 64, latent_dim 2048,
+decoder_dim 1024), so a scaled file (the tiny checkpoints, distilled decoders) cannot load. This node validates the
+file (safe header, H3 audio family, the key inventory equals ComfyUI's layout for the dimensions read from the
+shapes) and returns the stock ``comfy.sd.VAE`` wrapper (ratios, sample rate, memory estimates from ComfyUI's own
+constructor, run on the meta device) around ``MiniMaxH3AudioVAE(encoder_dim, encoder_rates, latent_dim,
+decoder_dim, vae_latent_channels)`` built at those dimensions. ``VAEDecodeAudio`` / ``VAEEncodeAudio`` use it as
+any audio VAE. A stock-size file goes through ``comfy.sd.VAE`` unchanged.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from comfy_api.latest import io
+
+import comfy.ldm.minimax.audio_vae as h3audio
+import comfy.model_management as mm
+import comfy.sd
+
+from ..errors import CheckpointError, UnsupportedModelError
+from ..loaders.read_progress import load_with_progress
+from ..loaders.safetensors_io import read_header
+from ..vae.h3_layout import audio_vae_plan, classify_vae_keys
+from . import _files
+from ._bars import lazy_bar
+from ._common import send_report, ui_report
+
+NODE_ID = "DitKitH3AudioVAELoader"
+# ComfyUI's MiniMaxH3AudioVAE defaults and BigVGAN's fixed decoder schedule (comfy/ldm/minimax/audio_vae.py)
+STOCK = {"encoder_dim": 64, "encoder_rates": [2, 4, 4, 5, 5], "latent_dim": 2048, "decoder_dim": 1024,
+         "latent_channels": 32, "upsample_rates": [5, 5, 2, 2, 2, 2, 2], "upsample_kernel_sizes": [9, 9, 4, 4, 4, 4, 4],
+         "resblock_kernel_sizes": [3, 7, 11], "resblock_dilations": [1, 3, 5], "num_heads": 8}
+FLOAT_DTYPES = {"F16", "BF16", "F32"}
+
+
+def detect_audio_config(shapes: dict, where: str) -> dict:
+    """The buildable dimensions from the shapes; the whole inventory must then equal ComfyUI's layout for them."""
+    try:
+        enc = int(shapes["encoder.block.0.weight"][0])
+        lat = int(shapes["dec_in_proj.weight"][0])
+        ch = int(shapes["latents_mean"][0])
+        dd = int(shapes["decoder.conv_pre.weight"][0])
+        rates = [int(shapes[f"encoder.block.{i}.block.4.weight"][2]) // 2 for i in range(1, len(STOCK["encoder_rates"]) + 1)]
+    except (KeyError, IndexError) as e:
+        raise CheckpointError(f"{where}: not a complete H3 audio VAE (missing or malformed tensor {e})") from None
+    cfg = dict(STOCK, encoder_dim=enc, latent_dim=lat, latent_channels=ch, decoder_dim=dd, encoder_rates=rates)
+    if dd % 2 ** len(STOCK["upsample_rates"]):
+        raise CheckpointError(f"{where}: decoder width {dd} is not divisible by 2^{len(STOCK['upsample_rates'])} "
+                              "(BigVGAN halves it at every upsample)")
+    plan = audio_vae_plan(cfg)
+    missing = sorted(set(plan) - set(shapes))
+    extra = sorted(set(shapes) - set(plan))
+    wrong = sorted(k for k in plan if k in shapes and tuple(shapes[k]) != tuple(plan[k]))
+    if missing or extra or wrong:
+        k = (missing or extra or wrong)[0]
+        why = ("missing" if missing else "unexpected" if extra else
+               f"shape {tuple(shapes[k])}, expected {tuple(plan[k])} for the detected dimensions")
+        raise CheckpointError(f"{where}: tensor {k!r} {why} ({len(missing)} missing, {len(extra)} unexpected, "
+                              f"{len(wrong)} mis-shaped vs ComfyUI's H3 audio VAE layout at encoder_dim {enc}, "
+                              f"latent_dim {lat}, decoder_dim {dd})")
+    return cfg
+
+
+def load_h3_audio_vae(path: str, progress=None) -> tuple[comfy.sd.VAE, dict]:
+    header = read_header(path)
+    name = os.path.basename(path)
+    where = f"VAE file '{name}'"
+    family = classify_vae_keys(header.keys())
+    if family != "h3_audio":
+        raise UnsupportedModelError(f"{where} is not a MiniMax H3 audio VAE (detected {family}); {NODE_ID} loads H3 "
+                                    "audio VAEs only (video and image VAEs: DitKitH3VAELoader)")
+    bad = sorted(k for k, t in header.tensors.items() if t.dtype not in FLOAT_DTYPES)
+    if bad:
+        raise CheckpointError(f"{where}: non-float tensors {bad[:3]}; quantized audio VAEs are not supported here")
+    cfg = detect_audio_config({k: t.shape for k, t in header.tensors.items()}, where)
+    sd, _ = load_with_progress(path, progress)
+    stock = all(cfg[k] == STOCK[k] for k in ("encoder_dim", "latent_dim", "decoder_dim", "latent_channels"))
+    if stock:
+        vae = comfy.sd.VAE(sd=sd, metadata=header.metadata)
+        built = "stock comfy.sd.VAE"
+    else:
+        probe = {k: torch.empty(s, device="meta") for k, s in audio_vae_plan(STOCK).items()}
+        with torch.device("meta"):
+            vae = comfy.sd.VAE(sd=probe, metadata=header.metadata)
+            model = h3audio.MiniMaxH3AudioVAE(encoder_dim=cfg["encoder_dim"], encoder_rates=tuple(cfg["encoder_rates"]),
+                                              latent_dim=cfg["latent_dim"], decoder_dim=cfg["decoder_dim"],
+                                              vae_latent_channels=cfg["latent_channels"])
+        # same order as comfy.sd.VAE: cast, archive dtypes, make the patcher, then assign the file's weights
+        model = model.eval().to(vae.vae_dtype)
+        mm.archive_model_dtypes(model)
+        vae.first_stage_model = model
+        vae.patcher = type(vae.patcher)(model, load_device=vae.device, offload_device=mm.vae_offload_device())
+        missing, unexpected = model.load_state_dict({k: v.to(vae.vae_dtype) for k, v in sd.items()}, strict=False,
+                                                    assign=True)
+        left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+        if unexpected or left:
+            raise CheckpointError(f"{where}: scaled H3 audio VAE did not take the file's tensors "
+                                  f"(unexpected {unexpected[:3]}, not materialised {left[:3]})")
+        vae.size = None
+        vae.model_size()
+        built = "scaled MiniMaxH3AudioVAE in a stock VAE wrapper"
+    del sd
+    data = {"file": name, "kind": "audio", "built": built, "tensors": len(header.tensors),
+            "config": {k: cfg[k] for k in ("encoder_dim", "encoder_rates", "latent_dim", "decoder_dim",
+                                           "latent_channels")},
+            "sample_rate": int(getattr(vae, "audio_sample_rate", 0)) or None}
+    return vae, data
+
+
+class DitKitH3AudioVAELoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id=NODE_ID,
+            display_name="H3 Audio VAE Loader (any size) (ditkit)",
+            category="ditkit/h3",
+            description=("Loads a MiniMax H3 audio VAE (DAC encoder + BigVGAN decoder) at the size its shapes give, "
+                         "with strict validation of the key inventory; for VAEDecodeAudio / VAEEncodeAudio. The "
+                         "stock VAELoader only builds the full-size audio VAE."),
+            search_aliases=["h3 audio vae", "minimax audio vae", "h3 audio vae loader"],
+            inputs=[
+                io.Combo.Input("vae_name", options=_files.safetensors_files("vae"),
+                               tooltip="An H3 audio VAE (.safetensors) from models/vae, any width (the tiny "
+                                       "checkpoints, scaled decoders) or the full size. Video/image/LTX VAEs are "
+                                       "refused."),
+            ],
+            outputs=[io.Vae.Output(tooltip="A stock audio VAE (32 kHz stereo, 800 samples per latent frame).")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, vae_name) -> io.NodeOutput:
+        path = _files.safetensors_path("vae", vae_name, NODE_ID)
+        vae, data = load_h3_audio_vae(path, progress=lazy_bar(cls.hidden.unique_id))
+        c = data["config"]
+        summary = (f"audio VAE {data['file']}: encoder {c['encoder_dim']}, latent {c['latent_dim']}, decoder "
+                   f"{c['decoder_dim']}, {c['latent_channels']} latent channels; {data['built']}")
+        payload = send_report(cls.hidden.unique_id, NODE_ID, "vae_load", summary, data)
+        return io.NodeOutput(vae, ui=ui_report(payload))
+
+
+NODES = [DitKitH3AudioVAELoader]
