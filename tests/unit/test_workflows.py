@@ -206,25 +206,28 @@ def test_ui_to_api_errors():
 
 # ------------------------------------------------------------------------------------- example twins
 
-API = wfm.api_workflows()
+TEST_GRAPHS = wfm.PACK_ROOT / "tests" / "data" / "workflows"
+API = wfm.api_workflows() + wfm.api_workflows(TEST_GRAPHS)
 
 
 def test_example_twins_are_in_sync(capsys):
-    """``example_workflows/<name>.json`` == conversion of ``example_workflows/api/<name>.json`` with the schemas
-    the twin embeds (regenerate with ``python -m ditkit.workflows sync --comfyui PATH``)."""
-    problems = wfm.sync(check=True)
+    """``example_workflows/<name>.json`` == conversion of ``example_workflows/api/<name>.json`` (with its layout
+    sidecar) with the schemas the twin embeds (regenerate with ``python -m ditkit.workflows sync --comfyui PATH``);
+    the same for the test graphs in tests/data/workflows (``sync --dir tests/data/workflows``)."""
+    problems = wfm.sync(check=True) + wfm.sync(TEST_GRAPHS, check=True)
     assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("path", API, ids=[p.stem for p in API])
 def test_example_workflow_roundtrips(path):
+    layout = wfm.load_layout(path)
     graph = json.loads(path.read_text(encoding="utf-8"))
     twin = wfm.twin_path(path)
     assert twin.is_file(), f"{twin} missing (python -m ditkit.workflows sync --comfyui PATH)"
     schemas = wfm.embedded_schemas(json.loads(twin.read_text(encoding="utf-8")))
     # the twin embeds exactly the schemas of the classes its API source uses
     assert set(schemas) == wfm.used_classes([path])
-    back = wfm.ui_to_api(wfm.api_to_ui(graph, schemas), schemas)
+    back = wfm.ui_to_api(wfm.api_to_ui(graph, schemas, layout=layout), schemas)
     assert wfm.strip_meta(back) == wfm.as_ui_would_send(graph, schemas)
     titles = {k: (v.get("_meta") or {}).get("title") for k, v in graph.items()}
     assert all(back[k].get("_meta", {}).get("title") in (t, None) for k, t in titles.items())
