@@ -72,9 +72,10 @@ def _fit(page) -> None:
             x0 = Math.min(x0, b[0]); y0 = Math.min(y0, b[1]); x1 = Math.max(x1, b[0] + b[2]); y1 = Math.max(y1, b[1] + b[3]); }
         for (const n of ns) { x0 = Math.min(x0, n.pos[0]); y0 = Math.min(y0, n.pos[1] - 60);
                               x1 = Math.max(x1, n.pos[0] + n.size[0]); y1 = Math.max(y1, n.pos[1] + n.size[1]); }
-        const W = c.canvas.clientWidth, H = c.canvas.clientHeight;
-        const s = Math.min(1.2, 0.95 * Math.min(W / (x1 - x0), H / (y1 - y0)));
-        c.ds.scale = s; c.ds.offset[0] = (W / s - (x1 - x0)) / 2 - x0; c.ds.offset[1] = (H / s - (y1 - y0)) / 2 - y0;
+        const L = 70, W = c.canvas.clientWidth - L, H = c.canvas.clientHeight;   // the side bar covers the left edge
+        const s = Math.min(1.2, 0.92 * Math.min(W / (x1 - x0), H / (y1 - y0)));
+        c.ds.scale = s; c.ds.offset[0] = L / s + (W / s - (x1 - x0)) / 2 - x0;
+        c.ds.offset[1] = (H / s - (y1 - y0)) / 2 - y0;
         c.setDirty(true, true);
     }""")
     page.wait_for_timeout(800)

@@ -149,3 +149,16 @@ def test_template_browser_lists_the_examples_with_previews(comfy_server):
     for n in names:
         with urllib.request.urlopen(f"{comfy_server.url}/api/workflow_templates/{packs[0]}/{n}.jpg", timeout=30) as r:  # noqa: S310
             assert r.headers.get("Content-Type", "").startswith("image/jpeg") and r.read()[:3] == b"\xff\xd8\xff"
+
+
+def test_live_node_names_and_categories_follow_the_scheme(comfy_server):
+    """The same naming rules as tests/unit/test_node_naming.py, on what the real server serves (/object_info)."""
+    from tests.unit.test_node_naming import NODE_IDS, naming_problems
+
+    info = comfy_server.object_info()
+    live = {k: {"display_name": v.get("display_name"), "category": v.get("category"),
+                "is_experimental": v.get("experimental"), "description": v.get("description"),
+                "search_aliases": v.get("search_aliases")} for k, v in info.items() if k.startswith("DitKit")}
+    assert set(live) == NODE_IDS
+    problems = naming_problems(live)
+    assert not problems, "\n".join(problems)

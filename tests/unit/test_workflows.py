@@ -294,3 +294,26 @@ def test_sync_uses_live_schemas_and_detects_drift(tmp_path, capsys):
     reordered["Src"]["input_order"]["required"] = ["mode", "w"]
     assert wfm.sync(ex, object_info=reordered, check=True)  # widget order changed on the server: stale twin
     capsys.readouterr()
+
+
+def test_layout_sidecar_groups_stages_and_adds_a_note():
+    layout = {"title": "T", "description": "D", "look_at": "Sampler", "note": "## hello\n\nLook at: Sampler",
+              "stages": [{"title": "load", "nodes": ["1", "2"]}, {"title": "A", "nodes": ["3"]},
+                         {"title": "B", "nodes": ["4"], "column": 1}]}
+    ui = wfm.api_to_ui(GRAPH, INFO, name="t", layout=layout)
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    assert [g["title"] for g in ui["groups"]] == ["load", "A", "B"]
+    note = [n for n in ui["nodes"] if n["type"] == "MarkdownNote"]
+    assert len(note) == 1 and note[0]["widgets_values"] == [layout["note"]] and note[0]["id"] == 5
+    assert ui["last_node_id"] == 5 and ui["extra"]["ditkit_template"] == {"title": "T", "description": "D",
+                                                                          "look_at": "Sampler"}
+    assert note[0]["pos"][0] < nodes[1]["pos"][0] < nodes[3]["pos"][0] == nodes[4]["pos"][0]   # B stacks under A
+    assert nodes[3]["pos"][1] < nodes[4]["pos"][1]
+    a, b = ui["groups"][1]["bounding"], ui["groups"][2]["bounding"]
+    assert a[1] + a[3] < b[1]
+    # the Note is ignored on the way back; the graph is unchanged
+    assert wfm.ui_to_api(ui, INFO) == wfm.ui_to_api(wfm.api_to_ui(GRAPH, INFO, name="t"), INFO)
+    with pytest.raises(WorkflowError, match=r"not in any stage \['4'\]"):
+        wfm.api_to_ui(GRAPH, INFO, layout={"stages": [{"title": "x", "nodes": ["1", "2", "3"]}]})
+    with pytest.raises(WorkflowError, match=r"in two stages \['1'\]"):
+        wfm.api_to_ui(GRAPH, INFO, layout={"stages": [{"title": "x", "nodes": ["1", "2", "3", "4", "1"]}]})
