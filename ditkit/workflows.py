@@ -285,9 +285,10 @@ def load_layout(api_path: Path) -> dict | None:
 
 def apply_layout(nodes_by_key: dict[str, dict], layout: dict, next_id: int) -> list[dict]:
     """Place the nodes stage by stage, left to right: each stage is a titled group (a column; a stage with
-    ``"column": i`` stacks under the earlier stage in column i, for the rows of a comparison), its nodes stacked
-    in the listed order with room for the title bar and badge row between them. A Note (MarkdownNote) with
-    ``layout["note"]`` goes in front. Every node must be in exactly one stage. Returns the groups."""
+    ``"column": i`` stacks under the earlier stage in column i; with ``"row": r`` as well it starts below every
+    group of the rows before, so the rows of a comparison line up), its nodes stacked in the listed order with
+    room for the title bar and badge row between them. A Note (MarkdownNote) with ``layout["note"]`` goes in
+    front. Every node must be in exactly one stage. Returns the groups."""
     stages = layout.get("stages") or []
     listed = [k for st in stages for k in st["nodes"]]
     missing = sorted(set(nodes_by_key) - set(listed), key=str)
@@ -307,6 +308,7 @@ def apply_layout(nodes_by_key: dict[str, dict], layout: dict, next_id: int) -> l
             "color": NOTE_COLOR, "bgcolor": NOTE_BG, "title": "About this workflow"}
         x += NOTE_WIDTH + STAGE_GAP
     columns: list[dict] = []        # per column: left x, width, bottom of its lowest group
+    row_bottom: dict[int, float] = {}
     groups = []
     for si, st in enumerate(stages):
         col = len(columns) if st.get("column") is None else int(st["column"])
@@ -319,7 +321,8 @@ def apply_layout(nodes_by_key: dict[str, dict], layout: dict, next_id: int) -> l
             columns.append({"x": left, "width": width, "bottom": TOP - NODE_GAP})
         c = columns[col]
         c["width"] = max(c["width"], width)
-        top = c["bottom"] + NODE_GAP
+        row = int(st.get("row", 0))
+        top = max([c["bottom"]] + [b for r, b in row_bottom.items() if r < row]) + NODE_GAP
         y = top + GROUP_TITLE + GROUP_PAD + head
         for k in st["nodes"]:
             n = nodes_by_key[k]
@@ -331,6 +334,7 @@ def apply_layout(nodes_by_key: dict[str, dict], layout: dict, next_id: int) -> l
                        "color": st.get("color", GROUP_COLORS[si % len(GROUP_COLORS)]), "font_size": GROUP_FONT,
                        "flags": {}})
         c["bottom"] = bottom
+        row_bottom[row] = max(row_bottom.get(row, bottom), bottom)
     return groups
 
 

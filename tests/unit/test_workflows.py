@@ -317,3 +317,12 @@ def test_layout_sidecar_groups_stages_and_adds_a_note():
         wfm.api_to_ui(GRAPH, INFO, layout={"stages": [{"title": "x", "nodes": ["1", "2", "3"]}]})
     with pytest.raises(WorkflowError, match=r"in two stages \['1'\]"):
         wfm.api_to_ui(GRAPH, INFO, layout={"stages": [{"title": "x", "nodes": ["1", "2", "3", "4", "1"]}]})
+
+
+def test_layout_rows_of_a_comparison_line_up():
+    layout = {"stages": [{"title": "A1", "nodes": ["1"]}, {"title": "A2", "nodes": ["2", "3"]},
+                         {"title": "B1", "nodes": ["4"], "column": 0, "row": 1}]}
+    ui = wfm.api_to_ui(GRAPH, INFO, name="t", layout=layout)
+    g = {x["title"]: x["bounding"] for x in ui["groups"]}
+    # B1 sits in column 0 but below the taller A2 group of row 0, not just below A1
+    assert g["B1"][0] == g["A1"][0] and g["B1"][1] > g["A2"][1] + g["A2"][3] > g["A1"][1] + g["A1"][3]
