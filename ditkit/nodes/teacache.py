@@ -328,6 +328,7 @@ class DitKitTeaCache(io.ComfyNode):
                     "Coefficient file: your calibrated files in <output>/ditkit/teacache/ (written by TeaCache "
                     "Calibrate Coefficients; press R to refresh this list after a calibration), then the shipped "
                     "ones: shipped:h3_tiny_calibrated (fitted on ditkit's tiny example H3, for the examples only), "
+                    "shipped:h3lab_calibrated (fitted on the quality-lab H3 in benchmarks/lab), "
                     "shipped:flux2_borrowed_flux1_dev and shipped:zimage_borrowed_qwen_image (borrowed from other "
                     "models). A real model needs its own calibration. A name of a file that a TeaCache Calibrate "
                     "node in the same workflow writes is accepted too. Files outside that folder are refused "
