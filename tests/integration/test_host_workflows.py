@@ -162,3 +162,20 @@ def test_live_node_names_and_categories_follow_the_scheme(comfy_server):
     assert set(live) == NODE_IDS
     problems = naming_problems(live)
     assert not problems, "\n".join(problems)
+
+
+def test_teacache_example_skips_out_of_the_box(comfy_server):
+    """The TeaCache example uses the shipped coefficients of the tiny H3 the runner generates: it skips steps and
+    the fingerprint guard finds nothing to warn about (same weights, steps, schedule, sampler, cfg)."""
+    import re
+
+    graph = json.loads((REPO / "example_workflows" / "api" / "h3_teacache_tiny.json").read_text(encoding="utf-8"))
+    assert graph["5"]["inputs"]["coefficients"] == "shipped:h3_tiny_calibrated"
+    before = len(re.findall(r"TeaCache h3: computed", comfy_server.log_text()))
+    entry = comfy_server.run(graph)
+    assert entry["status"]["status_str"] == "success"
+    lines = [ln for ln in comfy_server.log_text().splitlines() if "TeaCache h3: computed" in ln][before:]
+    assert lines, "no TeaCache run report"
+    m = re.search(r"computed (\d+)/(\d+) calls, skipped (\d+)", lines[-1])
+    assert m and int(m[3]) >= 1 and int(m[2]) == 8, lines[-1]
+    assert "WARNING" not in lines[-1] and "mismatch" not in lines[-1], lines[-1]
