@@ -60,8 +60,16 @@ def _overlaps(rects: dict) -> list[str]:
 
 
 def _load(page, wf: dict) -> None:
-    page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", wf)
-    page.wait_for_timeout(1500)   # Nodes 2.0 mounts and measures its node elements
+    """Load ``wf`` and wait until the page shows exactly its nodes: a fresh page may still be restoring its default
+    workflow, which would otherwise replace ours after loadGraphData returned (seen once)."""
+    want = sorted(str(n["id"]) for n in wf["nodes"])
+    for _ in range(5):
+        page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", wf)
+        page.wait_for_timeout(1500)   # Nodes 2.0 mounts and measures its node elements
+        have = page.evaluate("() => window.app.graph.nodes.map((n) => String(n.id)).sort()")
+        if have == want:
+            return
+    pytest.fail(f"the page shows nodes {have}, not the workflow's {want}")
 
 
 def _fit(page) -> None:
