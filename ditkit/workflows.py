@@ -23,13 +23,15 @@ Plain Python (no ComfyUI, no torch imports). The code lives in :mod:`ditkit.runn
 """
 from __future__ import annotations
 
-from .runner.workflows import (EMBED_KEY, EXAMPLES_DIR, PACK_ROOT, api_to_ui, api_workflows, as_ui_would_send,
-                               check_ui_workflow, compact_schema, dumps, embedded_schemas, known_schemas, main,
-                               schema_drift, schemas_from, strip_meta, sync, twin_path, ui_to_api, used_classes)
+from .runner.workflows import (EMBED_KEY, EXAMPLES_DIR, PACK_ROOT, api_to_ui, api_workflows, apply_layout,
+                               as_ui_would_send, check_ui_workflow, compact_schema, dumps, embedded_schemas,
+                               known_schemas, load_layout, main, node_extent, schema_drift, schemas_from,
+                               strip_meta, sync, twin_of, twin_path, ui_to_api, used_classes)
 
-__all__ = ["EMBED_KEY", "EXAMPLES_DIR", "PACK_ROOT", "api_to_ui", "api_workflows", "as_ui_would_send",
-           "check_ui_workflow", "compact_schema", "dumps", "embedded_schemas", "known_schemas", "main",
-           "schema_drift", "schemas_from", "strip_meta", "sync", "twin_path", "ui_to_api", "used_classes"]
+__all__ = ["EMBED_KEY", "EXAMPLES_DIR", "PACK_ROOT", "api_to_ui", "api_workflows", "apply_layout",
+           "as_ui_would_send", "check_ui_workflow", "compact_schema", "dumps", "embedded_schemas", "known_schemas",
+           "load_layout", "main", "node_extent", "schema_drift", "schemas_from", "strip_meta", "sync", "twin_of",
+           "twin_path", "ui_to_api", "used_classes"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -65,6 +65,19 @@ def extension_name() -> str:
     return "ditkit_tile_attn_" + h.hexdigest()[:12]
 
 
+# Called as ``hook(event, message)`` with event "start" (before the first build/load of the process), "done" or
+# "failed": the host layer (nodes/_native_build.py) shows the message on the node that is waiting.
+BUILD_HOOKS: list = []
+
+
+def _tell(event: str, message: str) -> None:
+    for h in list(BUILD_HOOKS):
+        try:
+            h(event, message)
+        except Exception:  # noqa: BLE001 - a display hook never breaks the build
+            log.debug("[ditkit] cpu_native build hook failed", exc_info=True)
+
+
 def load_extension():
     """Build (first use) or load the extension; returns the module or raises RuntimeError with the reason.
     The outcome is remembered for the process, so a failing compiler is tried once."""
@@ -80,13 +93,16 @@ def load_extension():
 
             log.info("[ditkit] building/loading the cpu_native tile-attention extension (first build takes about "
                      "a minute; cached afterwards)")
+            _tell("start", "cpu_native: building the CPU kernel, about a minute, once (cached afterwards)")
             mod = cpp_extension.load(name=extension_name(), sources=[str(SOURCE)],
                                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                      verbose=False)
         except Exception as e:  # noqa: BLE001 - any build/load failure is a capability verdict, stated once
             _state["error"] = f"building the C++ extension failed: {type(e).__name__}: {str(e).strip()[:300]}"
+            _tell("failed", f"cpu_native: {_state['error']}")
             raise RuntimeError(_state["error"]) from e
         _state["module"] = mod
+        _tell("done", "cpu_native: CPU kernel ready")
         return mod
 
 

@@ -15,6 +15,7 @@ import pkgutil
 from comfy_api.latest import ComfyExtension, io
 
 from ..guards import float_inputs, guard_node
+from . import _native_build  # noqa: F401 - shows the cpu_native kernel build on the waiting node
 
 log = logging.getLogger("ditkit")
 

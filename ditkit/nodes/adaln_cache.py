@@ -218,8 +218,8 @@ class DitKitH3AdaLNCache(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id=NODE_ID,
-            display_name="DitKit H3 AdaLN Schedule Cache",
-            category="ditkit/offload",
+            display_name="H3 AdaLN Cache (ditkit)",
+            category="ditkit/cache",
             description=("Precomputes MiniMax H3's AdaLN modulation for the sampling schedule and looks it up "
                          "instead of running the 13 B-parameter AdaLN projections every step. Bit-identical to "
                          "the uncached model; the AdaLN weights can leave the GPU while tables are installed."),

@@ -139,7 +139,7 @@ class DitKitFastH3Schedule(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id=NODE_ID,
-            display_name="FastH3 Schedule (distilled ladder, ditkit)",
+            display_name="FastH3 Schedule (ditkit)",
             category="ditkit/sampling",
             description=("The noise ladder a FastH3 checkpoint was distilled on: its DMD rungs / 1000 shifted once "
                          "per stream (8-Step V2: video 10 / audio 3; Preview v1: 12 / 3). Sets the shifts on the "

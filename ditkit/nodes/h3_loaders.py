@@ -15,7 +15,7 @@ from comfy_api.latest import io
 
 from ..errors import CheckpointError
 from ..loaders import h3 as core
-from . import _files
+from . import _families, _files
 from ._common import progress, send_report, ui_report
 
 NODE_ID = "DitKitH3ModelLoader"
@@ -65,7 +65,7 @@ def list_choices() -> list[str]:
                 continue
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             for f in filenames:
-                if _loadable_file(os.path.join(dirpath, f)):
+                if _loadable_file(os.path.join(dirpath, f)) and _families.is_family(os.path.join(dirpath, f), "h3_dit"):
                     out.add(f if rel == "." else f"{rel}/{f}".replace(os.sep, "/"))
     return sorted(out)
 
@@ -146,7 +146,7 @@ class DitKitH3ModelLoader(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id=NODE_ID,
-            display_name="MiniMax H3 Model Loader (any layout, ditkit)",
+            display_name="H3 Model Loader (ditkit)",
             category="ditkit/loaders",
             description=("Loads a MiniMax H3 DiT from the official sharded folder (per-head interleaved qkv), a "
                          "diffusers transformer folder, or a ComfyUI single file, converting to ComfyUI's layout "

@@ -29,7 +29,7 @@ from ..vae.h3_layout import (H3_VIDEO_KEYS, STOCK_VIDEO_CONFIG, classify_vae_key
 from ..vae import preflight
 from ..vae.metadata import check_whitening_matches, validate_image_vae_metadata
 from ..vae.t1_decode import direct_decode_t1, repeat_decode_t1
-from . import _files
+from . import _families, _files, _h3_audio_vae
 from ._bars import lazy_bar
 from ._common import check_memory_split, device_budget, progress, send_report, ui_report
 
@@ -41,7 +41,7 @@ VIDEO_FPS = 24
 # ------------------------------------------------------------------------------------------------ loading
 
 def _family_error(path: str, family: str) -> DitKitError:
-    what = {"h3_audio": "an H3 AUDIO VAE (use the stock VAELoader for the audio VAE)",
+    what = {"h3_audio": "an H3 AUDIO VAE (decode audio latents with VAEDecodeAudio)",
             "ltx_video": "an LTX video VAE (use the stock VAELoader)"}.get(family, "not a MiniMax H3 video VAE")
     return UnsupportedModelError(f"VAE file '{path}' is {what}; DitKitH3VAELoader loads H3 video VAEs and H3 "
                                  f"single-frame image VAEs (detected by the tensors {list(H3_VIDEO_KEYS)})")
@@ -123,15 +123,16 @@ class DitKitH3VAELoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="DitKitH3VAELoader",
-            display_name="H3 VAE Loader (strict, image/video) (ditkit)",
-            category="ditkit/h3",
-            description="Loads a MiniMax H3 video VAE or a single-frame image VAE (h3_t1_* metadata) with strict "
-                        "validation, at the size the file's shapes give.",
+            display_name="H3 VAE Loader (ditkit)",
+            category="ditkit/loaders",
+            description="Loads a MiniMax H3 video VAE, a single-frame image VAE (h3_t1_* metadata) or an H3 audio "
+                        "VAE with strict validation, at the size the file's shapes give (the stock VAELoader always "
+                        "builds the full-size model).",
             search_aliases=["h3 vae", "minimax vae", "image vae", "still vae", "h3 image vae loader"],
             inputs=[
-                io.Combo.Input("vae_name", options=_files.safetensors_files("vae"),
-                               tooltip="An H3 video VAE or an H3 single-frame image VAE (.safetensors) from "
-                                       "models/vae. Audio and LTX VAEs are refused."),
+                io.Combo.Input("vae_name", options=_families.family_files("vae", "h3_vae"),
+                               tooltip="An H3 video VAE, H3 single-frame image VAE or H3 audio VAE "
+                                       "(.safetensors) from models/vae. LTX VAEs are refused."),
             ],
             outputs=[io.Vae.Output()],
             hidden=[io.Hidden.unique_id],
@@ -140,6 +141,13 @@ class DitKitH3VAELoader(io.ComfyNode):
     @classmethod
     def execute(cls, vae_name) -> io.NodeOutput:
         path = _files.safetensors_path("vae", vae_name, "DitKitH3VAELoader")
+        if _h3_audio_vae.is_h3_audio_file(path):   # H3 audio VAE at file size (nodes/_h3_audio_vae.py)
+            vae, data = _h3_audio_vae.load_h3_audio_vae(path, progress=lazy_bar(cls.hidden.unique_id))
+            c = data["config"]
+            summary = (f"audio VAE {data['file']}: encoder {c['encoder_dim']}, latent {c['latent_dim']}, BigVGAN "
+                       f"{c['decoder_dim']}" + ("" if data["built"].startswith("stock") else " (scaled)"))
+            payload = send_report(cls.hidden.unique_id, "DitKitH3VAELoader", "vae_load", summary, data)
+            return io.NodeOutput(vae, ui=ui_report(payload))
         vae, data = load_h3_vae(path, progress=lazy_bar(cls.hidden.unique_id))
         summary = (f"{data['kind']} VAE {data['file']}: {data['config']}"
                    + (f", T=1 direct, output slice {data['t1_output_slice']}" if data["kind"] == "image" else ""))
@@ -159,8 +167,10 @@ def _require_h3(vae):
     m = getattr(vae, "first_stage_model", None)
     if m is None or not all(hasattr(m, a) for a in ("_decode_temporal_chunks", "_decode_pixels", "latents_mean",
                                                     "split_tiles", "frame_pre_padding")):
+        audio = getattr(vae, "ditkit_h3", {}).get("kind") == "audio" or type(m).__name__ == "MiniMaxH3AudioVAE"
         raise UnsupportedModelError(f"DitKitH3VAEDecode needs a MiniMax H3 video or image VAE; got "
-                                    f"{type(m).__name__ if m is not None else 'an invalid VAE'}")
+                                    f"{type(m).__name__ if m is not None else 'an invalid VAE'}"
+                                    + (" (an H3 AUDIO VAE: decode audio latents with VAEDecodeAudio)" if audio else ""))
     return m
 
 
@@ -225,8 +235,8 @@ class DitKitH3VAEDecode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="DitKitH3VAEDecode",
-            display_name="H3 VAE Decode (single-frame fix) (ditkit)",
-            category="ditkit/h3",
+            display_name="H3 VAE Decode (ditkit)",
+            category="ditkit/vae",
             description="Decodes MiniMax H3 latents. Single-frame latents (T=1) are decoded correctly (repeat-decode "
                         "on the video VAE, direct with the declared slice on an image VAE); T>1 is the native decode.",
             search_aliases=["h3 decode", "minimax decode", "single frame decode", "t=1 decode", "h3 image decode"],
@@ -268,8 +278,8 @@ class DitKitH3EmptyImageLatent(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="DitKitH3EmptyImageLatent",
-            display_name="H3 Empty Image Latent (T=1) (ditkit)",
-            category="ditkit/h3",
+            display_name="H3 Empty Image Latent (ditkit)",
+            category="ditkit/latent",
             description="An empty single-frame MiniMax H3 latent (T=1); the native EmptyMiniMaxH3LatentAV has a "
                         "5-frame minimum.",
             search_aliases=["h3 empty image latent", "h3 single frame latent", "minimax image latent"],
@@ -303,8 +313,8 @@ class DitKitH3EncodeImage(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="DitKitH3EncodeImage",
-            display_name="H3 Encode Image (T=1) (ditkit)",
-            category="ditkit/h3",
+            display_name="H3 Encode Image (ditkit)",
+            category="ditkit/vae",
             description="Encodes each image of a batch as its own single-frame H3 latent (T=1). The native VAEEncode "
                         "turns an image batch into ONE video of that many frames.",
             search_aliases=["h3 encode image", "h3 single frame encode", "minimax image encode"],

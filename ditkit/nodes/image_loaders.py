@@ -11,7 +11,7 @@ from comfy_api.latest import io
 
 from ..errors import UnsupportedModelError
 from ..loaders.read_progress import load_with_progress
-from . import _files
+from . import _families, _files
 from ._bars import lazy_bar
 from ._common import send_report, ui_report
 
@@ -72,12 +72,12 @@ class DitKitZImageLoader(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id=NODE_ID,
-            display_name="Z-Image Loader (any width, ditkit)",
+            display_name="Z-Image Model Loader (ditkit)",
             category="ditkit/loaders",
             description="Loads a ComfyUI-layout Z-Image DiT of any width (multiple of 128) with Z-Image settings.",
             search_aliases=["z-image loader", "zimage unet", "lumina2 loader"],
             inputs=[
-                io.Combo.Input("unet_name", options=_files.safetensors_files("diffusion_models"),
+                io.Combo.Input("unet_name", options=_families.family_files("diffusion_models", "zimage"),
                                tooltip="Z-Image DiT file in models/diffusion_models (ComfyUI fused-qkv layout)."),
             ],
             outputs=[io.Model.Output(tooltip="The Z-Image model."),

@@ -16,7 +16,7 @@ from comfy_api.latest import io
 
 from ..errors import AdapterError
 from ..loaders import lokr as core
-from . import _files
+from . import _families, _files
 from ._common import send_report, ui_report
 
 NODE_ID = "DitKitLoKrLoader"
@@ -162,7 +162,7 @@ class DitKitLoKrLoader(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id=NODE_ID,
-            display_name="LoKr Loader (Z-Image / FLUX.2, exact, ditkit)",
+            display_name="LoKr Loader (ditkit)",
             category="ditkit/loaders",
             description="Applies a LoKr adapter (LyCORIS, PEFT, ai-toolkit, musubi-tuner, OneTrainer, SimpleTuner) "
                         "exactly onto ComfyUI's fused Z-Image / FLUX.2 weights and reports every key.",
@@ -170,7 +170,7 @@ class DitKitLoKrLoader(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="A ComfyUI Z-Image or FLUX.2 model: bf16/fp16/fp32 weights, or comfy_quant "
                                                "per-tensor fp8 / int8 layers (re-quantized in the same layout)."),
-                io.Combo.Input("lokr_name", options=_files.safetensors_files("loras"),
+                io.Combo.Input("lokr_name", options=_families.family_files("loras", "lokr"),
                                tooltip="LoKr adapter file (.safetensors) in models/loras."),
                 io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01,
                                tooltip="Multiplier on ΔW (after the adapter's own alpha/rank scale)."),

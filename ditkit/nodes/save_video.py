@@ -114,8 +114,8 @@ class DitKitSaveVideo(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="DitKitSaveVideo",
-            display_name="Save Video (streaming decode) (ditkit)",
-            category="ditkit/video",
+            display_name="Save Video (ditkit)",
+            category="ditkit/vae",
             description="Decodes a video latent chunk by chunk and streams the frames into an MP4, never holding the "
                         "whole decoded float video in memory. Same encoder settings as SaveVideo.",
             search_aliases=["streaming save video", "decode and save video", "vae decode video save", "low memory "

@@ -33,8 +33,10 @@ RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 20%)": 
            "auto (from the checkpoint)": "auto"}   # auto: sampling/fasth3_recipe.py decides from the checkpoint
 BACKEND_TOOLTIP = (
     "Fine-stage kernel. auto = the fastest exact backend that has been run and can run here (triton on sm80+ "
-    "CUDA, flex for other head dims, cpu_batched on CPU). cpu_native (CPU, fp32, explicit only) compiles a small "
-    "C++ kernel on first use (about a minute, then cached) and is faster than cpu_batched. flashinfer "
+    "CUDA, flex for other head dims, cpu_batched on CPU). flex on CPU runs PyTorch's eager FlexAttention, which "
+    "materialises the full score matrix (S x S per head: no memory or time saving; use cpu_batched or cpu_native "
+    "there). cpu_native (CPU, fp32, explicit only) compiles a small C++ kernel on first use (about a minute, once, "
+    "then cached; the node says so while it builds) and is faster than cpu_batched. flashinfer "
     "(sm100/103/120/121, bf16, head dim 128) is explicit only and UNVERIFIED: it has never been run on any "
     "hardware, and the report says so. comfy_kitchen never runs: comfy_kitchen has no index-driven block-sparse "
     "op (its sparse attention picks its own tiles), so choosing it raises with that reason. An explicit choice "
@@ -88,7 +90,7 @@ class DitKitSparseAttention(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id=NODE_ID,
-            display_name="VSA-H3 Sparse Attention (FastH3, ditkit)",
+            display_name="VSA-H3 Sparse Attention (ditkit)",
             category="ditkit/attention",
             description=("FastVideo-exact VSA-H3 block-sparse attention for MiniMax H3 / FastH3: 64-token tiles, "
                          "prefix (text/cond/audio) dense, top-k video tiles per query tile, trained gate-compress "

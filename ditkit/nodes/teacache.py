@@ -31,6 +31,7 @@ from ..cache.hooks import CALL_KEY, HOLDER_KEY, HookedLayers, TeaCacheHolder, di
 from ..cache.teacache import TeaCacheState, state_from_coefficients
 from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
 from ..loaders import safe_fs
+from . import _choices
 from ._common import current_graph, report_target, send_report, ui_report
 
 log = logging.getLogger("ditkit")
@@ -309,22 +310,29 @@ class DitKitTeaCache(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id=NODE_TEACACHE,
-            display_name="TeaCache (calibrated, ditkit)",
+            display_name="TeaCache Step Cache (ditkit)",
             category="ditkit/cache",
             description=("Skips the transformer block stack on steps where the calibrated, rescaled change of the "
                          "timestep-modulated input stays below a threshold, reusing the cached residual. Per-stream "
                          "metrics for H3 / LTX-2 video and audio (audio can veto a skip). Needs a coefficient file "
-                         "from DitKitTeaCacheCalibrate (or a shipped borrowed one) and warns when the run does not "
-                         "match the file's fingerprint."),
-            search_aliases=["teacache", "tea cache", "step cache", "cache", "speedup", "skip steps"],
+                         "from DitKitTeaCacheCalibrate (or a shipped one) and warns when the run does not "
+                         "match the file's fingerprint. A real model needs its own calibration: the shipped files are "
+                         "for the tiny example H3 / quality-lab H3, or borrowed from another model. Experimental: "
+                         "skip quality was measured on the quality-lab H3 and the tiny test models only, never on a "
+                         "full-size checkpoint."),
+            search_aliases=["teacache", "tea cache", "step cache", "skip steps", "speedup", "cache apply"],
             is_experimental=True,
             inputs=[
                 io.Model.Input("model", tooltip="MiniMax H3, LTX-2 (audio-video), Z-Image or FLUX.2 model."),
-                io.String.Input("coefficients", default="", tooltip=(
-                    "Coefficient file: a name in <output>/ditkit/teacache/ (as written by DitKitTeaCacheCalibrate, "
-                    "e.g. 'h3_mine.json'; sub-folders allowed), or 'shipped:<name>' for a shipped borrowed file "
-                    "(shipped:flux2_borrowed_flux1_dev, shipped:zimage_borrowed_qwen_image). Files elsewhere are "
-                    "refused (also through '..' or symlinks): copy them into that folder.")),
+                io.Combo.Input("coefficients", options=_choices.coefficient_choices(), tooltip=(
+                    "Coefficient file: your calibrated files in <output>/ditkit/teacache/ (written by TeaCache "
+                    "Calibrate Coefficients; press R to refresh this list after a calibration), then the shipped "
+                    "ones: shipped:h3_tiny_calibrated (fitted on ditkit's tiny example H3, for the examples only), "
+                    "shipped:h3lab_calibrated (fitted on the quality-lab H3 in benchmarks/lab), "
+                    "shipped:flux2_borrowed_flux1_dev and shipped:zimage_borrowed_qwen_image (borrowed from other "
+                    "models). A real model needs its own calibration. A name of a file that a TeaCache Calibrate "
+                    "node in the same workflow writes is accepted too. Files outside that folder are refused "
+                    "(also through '..' or symlinks): copy them into it.")),
                 io.Float.Input("threshold", default=0.2, min=0.0, max=5.0, step=0.01, tooltip=(
                     "Accumulated rescaled change below which the block stack is skipped (video / image stream). "
                     "Higher = more skips, lower quality. 0 disables skipping (every call computes).")),
@@ -344,6 +352,13 @@ class DitKitTeaCache(io.ComfyNode):
             outputs=[io.Model.Output(tooltip="The model with TeaCache installed (the input model is not modified).")],
             hidden=[io.Hidden.unique_id],
         )
+
+    @classmethod
+    def validate_inputs(cls, coefficients):
+        """Any name passes prompt validation (not only the listed ones): a workflow saved when this input was a
+        text field, or naming a file a calibration in the same prompt writes, must still queue; execute checks the
+        name (only files inside ditkit's TeaCache folders) and reports a missing one on this node."""
+        return True
 
     @classmethod
     def fingerprint_inputs(cls, coefficients="", **kwargs):
@@ -597,12 +612,14 @@ class DitKitTeaCacheCalibrate(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id=NODE_CALIBRATE,
-            display_name="TeaCache Calibrate (ditkit)",
+            display_name="TeaCache Calibrate Coefficients (ditkit)",
             category="ditkit/cache",
             description=("Records, during normal full-compute sampling, per step and per stream the relative change of "
                          "the modulated input and of the block-stack output, and fits the TeaCache polynomial once "
-                         "enough distinct prompts were run. Writes <output>/ditkit/teacache/<name>.json."),
-            search_aliases=["teacache calibrate", "calibration", "tea cache coefficients"],
+                         "enough distinct prompts were run. Writes <output>/ditkit/teacache/<name>.json, which then "
+                         "appears in the coefficients list of TeaCache Step Cache. Does not speed anything up. "
+                         "Experimental like TeaCache Step Cache (fits checked on the quality-lab H3 and tiny models only)."),
+            search_aliases=["teacache calibration", "fit teacache coefficients", "calibrate coefficients"],
             is_experimental=True,
             inputs=[
                 io.Model.Input("model", tooltip="The model to calibrate (H3, LTX-2, Z-Image or FLUX.2). Sampling is not changed."),

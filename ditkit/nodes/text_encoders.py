@@ -337,7 +337,7 @@ class DitKitH3TextEncoderLoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id=H3_NODE,
-            display_name="DitKit H3 Text Encoder Loader",
+            display_name="H3 Text Encoder Loader (ditkit)",
             category="ditkit/loaders",
             description="Loads the MiniMax H3 Qwen3-VL text encoder as a stock ComfyUI CLIP (widths read from the "
                         "file), optionally streaming its layers to the GPU one at a time.",
@@ -357,7 +357,7 @@ class DitKitLTXTextEncoderLoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id=LTX_NODE,
-            display_name="DitKit LTX Text Encoder Loader",
+            display_name="LTX Text Encoder Loader (ditkit)",
             category="ditkit/loaders",
             description="Loads an LTX-2 Gemma 3 (+ LTX projection) or LTX-2.5 Gemma 4 text encoder as a stock "
                         "ComfyUI CLIP (type ltxv), optionally streaming its layers to the GPU one at a time.",

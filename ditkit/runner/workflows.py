@@ -154,12 +154,15 @@ def _depths(graph: dict) -> dict[str, int]:
     return depth
 
 
-def api_to_ui(graph: dict, object_info: dict, *, name: str | None = None, embed: bool = True) -> dict:
+def api_to_ui(graph: dict, object_info: dict, *, name: str | None = None, embed: bool = True,
+              layout: dict | None = None) -> dict:
     """A UI-format (litegraph) workflow equivalent to the API-format ``graph``.
 
     ``widgets_values`` follow the node's input order in ``object_info`` (raw /object_info or compact
-    schemas); nodes are laid out in a grid, one column per graph depth; with ``embed`` the compact schemas of
-    the classes used are stored in ``extra.ditkit_schemas``. Deterministic for a given input."""
+    schemas); nodes are laid out in a grid, one column per graph depth, or with ``layout`` (an
+    ``example_workflows/layout/<name>.json`` sidecar, see :func:`apply_layout`) in titled groups per stage
+    with a Note; with ``embed`` the compact schemas of the classes used are stored in
+    ``extra.ditkit_schemas``. Deterministic for a given input."""
     if not isinstance(graph, dict) or not graph:
         raise WorkflowError("API workflow must be a non-empty JSON object of nodes")
     ids = _node_ids(graph)
@@ -241,10 +244,100 @@ def api_to_ui(graph: dict, object_info: dict, *, name: str | None = None, embed:
     if embed:
         extra[EMBED_KEY] = {c: compact_schema(object_info[c]) for c in sorted({n["class_type"]
                                                                                for n in graph.values()})}
+    groups: list[dict] = []
+    if layout is not None:
+        groups = apply_layout(nodes_by_key, layout, next_id=max(ids.values()) + 1)
+        extra["ditkit_template"] = {k: layout[k] for k in ("title", "description", "look_at") if k in layout}
     return {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"ditkit/example_workflows/{seed}")), "revision": 0,
-            "last_node_id": max(ids.values()), "last_link_id": len(links),
-            "nodes": sorted(nodes_by_key.values(), key=lambda n: n["id"]), "links": links, "groups": [],
+            "last_node_id": max(n["id"] for n in nodes_by_key.values()), "last_link_id": len(links),
+            "nodes": sorted(nodes_by_key.values(), key=lambda n: n["id"]), "links": links, "groups": groups,
             "config": {}, "extra": extra, "version": 0.4}
+
+
+# ------------------------------------------------------------------------------------------ layout
+
+# Canvas geometry the frontend draws around a node (frontend 1.49.6): the title bar (LiteGraph.NODE_TITLE_HEIGHT)
+# sits above ``pos``; the classic canvas draws ``node.badges`` in one row above the title bar
+# (LGraphNode.drawBadges: bottom edge at -(NODE_TITLE_HEIGHT + 2), web/js/ditkit.js badges are 20 px high).
+# A group's title bar is font_size * 1.4 high.
+TITLE_HEIGHT, BADGE_GAP, BADGE_HEIGHT = 30, 2, 20
+GROUP_FONT, GROUP_PAD = 24, 20
+GROUP_TITLE = int(GROUP_FONT * 1.4)
+STAGE_GAP, NODE_GAP, TOP = 110, 40, 100
+NOTE_WIDTH = 420
+NOTE_COLOR, NOTE_BG = "#432", "#653"
+GROUP_COLORS = ["#3f789e", "#8A8", "#b58b2a", "#88A", "#a1309b", "#b06634"]
+
+
+def node_extent(pos, size) -> tuple[float, float, float, float]:
+    """(x0, y0, x1, y1) a node occupies on the canvas: its body, title bar and the badge row above it."""
+    return (pos[0], pos[1] - TITLE_HEIGHT - BADGE_GAP - BADGE_HEIGHT, pos[0] + size[0], pos[1] + size[1])
+
+
+def _note_height(text: str) -> int:
+    lines = sum(max(1, -(-len(par) // 48)) for par in text.split("\n"))
+    return 40 + 20 * lines
+
+
+def load_layout(api_path: Path) -> dict | None:
+    """The layout sidecar of an API workflow (``<examples>/layout/<name>.json``), or None."""
+    p = Path(api_path).parent.parent / "layout" / Path(api_path).name
+    return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+
+
+def apply_layout(nodes_by_key: dict[str, dict], layout: dict, next_id: int) -> list[dict]:
+    """Place the nodes stage by stage, left to right: each stage is a titled group (a column; a stage with
+    ``"column": i`` stacks under the earlier stage in column i; with ``"row": r`` as well it starts below every
+    group of the rows before, so the rows of a comparison line up), its nodes stacked in the listed order with
+    room for the title bar and badge row between them. A Note (MarkdownNote) with ``layout["note"]`` goes in
+    front. Every node must be in exactly one stage. Returns the groups."""
+    stages = layout.get("stages") or []
+    listed = [k for st in stages for k in st["nodes"]]
+    missing = sorted(set(nodes_by_key) - set(listed), key=str)
+    unknown = sorted(set(listed) - set(nodes_by_key), key=str)
+    dup = sorted({k for k in listed if listed.count(k) > 1}, key=str)
+    if missing or unknown or dup:
+        raise WorkflowError(f"layout: nodes not in any stage {missing}, unknown nodes {unknown}, "
+                            f"nodes in two stages {dup}")
+    head = TITLE_HEIGHT + BADGE_GAP + BADGE_HEIGHT           # what a node needs above its pos
+    x = 100
+    note_text = layout.get("note")
+    if note_text:
+        nodes_by_key[f"note:{next_id}"] = {
+            "id": next_id, "type": "MarkdownNote", "pos": [x, TOP + GROUP_TITLE + GROUP_PAD + head],
+            "size": [NOTE_WIDTH, _note_height(note_text)], "flags": {}, "order": len(nodes_by_key),
+            "mode": MODE_ALWAYS, "inputs": [], "outputs": [], "properties": {}, "widgets_values": [note_text],
+            "color": NOTE_COLOR, "bgcolor": NOTE_BG, "title": "About this workflow"}
+        x += NOTE_WIDTH + STAGE_GAP
+    columns: list[dict] = []        # per column: left x, width, bottom of its lowest group
+    row_bottom: dict[int, float] = {}
+    groups = []
+    for si, st in enumerate(stages):
+        col = len(columns) if st.get("column") is None else int(st["column"])
+        if col > len(columns):
+            raise WorkflowError(f"layout: stage {st.get('title')!r} names column {col}; "
+                                f"only {len(columns)} columns so far")
+        width = max(nodes_by_key[k]["size"][0] for k in st["nodes"])
+        if col == len(columns):
+            left = x if not columns else columns[-1]["x"] + columns[-1]["width"] + 2 * GROUP_PAD + STAGE_GAP
+            columns.append({"x": left, "width": width, "bottom": TOP - NODE_GAP})
+        c = columns[col]
+        c["width"] = max(c["width"], width)
+        row = int(st.get("row", 0))
+        top = max([c["bottom"]] + [b for r, b in row_bottom.items() if r < row]) + NODE_GAP
+        y = top + GROUP_TITLE + GROUP_PAD + head
+        for k in st["nodes"]:
+            n = nodes_by_key[k]
+            n["pos"] = [c["x"], y]
+            y += n["size"][1] + NODE_GAP + head
+        bottom = y - NODE_GAP - head + GROUP_PAD
+        groups.append({"id": si + 1, "title": st["title"],
+                       "bounding": [c["x"] - GROUP_PAD, top, width + 2 * GROUP_PAD, bottom - top],
+                       "color": st.get("color", GROUP_COLORS[si % len(GROUP_COLORS)]), "font_size": GROUP_FONT,
+                       "flags": {}})
+        c["bottom"] = bottom
+        row_bottom[row] = max(row_bottom.get(row, bottom), bottom)
+    return groups
 
 
 # -------------------------------------------------------------------------------------- UI -> API
@@ -461,6 +554,14 @@ def twin_path(api_path: Path) -> Path:
     return api_path.parent.parent / api_path.name
 
 
+def twin_of(api_path: Path, object_info: dict, graph: dict | None = None) -> dict:
+    """The UI twin of an API workflow file: :func:`api_to_ui` with its layout sidecar, if any."""
+    api_path = Path(api_path)
+    if graph is None:
+        graph = json.loads(api_path.read_text(encoding="utf-8"))
+    return api_to_ui(graph, object_info, name=api_path.stem, layout=load_layout(api_path))
+
+
 def used_classes(paths) -> set[str]:
     out = set()
     for p in paths:
@@ -496,7 +597,7 @@ def sync(examples_dir: Path = EXAMPLES_DIR, object_info: dict | None = None, che
                     with contextlib.suppress(json.JSONDecodeError):
                         own = embedded_schemas(json.loads(old))
                 schemas = {**union, **own}
-            text = dumps(api_to_ui(graph, schemas, name=api.stem))
+            text = dumps(twin_of(api, schemas, graph))
         except (WorkflowError, json.JSONDecodeError) as e:
             problems.append(f"{api}: cannot convert: {e}")
             continue

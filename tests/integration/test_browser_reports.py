@@ -1,6 +1,6 @@
 """web/js/ditkit.js in a real browser against a real ComfyUI (classic canvas and Nodes 2.0).
 
-Loads ``example_workflows/ditkit_showcase_tiny.json`` (UI format: TeaCache calibration on 3 prompts, then VSA-H3
+Loads ``tests/data/workflows/ditkit_showcase_tiny.json`` (a test graph, not an example; UI format: TeaCache calibration on 3 prompts, then VSA-H3
 sparse attention + calibrated TeaCache on the tiny FastH3 model, T=1 decode with the H3 video VAE) into the page
 with ``app.loadGraphData``, queues it from the page (``app.queuePrompt``), waits for ``execution_success`` and reads
 the badges back from the node objects (classic) or the DOM (Nodes 2.0). The oracle for every counter is the
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-WORKFLOW = REPO / "example_workflows" / "ditkit_showcase_tiny.json"
+WORKFLOW = REPO / "tests" / "data" / "workflows" / "ditkit_showcase_tiny.json"
 ARTEFACTS = Path(os.environ.get("DITKIT_ARTEFACTS", REPO / "_out" / "browser"))
 CHROMIUM = os.environ.get("DITKIT_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -5,14 +5,17 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from ditkit.run import REPO
 from ditkit import workflows as wfm
 
-API = wfm.api_workflows()
-IDS = [p.stem for p in API]
+TEST_GRAPHS = REPO / "tests" / "data" / "workflows"   # test and smoke graphs (not examples), same layout
+API = wfm.api_workflows() + wfm.api_workflows(TEST_GRAPHS)
+IDS = [("test:" if TEST_GRAPHS in p.parents else "") + p.stem for p in API]
+EXAMPLES = wfm.api_workflows()
 
 
 @pytest.mark.parametrize("path", API, ids=IDS)
@@ -35,13 +38,14 @@ def test_ui_twin_converts_back_with_live_schemas(comfy_server, path):
     ui = json.loads(twin.read_text(encoding="utf-8"))
     info = comfy_server.object_info()
     assert wfm.strip_meta(wfm.ui_to_api(ui, info)) == wfm.as_ui_would_send(api, info)
-    assert wfm.api_to_ui(api, info, name=path.stem) == ui, "twin differs from a conversion with live schemas"
+    assert wfm.twin_of(path, info) == ui, "twin differs from a conversion with live schemas"
 
 
 def test_twins_embed_the_live_schemas(comfy_server):
     if not API:
         pytest.skip("no example workflows")
-    drift = wfm.schema_drift(comfy_server.object_info())
+    info = comfy_server.object_info()
+    drift = wfm.schema_drift(info) + wfm.schema_drift(info, TEST_GRAPHS)
     assert not drift, f"twins embed outdated node schemas (run sync --comfyui PATH): {drift}"
 
 
@@ -107,3 +111,71 @@ def test_runner_cli_starts_and_stops_its_own_server(comfyui_path, tmp_path):
     assert list((tmp_path / "out" / "runner").glob("smoke_*.png"))
     log = (tmp_path / "out" / "comfyui_server.log").read_text(errors="replace")
     assert "[ditkit] registered" in log
+
+
+def test_t2va_example_ends_in_an_mp4_with_its_audio_track(comfy_server, tmp_path):
+    """The README's main job, queued by the runner on the real host: it prints the output files, and the MP4 it
+    names (downloaded with --out) holds a video stream and an audio stream with decodable frames (PyAV)."""
+    import av
+
+    r = _runner(REPO / "example_workflows" / "api" / "h3_t2va_tiny.json", "--server", comfy_server.url,
+                "--out", tmp_path / "dl", timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    listed = r.stdout.split("output files:", 1)[1].split()
+    mp4s = [Path(p) for p in listed if p.endswith(".mp4")]
+    assert len(mp4s) == 1 and mp4s[0].is_file(), r.stdout
+    with av.open(str(mp4s[0])) as c:
+        assert len(c.streams.video) == 1 and len(c.streams.audio) == 1, (c.streams.video, c.streams.audio)
+        v, a = c.streams.video[0], c.streams.audio[0]
+        assert (v.codec_context.width, v.codec_context.height) == (64, 64)
+        frames = sum(1 for _ in c.decode(v))
+    with av.open(str(mp4s[0])) as c:
+        samples = sum(f.samples for f in c.decode(c.streams.audio[0]))
+    assert frames == 22, frames
+    assert a.codec_context.name == "aac" and samples > 0, (a.codec_context.name, samples)
+
+
+def test_template_browser_lists_the_examples_with_previews(comfy_server):
+    """ComfyUI serves the pack's example_workflows/*.json to its template browser (/workflow_templates lists the
+    names per pack folder) and the preview the frontend asks for (<name>.jpg under /api/workflow_templates/)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{comfy_server.url}/workflow_templates", timeout=30) as r:  # noqa: S310 - loopback
+        listing = json.loads(r.read())
+    names = sorted(p.stem for p in EXAMPLES)
+    packs = [k for k, v in listing.items() if set(names) <= set(v)]
+    assert packs, listing
+    assert not [n for n in listing[packs[0]] if n not in names], "test graphs are listed as templates"
+    for n in names:
+        with urllib.request.urlopen(f"{comfy_server.url}/api/workflow_templates/{packs[0]}/{n}.jpg", timeout=30) as r:  # noqa: S310
+            assert r.headers.get("Content-Type", "").startswith("image/jpeg") and r.read()[:3] == b"\xff\xd8\xff"
+
+
+def test_live_node_names_and_categories_follow_the_scheme(comfy_server):
+    """The same naming rules as tests/unit/test_node_naming.py, on what the real server serves (/object_info)."""
+    from tests.unit.test_node_naming import NODE_IDS, naming_problems
+
+    info = comfy_server.object_info()
+    live = {k: {"display_name": v.get("display_name"), "category": v.get("category"),
+                "is_experimental": v.get("experimental"), "description": v.get("description"),
+                "search_aliases": v.get("search_aliases")} for k, v in info.items() if k.startswith("DitKit")}
+    assert set(live) == NODE_IDS
+    problems = naming_problems(live)
+    assert not problems, "\n".join(problems)
+
+
+def test_teacache_example_skips_out_of_the_box(comfy_server):
+    """The TeaCache example uses the shipped coefficients of the tiny H3 the runner generates: it skips steps and
+    the fingerprint guard finds nothing to warn about (same weights, steps, schedule, sampler, cfg)."""
+    import re
+
+    graph = json.loads((REPO / "example_workflows" / "api" / "h3_teacache_tiny.json").read_text(encoding="utf-8"))
+    assert graph["5"]["inputs"]["coefficients"] == "shipped:h3_tiny_calibrated"
+    before = len(re.findall(r"TeaCache h3: computed", comfy_server.log_text()))
+    entry = comfy_server.run(graph)
+    assert entry["status"]["status_str"] == "success"
+    lines = [ln for ln in comfy_server.log_text().splitlines() if "TeaCache h3: computed" in ln][before:]
+    assert lines, "no TeaCache run report"
+    m = re.search(r"computed (\d+)/(\d+) calls, skipped (\d+)", lines[-1])
+    assert m and int(m[3]) >= 1 and int(m[2]) == 8, lines[-1]
+    assert "WARNING" not in lines[-1] and "mismatch" not in lines[-1], lines[-1]

@@ -143,3 +143,47 @@ def test_symlinked_file_loads_like_the_real_file(folder, tiny_ckpts):
     assert sa.keys() == sb.keys() and sa
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+# A loader lists only files of the family it loads, decided from the header (tensor names), not the file name.
+# Oracle: which tiny generator wrote each file (ditkit.tiny), i.e. the family by construction.
+FAMILY = {  # node -> (folder, files of its family, files of other families)
+    "DitKitZImageLoader": ("diffusion_models", {"zimage_tiny.safetensors"},
+                           {"flux2_tiny.safetensors", "ltx2_tiny.safetensors", "h3_tiny_comfy.safetensors"}),
+    "DitKitH3ModelLoader": ("diffusion_models", {"h3_tiny_comfy.safetensors", "h3_tiny_curve.safetensors",
+                                                 "h3_tiny_fasth3.safetensors", "h3_tiny_official", "h3_tiny_diffusers"},
+                            {"flux2_tiny.safetensors", "ltx2_tiny.safetensors", "zimage_tiny.safetensors"}),
+    "DitKitH3VAELoader": ("vae", {"h3_video_vae_tiny.safetensors", "h3_image_vae_tiny.safetensors",
+                                  "h3_audio_vae_tiny.safetensors"}, set()),
+    "DitKitLoKrLoader": ("loras", {"zimage_lokr_tiny.safetensors", "flux2_lokr_tiny.safetensors"}, set()),
+}
+MODULES = {row[1]: (row[0], row[2]) for row in LOADERS}
+
+
+@pytest.mark.parametrize("cls", sorted(FAMILY))
+def test_listing_offers_only_the_loaders_family(comfy, tiny_ckpts, tmp_path, cls):
+    import folder_paths
+
+    kind, ours, others = FAMILY[cls]
+    d = tmp_path / kind
+    d.mkdir()
+    # a file of another family under a name that looks right, and one of the right family under a neutral name
+    wrong = {"diffusion_models": "ltx2_tiny.safetensors", "vae": None, "loras": None}[kind]
+    src_wrong = tiny_ckpts / ("diffusion_models" if kind != "diffusion_models" else kind) / (
+        wrong or "zimage_tiny.safetensors")
+    shutil.copyfile(src_wrong, d / "zz_looks_like_ours.safetensors")
+    (d / "zz_unreadable_header.safetensors").write_bytes(b"\xff" * 64)
+    folder_paths.add_model_folder_path(kind, str(tiny_ckpts / kind))
+    folder_paths.add_model_folder_path(kind, str(d))
+    try:
+        module, inp = MODULES[cls]
+        opts = set(_options(_node(module, cls), inp))
+        assert ours <= opts, (ours - opts, opts)
+        assert not (others & opts), others & opts
+        assert "zz_looks_like_ours.safetensors" not in opts and "zz_unreadable_header.safetensors" not in opts, opts
+        assert not [o for o in opts if "-of-" in o], opts          # shards never appear on their own
+    finally:
+        paths = folder_paths.folder_names_and_paths[kind][0]
+        if str(d) in paths:
+            paths.remove(str(d))
+        folder_paths.filename_list_cache.pop(kind, None)

@@ -288,7 +288,7 @@ def test_te_bad_files(comfy, ckpts, monkeypatch):
 # real host (headless ComfyUI over /prompt)
 # --------------------------------------------------------------------------------------------------------------
 def test_real_host_adaln_cache_workflow(comfy_server):
-    """The example workflow: cached samplers (3 steps cold, 3 steps hot, 5 steps rebuild) and an uncached
+    """The test graph (tests/data/workflows): cached samplers (3 steps cold, 3 steps hot, 5 steps rebuild) and an uncached
     5-step sampler on the same input latent; cached == uncached bit for bit; the per-run reports are right.
     Then a second prompt with other step counts (4, 4, 7)."""
     import json
@@ -297,7 +297,7 @@ def test_real_host_adaln_cache_workflow(comfy_server):
 
     from ditkit.loaders.safetensors_io import load_file
 
-    wf = Path(__file__).resolve().parents[2] / "example_workflows" / "api" / "h3_adaln_cache_tiny.json"
+    wf = Path(__file__).resolve().parents[2] / "tests" / "data" / "workflows" / "api" / "h3_adaln_cache_steps.json"
     n_proj = 2 + 1  # tiny H3: 2 blocks + final layer; cfg 1 -> one forward per step
     pattern = r"DitKitH3AdaLNCache #5 adaln_cache: run: (\d+) hits, (\d+) misses, (\d+) rebuilds \((\w+)\)"
     for steps_a, steps_b, tag in ((3, 5, "p1"), (4, 7, "p2")):

@@ -320,15 +320,15 @@ def test_other_families_calibrate_and_skip(env, reports, family, cfg):
 def _api(name):
     from ditkit.run import REPO
 
-    return json.loads((REPO / "example_workflows" / "api" / name).read_text(encoding="utf-8"))
+    return json.loads((REPO / "tests" / "data" / "workflows" / "api" / name).read_text(encoding="utf-8"))
 
 
 def test_server_calibrate_then_teacache_workflow(comfy_server):
-    """Real headless ComfyUI: the example workflow calibrates on 3 prompts, writes the coefficient file, and the
+    """Real headless ComfyUI: the test graph calibrates on 3 prompts, writes the coefficient file, and the
     TeaCache sampler in the same workflow skips steps and reports per-stream counts; a 12-step run warns."""
     import re
 
-    graph = _api("h3_teacache_tiny.json")
+    graph = _api("teacache_calibrate_then_use.json")
     entry = comfy_server.run(graph)
     assert entry["status"]["status_str"] == "success"
     path = comfy_server.output_dir / "ditkit" / "teacache" / "h3_teacache_tiny.json"
@@ -351,7 +351,7 @@ def test_server_calibrate_then_teacache_workflow(comfy_server):
 
 def test_missing_coefficient_file_is_reported_on_the_teacache_node(comfy_server):
     """On a real server the failing node is DitKitTeaCache (before: the KSampler, when sampling started)."""
-    graph = _api("h3_teacache_tiny.json")
+    graph = _api("teacache_calibrate_then_use.json")
     graph = {k: v for k, v in graph.items() if v["class_type"] != "DitKitTeaCacheCalibrate"
              and not (v["class_type"] == "KSampler" and v["inputs"]["model"][0] != "12")
              and v["class_type"] not in ("LTXVSeparateAVLatent", "SaveLatent")}

@@ -105,8 +105,12 @@ def test_shipped_defaults_load_and_state_provenance():
     assert shipped, "no shipped defaults"
     for name, p in shipped.items():
         cf = coef.load(p)
-        assert cf.kind == "borrowed" and cf.provenance["source"] and cf.provenance.get("note")
-        assert name.startswith(cf.family)
+        assert cf.kind in ("borrowed", "calibrated") and cf.provenance["source"] and cf.provenance.get("note")
+        assert name.startswith(cf.family) and name.endswith(f"_{cf.kind}" if cf.kind == "calibrated" else "")
+        if cf.kind == "calibrated":   # fitted on a tiny model ditkit ships or generates; says a real model needs its own
+            assert cf.fingerprint["model"]["weights_sha256"] and cf.calibration["n_prompts"] >= 3
+            assert "needs its own calibration" in cf.provenance["note"]
+    assert {"h3_tiny_calibrated", "h3lab_calibrated"} <= set(shipped)
 
 
 def test_guard_model_family_weights_borrowed(tmp_path):

@@ -206,25 +206,28 @@ def test_ui_to_api_errors():
 
 # ------------------------------------------------------------------------------------- example twins
 
-API = wfm.api_workflows()
+TEST_GRAPHS = wfm.PACK_ROOT / "tests" / "data" / "workflows"
+API = wfm.api_workflows() + wfm.api_workflows(TEST_GRAPHS)
 
 
 def test_example_twins_are_in_sync(capsys):
-    """``example_workflows/<name>.json`` == conversion of ``example_workflows/api/<name>.json`` with the schemas
-    the twin embeds (regenerate with ``python -m ditkit.workflows sync --comfyui PATH``)."""
-    problems = wfm.sync(check=True)
+    """``example_workflows/<name>.json`` == conversion of ``example_workflows/api/<name>.json`` (with its layout
+    sidecar) with the schemas the twin embeds (regenerate with ``python -m ditkit.workflows sync --comfyui PATH``);
+    the same for the test graphs in tests/data/workflows (``sync --dir tests/data/workflows``)."""
+    problems = wfm.sync(check=True) + wfm.sync(TEST_GRAPHS, check=True)
     assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("path", API, ids=[p.stem for p in API])
 def test_example_workflow_roundtrips(path):
+    layout = wfm.load_layout(path)
     graph = json.loads(path.read_text(encoding="utf-8"))
     twin = wfm.twin_path(path)
     assert twin.is_file(), f"{twin} missing (python -m ditkit.workflows sync --comfyui PATH)"
     schemas = wfm.embedded_schemas(json.loads(twin.read_text(encoding="utf-8")))
     # the twin embeds exactly the schemas of the classes its API source uses
     assert set(schemas) == wfm.used_classes([path])
-    back = wfm.ui_to_api(wfm.api_to_ui(graph, schemas), schemas)
+    back = wfm.ui_to_api(wfm.api_to_ui(graph, schemas, layout=layout), schemas)
     assert wfm.strip_meta(back) == wfm.as_ui_would_send(graph, schemas)
     titles = {k: (v.get("_meta") or {}).get("title") for k, v in graph.items()}
     assert all(back[k].get("_meta", {}).get("title") in (t, None) for k, t in titles.items())
@@ -304,3 +307,35 @@ def test_python_m_ditkit_workflows_still_works(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("ERROR: API node '1': node class 'Nope' is unknown"), r.stderr
     r = subprocess.run([sys.executable, "-m", "ditkit.workflows", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "sync" in r.stdout and "to-api" in r.stdout
+
+
+def test_layout_sidecar_groups_stages_and_adds_a_note():
+    layout = {"title": "T", "description": "D", "look_at": "Sampler", "note": "## hello\n\nLook at: Sampler",
+              "stages": [{"title": "load", "nodes": ["1", "2"]}, {"title": "A", "nodes": ["3"]},
+                         {"title": "B", "nodes": ["4"], "column": 1}]}
+    ui = wfm.api_to_ui(GRAPH, INFO, name="t", layout=layout)
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    assert [g["title"] for g in ui["groups"]] == ["load", "A", "B"]
+    note = [n for n in ui["nodes"] if n["type"] == "MarkdownNote"]
+    assert len(note) == 1 and note[0]["widgets_values"] == [layout["note"]] and note[0]["id"] == 5
+    assert ui["last_node_id"] == 5 and ui["extra"]["ditkit_template"] == {"title": "T", "description": "D",
+                                                                          "look_at": "Sampler"}
+    assert note[0]["pos"][0] < nodes[1]["pos"][0] < nodes[3]["pos"][0] == nodes[4]["pos"][0]   # B stacks under A
+    assert nodes[3]["pos"][1] < nodes[4]["pos"][1]
+    a, b = ui["groups"][1]["bounding"], ui["groups"][2]["bounding"]
+    assert a[1] + a[3] < b[1]
+    # the Note is ignored on the way back; the graph is unchanged
+    assert wfm.ui_to_api(ui, INFO) == wfm.ui_to_api(wfm.api_to_ui(GRAPH, INFO, name="t"), INFO)
+    with pytest.raises(WorkflowError, match=r"not in any stage \['4'\]"):
+        wfm.api_to_ui(GRAPH, INFO, layout={"stages": [{"title": "x", "nodes": ["1", "2", "3"]}]})
+    with pytest.raises(WorkflowError, match=r"in two stages \['1'\]"):
+        wfm.api_to_ui(GRAPH, INFO, layout={"stages": [{"title": "x", "nodes": ["1", "2", "3", "4", "1"]}]})
+
+
+def test_layout_rows_of_a_comparison_line_up():
+    layout = {"stages": [{"title": "A1", "nodes": ["1"]}, {"title": "A2", "nodes": ["2", "3"]},
+                         {"title": "B1", "nodes": ["4"], "column": 0, "row": 1}]}
+    ui = wfm.api_to_ui(GRAPH, INFO, name="t", layout=layout)
+    g = {x["title"]: x["bounding"] for x in ui["groups"]}
+    # B1 sits in column 0 but below the taller A2 group of row 0, not just below A1
+    assert g["B1"][0] == g["A1"][0] and g["B1"][1] > g["A2"][1] + g["A2"][3] > g["A1"][1] + g["A1"][3]

@@ -1,38 +1,37 @@
-"""DitKitH3AudioVAELoader: the MiniMax H3 audio VAE at the size the file's shapes give (MODEL -> VAE).
+"""MiniMax H3 audio VAEs at the size of the file (DitKitH3VAELoader, audio files).
 
-The stock ``VAELoader`` always builds ComfyUI's full-size ``MiniMaxH3AudioVAE()`` (encoder_dim 64, latent_dim 2048,
-decoder_dim 1024), so a scaled file (the tiny checkpoints, distilled decoders) cannot load. This node validates the
-file (safe header, H3 audio family, the key inventory equals ComfyUI's layout for the dimensions read from the
-shapes) and returns the stock ``comfy.sd.VAE`` wrapper (ratios, sample rate, memory estimates from ComfyUI's own
-constructor, run on the meta device) around ``MiniMaxH3AudioVAE(encoder_dim, encoder_rates, latent_dim,
-decoder_dim, vae_latent_channels)`` built at those dimensions. ``VAEDecodeAudio`` / ``VAEEncodeAudio`` use it as
-any audio VAE. A stock-size file goes through ``comfy.sd.VAE`` unchanged.
+ComfyUI's VAE wrapper builds the stock audio VAE (DAC encoder 64, latent 2048, BigVGAN 1024) whatever the file
+holds, so a smaller file of the same structure (ditkit's tiny audio VAE, a distilled one) fails with size
+mismatches. Here the widths are read from the file's shapes (header only) and the whole key inventory must equal
+ComfyUI's layout at those widths (``vae.h3_layout.audio_vae_plan``: every missing, unexpected or mis-shaped tensor is
+refused by name, before any tensor is read); the stock wrapper is made on the meta device from the stock key
+inventory (its audio settings: 32 latent channels, 800-sample hop, 32 kHz, memory estimates) and its model is
+replaced by one built at the detected widths, like the scaled video VAE in h3_vae.py. A stock-size file goes
+through ``comfy.sd.VAE`` unchanged.
 """
 from __future__ import annotations
 
 import os
 
-import torch
-from comfy_api.latest import io
-
 import comfy.ldm.minimax.audio_vae as h3audio
 import comfy.model_management as mm
 import comfy.sd
+import torch
 
 from ..errors import CheckpointError, UnsupportedModelError
 from ..loaders.read_progress import load_with_progress
 from ..loaders.safetensors_io import read_header
-from ..vae.h3_layout import audio_vae_plan, classify_vae_keys
-from . import _files
-from ._bars import lazy_bar
-from ._common import send_report, ui_report
+from ..vae.h3_layout import H3_AUDIO_KEY, audio_vae_plan, classify_vae_keys
 
-NODE_ID = "DitKitH3AudioVAELoader"
 # ComfyUI's MiniMaxH3AudioVAE defaults and BigVGAN's fixed decoder schedule (comfy/ldm/minimax/audio_vae.py)
 STOCK = {"encoder_dim": 64, "encoder_rates": [2, 4, 4, 5, 5], "latent_dim": 2048, "decoder_dim": 1024,
          "latent_channels": 32, "upsample_rates": [5, 5, 2, 2, 2, 2, 2], "upsample_kernel_sizes": [9, 9, 4, 4, 4, 4, 4],
          "resblock_kernel_sizes": [3, 7, 11], "resblock_dilations": [1, 3, 5], "num_heads": 8}
 FLOAT_DTYPES = {"F16", "BF16", "F32"}
+
+
+def is_h3_audio_file(path: str) -> bool:
+    return H3_AUDIO_KEY in read_header(path).keys()
 
 
 def detect_audio_config(shapes: dict, where: str) -> dict:
@@ -69,8 +68,8 @@ def load_h3_audio_vae(path: str, progress=None) -> tuple[comfy.sd.VAE, dict]:
     where = f"VAE file '{name}'"
     family = classify_vae_keys(header.keys())
     if family != "h3_audio":
-        raise UnsupportedModelError(f"{where} is not a MiniMax H3 audio VAE (detected {family}); {NODE_ID} loads H3 "
-                                    "audio VAEs only (video and image VAEs: DitKitH3VAELoader)")
+        raise UnsupportedModelError(f"{where} is not a MiniMax H3 audio VAE (detected {family}); this loader reads H3 "
+                                    "audio VAEs only")
     bad = sorted(k for k, t in header.tensors.items() if t.dtype not in FLOAT_DTYPES)
     if bad:
         raise CheckpointError(f"{where}: non-float tensors {bad[:3]}; quantized audio VAEs are not supported here")
@@ -106,39 +105,5 @@ def load_h3_audio_vae(path: str, progress=None) -> tuple[comfy.sd.VAE, dict]:
             "config": {k: cfg[k] for k in ("encoder_dim", "encoder_rates", "latent_dim", "decoder_dim",
                                            "latent_channels")},
             "sample_rate": int(getattr(vae, "audio_sample_rate", 0)) or None}
+    vae.ditkit_h3 = data
     return vae, data
-
-
-class DitKitH3AudioVAELoader(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return io.Schema(
-            node_id=NODE_ID,
-            display_name="H3 Audio VAE Loader (any size) (ditkit)",
-            category="ditkit/h3",
-            description=("Loads a MiniMax H3 audio VAE (DAC encoder + BigVGAN decoder) at the size its shapes give, "
-                         "with strict validation of the key inventory; for VAEDecodeAudio / VAEEncodeAudio. The "
-                         "stock VAELoader only builds the full-size audio VAE."),
-            search_aliases=["h3 audio vae", "minimax audio vae", "h3 audio vae loader"],
-            inputs=[
-                io.Combo.Input("vae_name", options=_files.safetensors_files("vae"),
-                               tooltip="An H3 audio VAE (.safetensors) from models/vae, any width (the tiny "
-                                       "checkpoints, scaled decoders) or the full size. Video/image/LTX VAEs are "
-                                       "refused."),
-            ],
-            outputs=[io.Vae.Output(tooltip="A stock audio VAE (32 kHz stereo, 800 samples per latent frame).")],
-            hidden=[io.Hidden.unique_id],
-        )
-
-    @classmethod
-    def execute(cls, vae_name) -> io.NodeOutput:
-        path = _files.safetensors_path("vae", vae_name, NODE_ID)
-        vae, data = load_h3_audio_vae(path, progress=lazy_bar(cls.hidden.unique_id))
-        c = data["config"]
-        summary = (f"audio VAE {data['file']}: encoder {c['encoder_dim']}, latent {c['latent_dim']}, decoder "
-                   f"{c['decoder_dim']}, {c['latent_channels']} latent channels; {data['built']}")
-        payload = send_report(cls.hidden.unique_id, NODE_ID, "vae_load", summary, data)
-        return io.NodeOutput(vae, ui=ui_report(payload))
-
-
-NODES = [DitKitH3AudioVAELoader]
