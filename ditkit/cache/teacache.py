@@ -23,6 +23,7 @@ from typing import Hashable, Sequence
 import torch
 
 from ..errors import CoefficientError
+from ..report import Report
 from . import coefficients as coef
 from .coefficients import StreamCoefficients
 
@@ -52,7 +53,7 @@ class TeaCacheConfig:
 
 
 @dataclass
-class StreamStats:
+class StreamStats(Report):
     computed: int = 0
     skipped: int = 0
     would_skip: int = 0     # calls where this stream alone was below its threshold (non-forced calls)
@@ -61,10 +62,8 @@ class StreamStats:
     rel_l1_total: float = 0.0
     clamped: int = 0        # rel-L1 values clamped into the fitted x_range
 
-    def as_dict(self) -> dict:
-        return {"computed": self.computed, "skipped": self.skipped, "would_skip": self.would_skip,
-                "vetoes": self.vetoes, "acc_distance_total": round(self.acc_total, 6),
-                "rel_l1_total": round(self.rel_l1_total, 6), "x_clamped": self.clamped}
+    KEYS = ("computed", "skipped", "would_skip", "vetoes", "acc_distance_total", "rel_l1_total", "x_clamped=clamped")
+    VALUES = {"acc_distance_total": lambda s: round(s.acc_total, 6), "rel_l1_total": lambda s: round(s.rel_l1_total, 6)}
 
 
 @dataclass
@@ -77,7 +76,7 @@ class _CondState:
 
 
 @dataclass
-class TeaCacheReport:
+class TeaCacheReport(Report):
     family: str
     steps: int
     calls: int
@@ -90,6 +89,10 @@ class TeaCacheReport:
     coefficients: str
     warnings: list[str]
     resets: int
+
+    KEYS = ("family", "steps", "calls", "computed", "skipped", "block_eval_ratio", "forced", "streams", "per_condition",
+            "thresholds", "coefficients", "warnings", "resets")
+    VALUES = {"block_eval_ratio": lambda r: round(r.block_eval_ratio, 4)}
 
     @property
     def block_eval_ratio(self) -> float:
@@ -105,13 +108,6 @@ class TeaCacheReport:
         if self.warnings:
             parts.append(f"WARNING: {len(self.warnings)} fingerprint mismatch(es): " + "; ".join(self.warnings))
         return " | ".join(parts)
-
-    def as_dict(self) -> dict:
-        return {"family": self.family, "steps": self.steps, "calls": self.calls, "computed": self.computed,
-                "skipped": self.skipped, "block_eval_ratio": round(self.block_eval_ratio, 4),
-                "forced": dict(self.forced), "streams": self.streams, "per_condition": self.per_condition,
-                "thresholds": self.thresholds, "coefficients": self.coefficients, "warnings": list(self.warnings),
-                "resets": self.resets}
 
 
 class TeaCacheState:

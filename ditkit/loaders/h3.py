@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 from ..errors import CheckpointError
+from ..report import Report
 from .safetensors_io import SafeFile, TensorInfo, read_header, strict_json_loads
 
 OFFICIAL_INDEX = "model.safetensors.index.json"
@@ -106,7 +107,7 @@ class H3Source:
 
 
 @dataclass
-class H3LoadReport:
+class H3LoadReport(Report):
     path: str
     layout: str
     variant: str
@@ -127,12 +128,6 @@ class H3LoadReport:
                 f"{self.tensors_out} tensors, {conv}; hidden {c.get('hidden_size')}, "
                 f"{c.get('num_attention_heads')}x{c.get('attention_head_dim')} heads, {c.get('num_layers')} layers"
                 + (f", {self.quantized} quantized weights passed through" if self.quantized else ""))
-
-    def as_dict(self) -> dict:
-        return {"path": self.path, "layout": self.layout, "variant": self.variant, "shards": self.shards,
-                "tensors_read": self.tensors_read, "tensors_out": self.tensors_out, "converted": dict(self.converted),
-                "bytes_read": self.bytes_read, "bulk_dtype": self.bulk_dtype, "config": dict(self.config),
-                "passthrough": list(self.passthrough), "quantized": self.quantized}
 
 
 # ------------------------------------------------------------------ detection

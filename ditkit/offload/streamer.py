@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from ..report import Report
+
 ProgressFn = Callable[[int, int], None]
 
 ALIGN = 256  # bytes; >= the 32 B fused kernels need, and the CUDA allocator's own granularity
@@ -33,7 +35,7 @@ def _align(n: int, a: int = ALIGN) -> int:
 
 
 @dataclass
-class StreamStats:
+class StreamStats(Report):
     bytes_h2d: int = 0
     layers_streamed: int = 0
     prefetch_hits: int = 0
@@ -49,9 +51,6 @@ class StreamStats:
 
     def note_free(self, n: int) -> None:
         self.live_device_bytes -= n
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
     def reset(self) -> None:
         live = self.live_device_bytes

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ScheduleError
+from ..report import Report
 
 CONTRACT_FILE = "fastvideo_inference.json"
 CONTRACT_SCHEMA = "fasth3-inference-contract-v1"
@@ -133,7 +134,7 @@ def _check_sigmas(t: torch.Tensor, what: str) -> None:
 
 
 @dataclass(frozen=True)
-class Contract:
+class Contract(Report):
     """The schedule part of a ``fastvideo_inference.json`` (validated)."""
 
     path: str
@@ -143,13 +144,12 @@ class Contract:
     model_id: str | None = None
     extra: dict = field(default_factory=dict)
 
+    KEYS = ("path", "dmd_denoising_steps=rungs", "video_scheduler_shift=video_shift",
+            "audio_scheduler_shift=audio_shift", "model_id", "**extra")
+
     @property
     def where(self) -> str:
         return f"FastH3 contract '{self.path}'"
-
-    def as_dict(self) -> dict:
-        return {"path": self.path, "dmd_denoising_steps": list(self.rungs), "video_scheduler_shift": self.video_shift,
-                "audio_scheduler_shift": self.audio_shift, "model_id": self.model_id, **self.extra}
 
 
 def parse_contract(obj, where: str, path: str | None = None) -> Contract:
@@ -240,7 +240,7 @@ def _fmt(t: torch.Tensor) -> str:
 
 
 @dataclass
-class FastH3Schedule:
+class FastH3Schedule(Report):
     recipe: str
     label: str
     rungs: tuple[int, ...]
@@ -252,6 +252,10 @@ class FastH3Schedule:
     video_sigmas: torch.Tensor | None = None
     audio_sigmas: torch.Tensor | None = None
     audio_from_video: torch.Tensor | None = None
+
+    KEYS = ("recipe", "label", "dmd_denoising_steps=rungs", "positions", "forwards", "video_shift", "audio_shift",
+            "video_sigmas", "audio_sigmas", "audio_from_video_max_dev", "contract", "contract_note")
+    VALUES = {"audio_from_video_max_dev": lambda s: s.audio_derivation_error()}
 
     def __post_init__(self) -> None:
         self.positions = positions(self.rungs)
@@ -275,15 +279,6 @@ class FastH3Schedule:
         return (f"{self.label}: {self.forwards} forwards from {self.forwards + 1} grid points, shifts video "
                 f"{self.video_shift:g} / audio {self.audio_shift:g} set on the model (applied once); video sigmas "
                 f"[{_fmt(self.video_sigmas)}]; audio sigmas [{_fmt(self.audio_sigmas)}]; {c}")
-
-    def as_dict(self) -> dict:
-        return {"recipe": self.recipe, "label": self.label, "dmd_denoising_steps": list(self.rungs),
-                "positions": list(self.positions), "forwards": self.forwards,
-                "video_shift": self.video_shift, "audio_shift": self.audio_shift,
-                "video_sigmas": self.video_sigmas.tolist(), "audio_sigmas": self.audio_sigmas.tolist(),
-                "audio_from_video_max_dev": self.audio_derivation_error(),
-                "contract": self.contract.as_dict() if self.contract is not None else None,
-                "contract_note": self.contract_note}
 
 
 def resolve_schedule(recipe: str, contract: Contract | None = None, contract_note: str = "") -> FastH3Schedule:

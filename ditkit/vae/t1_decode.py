@@ -22,11 +22,12 @@ from typing import Callable
 import torch
 
 from ..errors import DitKitError
+from ..report import Report
 from .preflight import check_latent_shape
 
 
 @dataclass
-class T1DecodeReport:
+class T1DecodeReport(Report):
     path: str                  # "repeat_decode" | "direct_image_vae"
     batch: int
     latent_hw: tuple[int, int]
@@ -38,17 +39,14 @@ class T1DecodeReport:
     max_tile_bytes: int = 0    # largest raw decoder output of one tile (transient)
     extra: dict = field(default_factory=dict)
 
+    KEYS = ("path", "batch", "latent_hw", "tokens_decoded", "kept_raw_frame", "tiles", "tiled", "canvas_bytes",
+            "max_tile_bytes", "**extra")
+
     def summary(self) -> str:
         how = "duplicated to a 7-token clip, kept first valid frame" if self.path == "repeat_decode" else \
             f"image VAE direct, h3_t1_output_slice {self.kept_raw_frame}"
         return (f"T=1 decode ({how}): batch {self.batch}, {self.tiles} tile(s)"
                 f"{'' if self.tiled else ' (untiled)'}, canvas {self.canvas_bytes / 2**20:.2f} MiB")
-
-    def as_dict(self) -> dict:
-        return {"path": self.path, "batch": self.batch, "latent_hw": list(self.latent_hw),
-                "tokens_decoded": self.tokens_decoded, "kept_raw_frame": self.kept_raw_frame, "tiles": self.tiles,
-                "tiled": self.tiled, "canvas_bytes": self.canvas_bytes, "max_tile_bytes": self.max_tile_bytes,
-                **self.extra}
 
 
 def _check_latent(model, z: torch.Tensor) -> None:
