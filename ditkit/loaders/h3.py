@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from ..errors import CheckpointError
-from ..report import Report
+from ..report import ProgressFn, Report
 from .safetensors_io import SafeFile, TensorInfo, read_header, strict_json_loads
 
 OFFICIAL_INDEX = "model.safetensors.index.json"
@@ -557,9 +557,6 @@ def _validate_marker(src: H3Source, k: str, t: torch.Tensor) -> None:
         raise CheckpointError(f"'{src.path}': tensor {k!r} is not a UTF-8 JSON quantization marker") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("format"), str):
         raise CheckpointError(f"'{src.path}': quantization marker {k!r} must be a JSON object with a string 'format'")
-
-
-ProgressFn = Callable[[int, int], None]
 
 
 def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = None,

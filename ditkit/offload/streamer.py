@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from ..report import Report
-
-ProgressFn = Callable[[int, int], None]
+from ..report import ProgressFn, Report
 
 ALIGN = 256  # bytes; >= the 32 B fused kernels need, and the CUDA allocator's own granularity
 

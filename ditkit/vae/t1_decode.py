@@ -17,12 +17,11 @@ own ``_decode_pixels`` (post_quant_conv + ViT decoder), ``split_tiles``, ``blend
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ..errors import DitKitError
-from ..report import Report
+from ..report import ProgressFn, Report
 from .preflight import check_latent_shape
 
 
@@ -66,9 +65,6 @@ def unwhiten(model, z: torch.Tensor) -> torch.Tensor:
     mean = model.latents_mean.view(1, -1, 1, 1, 1).to(z)
     std = model.latents_std.view(1, -1, 1, 1, 1).to(z)
     return z * std + mean
-
-
-ProgressFn = Callable[[int, int], None]
 
 
 def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeReport | None = None,
