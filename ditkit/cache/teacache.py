@@ -16,7 +16,6 @@ State is kept per condition key (ComfyUI's cond UUID), so cond and uncond never 
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -298,12 +297,6 @@ class TeaCacheState:
         for c in self.conds.values():
             c.prev.clear()
             c.residual = None
-
-
-def finite_or_raise(v: float, what: str) -> float:
-    if not math.isfinite(v):
-        raise ValueError(f"{what} is not finite: {v}")
-    return v
 
 
 def state_from_coefficients(cf, family: str, model_fp: dict | None, params: dict, who: str = "DitKitTeaCache",

@@ -29,7 +29,6 @@ Every 2-D I8 weight must carry a ``.comfy_quant`` marker.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections import Counter
@@ -638,7 +637,3 @@ def comfy_metadata(path: str | os.PathLike) -> dict[str, str] | None:
     """The safetensors ``__metadata__`` ComfyUI should see (single files only; its ``config`` JSON overrides)."""
     src = detect(path)
     return dict(src.metadata) if src.layout == "comfy" and src.metadata else None
-
-
-def estimate_params(sd: dict[str, torch.Tensor]) -> int:
-    return sum(math.prod(t.shape) for t in sd.values())

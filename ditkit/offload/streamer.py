@@ -95,10 +95,6 @@ def _tensors_of(layer: torch.nn.Module):
                 yield f"{mod_name}.{attr}" if mod_name else attr, mod, attr, False, b
 
 
-def _dense_stride(t: torch.Tensor) -> bool:
-    return t.is_contiguous()
-
-
 def pack_layer(index: int, layer: torch.nn.Module, pin: bool) -> LayerPack:
     """Copy every tensor of ``layer`` into per-dtype host packs and re-point the layer at views of them."""
     pack = LayerPack(index)
