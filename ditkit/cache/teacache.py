@@ -52,7 +52,7 @@ class TeaCacheConfig:
 
 
 @dataclass
-class StreamStats(Report):
+class TeaCacheStreamStats(Report):
     computed: int = 0
     skipped: int = 0
     would_skip: int = 0     # calls where this stream alone was below its threshold (non-forced calls)
@@ -126,7 +126,7 @@ class TeaCacheState:
     def _reset_state(self, sigmas: Sequence[float]):
         self.sigmas = [float(s) for s in sigmas]
         self.conds: dict[Hashable, _CondState] = {}
-        self.stats = {s: StreamStats() for s in self.config.streams}
+        self.stats = {s: TeaCacheStreamStats() for s in self.config.streams}
         self.forced: dict[str, int] = {}
         self.calls = 0
         self.computed = 0

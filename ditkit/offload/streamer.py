@@ -10,7 +10,7 @@ host pack and drops the device buffer. On CUDA the copies run on a dedicated str
 on any other device (and in the CPU tests) copies are synchronous. Embedding tables stay on the host
 (:class:`HostEmbedding`): token ids go to the host, the looked-up rows come back.
 
-Accounting (:class:`StreamStats`): bytes copied host->device, layers streamed, peak device-resident streamed
+Accounting (:class:`LayerStreamStats`): bytes copied host->device, layers streamed, peak device-resident streamed
 bytes (sum of live device packs), prefetch hits (copy already issued when the layer was needed).
 
 The CUDA path (streams, events, ``record_stream``) is written for GPUs but was only exercised on CPU here.
@@ -32,7 +32,7 @@ def _align(n: int, a: int = ALIGN) -> int:
 
 
 @dataclass
-class StreamStats(Report):
+class LayerStreamStats(Report):
     bytes_h2d: int = 0
     layers_streamed: int = 0
     prefetch_hits: int = 0
@@ -238,7 +238,7 @@ class LayerwiseStreamer:
             if progress is not None:
                 progress(i + 1, len(self.layers))
         self.copier = _CudaCopier(self.device) if cuda else _Copier(self.device)
-        self.stats = StreamStats()
+        self.stats = LayerStreamStats()
         self._inflight: dict[int, tuple[dict, object]] = {}   # issued, not yet acquired
         self._resident: dict[int, dict] = {}                   # acquired (bound to device views)
         self._lock = threading.RLock()
@@ -378,7 +378,7 @@ class HostEmbedding(torch.nn.Module):
     The wrapped module is held unregistered (it never moves to the device). ``weight`` is exposed for code that
     reads the table's device or shape."""
 
-    def __init__(self, embedding: torch.nn.Module, stats: StreamStats | None = None):
+    def __init__(self, embedding: torch.nn.Module, stats: LayerStreamStats | None = None):
         super().__init__()
         object.__setattr__(self, "_emb", embedding)
         object.__setattr__(self, "_stats", stats)
