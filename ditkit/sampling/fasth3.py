@@ -42,7 +42,6 @@ touches them.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -50,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import strict_json
 from ..errors import ScheduleError
 from ..report import Report
 
@@ -192,25 +192,6 @@ def parse_contract(obj, where: str, path: str | None = None) -> Contract:
                     model_id=mid if isinstance(mid, str) and _SAFE_TEXT.match(mid) else None, extra=extra)
 
 
-def _strict_pairs(where: str):
-    def hook(pairs):
-        out = {}
-        for k, v in pairs:
-            if k in out:
-                raise ScheduleError(f"{where}: duplicate JSON key")
-            out[k] = v
-        return out
-
-    return hook
-
-
-def _reject_constant(where: str):
-    def hook(name):
-        raise ScheduleError(f"{where}: non-finite JSON constant {name}")
-
-    return hook
-
-
 def load_contract(path: str | os.PathLike) -> Contract:
     """Read and validate a contract file: at most 64 KiB, UTF-8, strict JSON (no NaN/Infinity, no duplicate keys)."""
     path = os.fspath(path)
@@ -227,9 +208,11 @@ def load_contract(path: str | os.PathLike) -> Contract:
     except UnicodeDecodeError:
         raise ScheduleError(f"{where}: not UTF-8 text") from None
     try:
-        obj = json.loads(text, object_pairs_hook=_strict_pairs(where), parse_constant=_reject_constant(where))
-    except ScheduleError:
-        raise
+        obj = strict_json.loads(text)
+    except strict_json.DuplicateKey:      # the key is a file string: not echoed
+        raise ScheduleError(f"{where}: duplicate JSON key") from None
+    except strict_json.NonFiniteConstant as e:
+        raise ScheduleError(f"{where}: non-finite JSON constant {e.name}") from None
     except (ValueError, RecursionError) as e:
         raise ScheduleError(f"{where}: invalid JSON ({type(e).__name__})") from None
     return parse_contract(obj, where, path)
