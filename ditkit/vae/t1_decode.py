@@ -144,10 +144,12 @@ def repeat_clip_tokens(model) -> tuple[int, int]:
     return tokens, int(model.frame_pre_padding)
 
 
-def repeat_decode_t1(model, z: torch.Tensor, progress: ProgressFn | None = None) -> tuple[torch.Tensor, T1DecodeReport]:
+def repeat_decode_t1(model, z: torch.Tensor, progress: ProgressFn | None = None, *,
+                     checked: bool = False) -> tuple[torch.Tensor, T1DecodeReport]:
     """Stock video VAE, T = 1: float32 pixels [B, 3, 1, H, W] in [0, 1] equal to frame 0 of the native decode of
-    the latent duplicated to T = 2."""
-    _check_latent(model, z)
+    the latent duplicated to T = 2. ``checked``: the caller (the decode node) already ran the latent checks."""
+    if not checked:
+        _check_latent(model, z)
     tokens, kept = repeat_clip_tokens(model)
     rep = T1DecodeReport("repeat_decode", z.shape[0], (z.shape[-2], z.shape[-1]), tokens, kept)
     raw = unwhiten(model, z).repeat(1, 1, tokens, 1, 1)
@@ -155,10 +157,12 @@ def repeat_decode_t1(model, z: torch.Tensor, progress: ProgressFn | None = None)
     return model._finalize_pixels(pix), rep
 
 
-def direct_decode_t1(model, z: torch.Tensor, output_slice: int,
-                     progress: ProgressFn | None = None) -> tuple[torch.Tensor, T1DecodeReport]:
-    """Image VAE, T = 1: decode the single token directly and keep decoder frame ``output_slice``."""
-    _check_latent(model, z)
+def direct_decode_t1(model, z: torch.Tensor, output_slice: int, progress: ProgressFn | None = None, *,
+                     checked: bool = False) -> tuple[torch.Tensor, T1DecodeReport]:
+    """Image VAE, T = 1: decode the single token directly and keep decoder frame ``output_slice``.
+    ``checked``: as for :func:`repeat_decode_t1`."""
+    if not checked:
+        _check_latent(model, z)
     pt = int(getattr(getattr(model, "decoder", None), "patch_size_t", 4))
     if not 0 <= int(output_slice) < pt:
         raise DitKitError(f"h3_t1_output_slice {output_slice} is outside the {pt} frames one token decodes to")
