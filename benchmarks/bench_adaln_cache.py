@@ -38,7 +38,7 @@ SCHEDULES = (("t2va_50", "t2va 50 steps (49 fwd, M=2)", 50, 49, 2), ("t2va_8", "
 
 
 def part_a(rows):
-    from ditkit.offload.adaln import h3_adaln_sizes
+    from ditkit.cache.adaln import h3_adaln_sizes
 
     print("A. real H3 AdaLN, from shapes (bf16)")
     w = h3_adaln_sizes(1)["weight_bytes"]
@@ -120,7 +120,7 @@ def part_b(comfyui: str, steps: int, repeats: int, rows):
 
 
 def part_c(repeats: int, rows):
-    from ditkit.offload.adaln import AdalnScheduleCache
+    from ditkit.cache.adaln import AdalnScheduleCache
 
     print("C. scaled synthetic AdaLN stack (4 blocks, [24192, 672] bf16 each = H3 widths / 4), CPU")
 

@@ -995,7 +995,7 @@ def sec_adaln(ctx: Ctx, c: dict) -> None:
 
     import torch
 
-    from ditkit.offload.adaln import AdalnScheduleCache, fp32_bits
+    from ditkit.cache.adaln import AdalnScheduleCache, fp32_bits
 
     sec, dev = "adaln", ctx.device
     dt, dts = getattr(torch, c["dtype"]), dtype_short(c["dtype"])

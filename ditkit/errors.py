@@ -35,10 +35,6 @@ class UnsupportedModelError(DitKitError):
     """The node was given a model it does not support (e.g. a non-H3 model to an H3-only node)."""
 
 
-def describe_file(path) -> str:
-    return f"'{path}'"
-
-
 class WorkflowError(DitKitError):
     """A workflow file cannot be converted or checked (unknown node class, missing link, bad widget values)."""
 

@@ -31,6 +31,7 @@ from typing import Any, Iterable
 from ..errors import CheckpointError, CoefficientError
 from ..loaders.safe_fs import SafeDir, read_inside, write_file
 from ..loaders.safetensors_io import strict_json_loads
+from ..report import Report
 
 FORMAT = "ditkit.teacache.coefficients"
 VERSION = 1
@@ -51,11 +52,13 @@ SIGMA_TOL = 1e-4
 
 
 @dataclass(frozen=True)
-class StreamCoefficients:
+class StreamCoefficients(Report):
     name: str
     coefficients: tuple[float, ...]  # highest order first (numpy poly1d)
     x_range: tuple[float, float] | None = None
     fit: dict | None = None
+
+    KEYS = ("coefficients", "x_range", "fit")
 
     def rescale(self, x: float) -> tuple[float, bool]:
         """Polynomial rescale of one rel-L1 value; x is clamped into ``x_range`` (no extrapolation).
@@ -71,14 +74,9 @@ class StreamCoefficients:
             y = y * x + c
         return y, clamped
 
-    def as_dict(self) -> dict:
-        return {"coefficients": list(self.coefficients),
-                "x_range": list(self.x_range) if self.x_range is not None else None,
-                "fit": self.fit}
-
 
 @dataclass
-class CoefficientFile:
+class CoefficientFile(Report):
     family: str
     streams: dict[str, StreamCoefficients]
     fingerprint: dict
@@ -86,14 +84,12 @@ class CoefficientFile:
     calibration: dict | None = None
     path: str | None = None
 
+    KEYS = ("format", "version", "family", "streams", "calibration", "fingerprint", "provenance")
+    VALUES = {"format": lambda cf: FORMAT, "version": lambda cf: VERSION}
+
     @property
     def kind(self) -> str:
         return str(self.provenance["kind"])
-
-    def as_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, "family": self.family,
-                "streams": {k: v.as_dict() for k, v in self.streams.items()},
-                "calibration": self.calibration, "fingerprint": self.fingerprint, "provenance": self.provenance}
 
     def describe(self) -> str:
         src = self.provenance.get("source", "?")

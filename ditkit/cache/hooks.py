@@ -268,7 +268,6 @@ class TeaCacheHolder:
         self.state = state
         self.recorder = recorder
         self.info = dict(info or {})
-        self.events: list[str] = []
 
     def clone(self) -> "TeaCacheHolder":
         return TeaCacheHolder(self.family, self.mode,

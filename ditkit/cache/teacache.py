@@ -16,13 +16,13 @@ State is kept per condition key (ComfyUI's cond UUID), so cond and uncond never 
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import torch
 
 from ..errors import CoefficientError
+from ..report import Report
 from . import coefficients as coef
 from .coefficients import StreamCoefficients
 
@@ -52,7 +52,7 @@ class TeaCacheConfig:
 
 
 @dataclass
-class StreamStats:
+class TeaCacheStreamStats(Report):
     computed: int = 0
     skipped: int = 0
     would_skip: int = 0     # calls where this stream alone was below its threshold (non-forced calls)
@@ -61,10 +61,8 @@ class StreamStats:
     rel_l1_total: float = 0.0
     clamped: int = 0        # rel-L1 values clamped into the fitted x_range
 
-    def as_dict(self) -> dict:
-        return {"computed": self.computed, "skipped": self.skipped, "would_skip": self.would_skip,
-                "vetoes": self.vetoes, "acc_distance_total": round(self.acc_total, 6),
-                "rel_l1_total": round(self.rel_l1_total, 6), "x_clamped": self.clamped}
+    KEYS = ("computed", "skipped", "would_skip", "vetoes", "acc_distance_total", "rel_l1_total", "x_clamped=clamped")
+    VALUES = {"acc_distance_total": lambda s: round(s.acc_total, 6), "rel_l1_total": lambda s: round(s.rel_l1_total, 6)}
 
 
 @dataclass
@@ -77,7 +75,7 @@ class _CondState:
 
 
 @dataclass
-class TeaCacheReport:
+class TeaCacheReport(Report):
     family: str
     steps: int
     calls: int
@@ -90,6 +88,10 @@ class TeaCacheReport:
     coefficients: str
     warnings: list[str]
     resets: int
+
+    KEYS = ("family", "steps", "calls", "computed", "skipped", "block_eval_ratio", "forced", "streams", "per_condition",
+            "thresholds", "coefficients", "warnings", "resets")
+    VALUES = {"block_eval_ratio": lambda r: round(r.block_eval_ratio, 4)}
 
     @property
     def block_eval_ratio(self) -> float:
@@ -105,13 +107,6 @@ class TeaCacheReport:
         if self.warnings:
             parts.append(f"WARNING: {len(self.warnings)} fingerprint mismatch(es): " + "; ".join(self.warnings))
         return " | ".join(parts)
-
-    def as_dict(self) -> dict:
-        return {"family": self.family, "steps": self.steps, "calls": self.calls, "computed": self.computed,
-                "skipped": self.skipped, "block_eval_ratio": round(self.block_eval_ratio, 4),
-                "forced": dict(self.forced), "streams": self.streams, "per_condition": self.per_condition,
-                "thresholds": self.thresholds, "coefficients": self.coefficients, "warnings": list(self.warnings),
-                "resets": self.resets}
 
 
 class TeaCacheState:
@@ -131,7 +126,7 @@ class TeaCacheState:
     def _reset_state(self, sigmas: Sequence[float]):
         self.sigmas = [float(s) for s in sigmas]
         self.conds: dict[Hashable, _CondState] = {}
-        self.stats = {s: StreamStats() for s in self.config.streams}
+        self.stats = {s: TeaCacheStreamStats() for s in self.config.streams}
         self.forced: dict[str, int] = {}
         self.calls = 0
         self.computed = 0
@@ -302,12 +297,6 @@ class TeaCacheState:
         for c in self.conds.values():
             c.prev.clear()
             c.residual = None
-
-
-def finite_or_raise(v: float, what: str) -> float:
-    if not math.isfinite(v):
-        raise ValueError(f"{what} is not finite: {v}")
-    return v
 
 
 def state_from_coefficients(cf, family: str, model_fp: dict | None, params: dict, who: str = "DitKitTeaCache",

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import BackendError
+from ..report import Report
 
 log = logging.getLogger("ditkit.kernels")
 
@@ -65,7 +66,7 @@ class Op:
 
 
 @dataclass(frozen=True)
-class Selection:
+class Selection(Report):
     op: str
     backend: str
     fn: Callable
@@ -73,6 +74,10 @@ class Selection:
     rejected: tuple[tuple[str, str], ...]
     query: Query
     unverified: Optional[str] = None     # set when an explicitly chosen backend has never been run anywhere
+
+    KEYS = ("op", "backend", "exact", "verified", "unverified", "rejected", "device=query.device_type",
+            "capability=query.capability", "dtype", "head_dim=query.head_dim")
+    VALUES = {"rejected": lambda s: dict(s.rejected), "dtype": lambda s: str(s.query.dtype).replace("torch.", "")}
 
     @property
     def verified(self) -> bool:
@@ -82,13 +87,6 @@ class Selection:
         rej = "; ".join(f"{n}: {r}" for n, r in self.rejected) or "none"
         warn = f" [chosen explicitly, UNVERIFIED: {self.unverified}]" if self.unverified else ""
         return f"{self.op} -> {self.backend}{warn} (rejected: {rej})"
-
-    def as_dict(self) -> dict:
-        return {"op": self.op, "backend": self.backend, "exact": self.exact, "verified": self.verified,
-                "unverified": self.unverified,
-                "rejected": dict(self.rejected), "device": self.query.device_type,
-                "capability": self.query.capability, "dtype": str(self.query.dtype).replace("torch.", ""),
-                "head_dim": self.query.head_dim}
 
 
 def device_capability(device: torch.device) -> Optional[tuple[int, int]]:

@@ -12,7 +12,7 @@ VSA-H3 (FastVideo ``video_sparse_attn_h3``, tile 64, "exempt" prefix): :func:`vs
 query tiles dense; video query tiles see every prefix key tile plus the top ``k = ceil(keep·n_video)`` video
 tiles; ``out = fine + gate ⊙ softmax(scores)·v̄`` where the gate is the checkpoint's ``to_gate_compress``
 output (packed order) and the branch is skipped without one (FastVideo H3: "untrained inference is exactly
-pure-sparse"). :func:`token_level_oracle` is the dense SDPA reference with the equivalent token mask.
+pure-sparse").
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import DitKitError
 from . import block_sparse, block_sparse_cpu, block_sparse_cpu_native, tile_pack  # noqa: F401  (registers the ops)
@@ -235,24 +234,3 @@ def resolve_aux(op: str, q: torch.Tensor, backend: Optional[str]) -> Selection:
     """Pack/unpack follow the fine-stage request: 'triton' -> triton, anything else -> auto."""
     req = "triton" if backend == "triton" else None
     return REGISTRY.resolve(op, q.device, q.dtype, q.shape[-1], req)
-
-
-def token_level_oracle(q, k, v, layout: H3TileLayout, q2k_index: torch.Tensor, q2k_num: torch.Tensor,
-                       gate: Optional[torch.Tensor] = None, coarse_tiles: Optional[torch.Tensor] = None,
-                       dtype=torch.float64) -> torch.Tensor:
-    """Dense SDPA over the packed sequence with the token mask equivalent to a tile selection."""
-    B, H, S, D = q.shape
-    tid = (layout.untile_index // layout.tile).to(q.device)                    # tile of each packed row
-    T = layout.n_tiles
-    allowed = torch.zeros(B, H, T, T + 1, dtype=torch.bool, device=q.device)
-    cap = q2k_index.shape[-1]
-    slot_ok = torch.arange(cap, device=q.device) < q2k_num.long()[..., None]
-    ind = torch.where(slot_ok, q2k_index.long(), torch.full_like(q2k_index, T, dtype=torch.long))
-    allowed.scatter_(-1, ind, True)
-    allowed = allowed[..., :T]
-    mask = allowed[:, :, tid][:, :, :, tid]                                       # [B,H,S,S]
-    out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask)
-    if coarse_tiles is not None:
-        c = coarse_tiles.to(dtype)[:, :, tid]
-        out = out + (c * gate.to(dtype) if gate is not None else c)
-    return out

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..report import Report
 from .vsa import vsa_h3_attention
 from .vsa_layout import H3TileLayout, build_h3_layout
 
@@ -40,7 +41,7 @@ def _step_key(sigma: Optional[float]):
 
 
 @dataclass
-class VSAH3Runtime:
+class VSAH3Runtime(Report):
     cfg: VSAH3Config
     gate_source: str = "none"
     calls: Counter = field(default_factory=Counter)          # "sparse" / dense reasons
@@ -54,6 +55,13 @@ class VSAH3Runtime:
     n_tiles: Optional[int] = None
     layouts: set = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    KEYS = ("keep=cfg.keep", "sparsity=cfg.sparsity", "backend_requested", "backends_used=backends", "calls",
+            "steps_sparse", "steps_dense", "steps_without_attention", "measured_density=density", "k_video", "n_tiles",
+            "gate=gate_source", "layouts")
+    VALUES = {"backend_requested": lambda r: r.cfg.backend or "auto", "steps_sparse": lambda r: len(r.steps_sparse),
+              "steps_dense": lambda r: len(r.steps_dense), "steps_without_attention": lambda r: len(r.steps_idle),
+              "layouts": lambda r: sorted(r.layouts)}
 
     def reset(self) -> None:
         with self._lock:
@@ -114,14 +122,6 @@ class VSAH3Runtime:
     @property
     def density(self) -> Optional[float]:
         return self.block_pairs / self.block_pairs_dense if self.block_pairs_dense else None
-
-    def as_dict(self) -> dict:
-        return {"keep": self.cfg.keep, "sparsity": self.cfg.sparsity, "backend_requested": self.cfg.backend or "auto",
-                "backends_used": dict(self.backends), "calls": dict(self.calls),
-                "steps_sparse": len(self.steps_sparse), "steps_dense": len(self.steps_dense),
-                "steps_without_attention": len(self.steps_idle),
-                "measured_density": self.density, "k_video": self.k_video, "n_tiles": self.n_tiles,
-                "gate": self.gate_source, "layouts": sorted(self.layouts)}
 
     def summary(self) -> str:
         used = ", ".join(f"{b}" for b in self.backends) or "none (no sparse call)"

@@ -195,11 +195,6 @@ def check_seq_len(layout: H3TileLayout, n: int) -> None:
                           f"({layout.describe()}); a non-packed sequence (e.g. the token refiner) must stay dense")
 
 
-def token_tile_ids(layout: H3TileLayout) -> torch.Tensor:
-    """Tile id of every packed row (for token-level oracles)."""
-    return layout.untile_index // layout.tile
-
-
 SEGMENT_CLASS = {"text": "text", "cond": "visual", "ref_img": "visual", "cond_audio": "audio", "ref_audio": "audio",
                  "audio": "audio", "video": "video"}
 

@@ -29,7 +29,6 @@ Every 2-D I8 weight must carry a ``.comfy_quant`` marker.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections import Counter
@@ -40,6 +39,7 @@ from typing import Callable
 import torch
 
 from ..errors import CheckpointError
+from ..report import ProgressFn, Report
 from .safetensors_io import SafeFile, TensorInfo, read_header, strict_json_loads
 
 OFFICIAL_INDEX = "model.safetensors.index.json"
@@ -106,7 +106,7 @@ class H3Source:
 
 
 @dataclass
-class H3LoadReport:
+class H3LoadReport(Report):
     path: str
     layout: str
     variant: str
@@ -127,12 +127,6 @@ class H3LoadReport:
                 f"{self.tensors_out} tensors, {conv}; hidden {c.get('hidden_size')}, "
                 f"{c.get('num_attention_heads')}x{c.get('attention_head_dim')} heads, {c.get('num_layers')} layers"
                 + (f", {self.quantized} quantized weights passed through" if self.quantized else ""))
-
-    def as_dict(self) -> dict:
-        return {"path": self.path, "layout": self.layout, "variant": self.variant, "shards": self.shards,
-                "tensors_read": self.tensors_read, "tensors_out": self.tensors_out, "converted": dict(self.converted),
-                "bytes_read": self.bytes_read, "bulk_dtype": self.bulk_dtype, "config": dict(self.config),
-                "passthrough": list(self.passthrough), "quantized": self.quantized}
 
 
 # ------------------------------------------------------------------ detection
@@ -564,9 +558,6 @@ def _validate_marker(src: H3Source, k: str, t: torch.Tensor) -> None:
         raise CheckpointError(f"'{src.path}': quantization marker {k!r} must be a JSON object with a string 'format'")
 
 
-ProgressFn = Callable[[int, int], None]
-
-
 def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = None,
                        on_file: Callable[[str, int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], H3LoadReport]:
     """Detect, validate (headers only), then read + convert one tensor at a time -> (ComfyUI state dict, report).
@@ -646,7 +637,3 @@ def comfy_metadata(path: str | os.PathLike) -> dict[str, str] | None:
     """The safetensors ``__metadata__`` ComfyUI should see (single files only; its ``config`` JSON overrides)."""
     src = detect(path)
     return dict(src.metadata) if src.layout == "comfy" and src.metadata else None
-
-
-def estimate_params(sd: dict[str, torch.Tensor]) -> int:
-    return sum(math.prod(t.shape) for t in sd.values())

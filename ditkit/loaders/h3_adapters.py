@@ -72,6 +72,7 @@ import torch
 
 from ..errors import AdapterError, CheckpointError
 from ..kernels import delta_fuse
+from ..report import Report
 from . import h3 as h3core
 from . import lokr as lokr_core
 from .lokr_math import rebuild_w1, rebuild_w2
@@ -410,7 +411,7 @@ class Item:
 
 
 @dataclass
-class Plan:
+class Plan(Report):
     items: list[Item]
     unused: dict[str, str]
     refused: dict[str, str]
@@ -420,18 +421,17 @@ class Plan:
     notes: list[str]
     gates: dict[int, torch.Tensor] = field(default_factory=dict)   # assigned FastH3 gates (strength applied later)
 
+    KEYS = ("writer", "qkv_layout=layout", "qkv_layout_reason=layout_reason", "applied", "unused", "refused", "notes",
+            "gates")
+    VALUES = {"applied": lambda p: [{"module": it.module.prefix, "kind": it.module.kind, "target": it.target.describe(),
+                                     "scale": it.scale, "scale_rule": it.scale_rule, "layout": it.layout,
+                                     "keys": list(it.module.keys)} for it in p.items],
+              "gates": lambda p: sorted(p.gates)}
+
     def summary(self) -> str:
         return (f"H3 adapter ({self.writer}): {len(self.items)} modules applied, {len(self.unused)} keys unused, "
                 f"{len(self.refused)} refused; qkv layout {self.layout}"
                 + (f"; {len(self.gates)} sparse-attention gates assigned" if self.gates else ""))
-
-    def as_dict(self) -> dict:
-        return {"writer": self.writer, "qkv_layout": self.layout, "qkv_layout_reason": self.layout_reason,
-                "applied": [{"module": it.module.prefix, "kind": it.module.kind, "target": it.target.describe(),
-                             "scale": it.scale, "scale_rule": it.scale_rule, "layout": it.layout,
-                             "keys": list(it.module.keys)} for it in self.items],
-                "unused": dict(self.unused), "refused": dict(self.refused), "notes": list(self.notes),
-                "gates": sorted(self.gates)}
 
 
 def _finite(t: torch.Tensor) -> bool:

@@ -82,6 +82,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import AdapterError, CheckpointError, UnsupportedModelError
+from ..report import Report
 from . import safe_fs
 from .lokr_math import add_delta_, delta_weight
 from .safetensors_io import SafeFile, strict_json_loads
@@ -707,7 +708,7 @@ class PlanItem:
 
 
 @dataclass
-class LoKrPlan:
+class LoKrPlan(Report):
     family: str
     writer: str
     items: list[PlanItem]
@@ -715,16 +716,14 @@ class LoKrPlan:
     refused: dict[str, str]           # module prefix -> why (unsupported variant)
     notes: list[str]
 
+    KEYS = ("family", "writer", "applied", "unused", "refused", "notes")
+    VALUES = {"applied": lambda p: [{"module": it.module.prefix, "target": it.target.describe(), "via": it.target.via,
+                                     "scale": it.module.scale, "scale_rule": it.module.scale_rule,
+                                     "scale_kind": it.module.scale_kind} for it in p.items]}
+
     def summary(self) -> str:
         return (f"LoKr ({self.writer}) on {self.family}: {len(self.items)} modules applied, "
                 f"{len(self.unused)} keys unused, {len(self.refused)} refused")
-
-    def as_dict(self) -> dict:
-        return {"family": self.family, "writer": self.writer,
-                "applied": [{"module": it.module.prefix, "target": it.target.describe(), "via": it.target.via,
-                             "scale": it.module.scale, "scale_rule": it.module.scale_rule,
-                             "scale_kind": it.module.scale_kind} for it in self.items],
-                "unused": dict(self.unused), "refused": dict(self.refused), "notes": list(self.notes)}
 
 
 _EXP_MASK = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),

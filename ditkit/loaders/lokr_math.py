@@ -67,12 +67,6 @@ def delta_weight(f: dict, target_shape, scale: float, dtype=torch.float32) -> to
     return (d * scale).reshape(tuple(target_shape))
 
 
-def kron_rows_aligned(w1_rows: int, w2_rows: int, start: int, stop: int) -> bool:
-    """Is row range [start, stop) of kron(w1, w2) itself one Kronecker product kron(w1[a:b], w2)?"""
-    del w1_rows
-    return start % w2_rows == 0 and stop % w2_rows == 0
-
-
 def add_delta_(weight: torch.Tensor, f: dict, scale: float, swap_halves: bool = False,
                function=None, max_chunk_elems: int = 1 << 22) -> torch.Tensor:
     """``weight += function(scale * kron(w1, w2))`` in place, one block of w1 rows at a time.

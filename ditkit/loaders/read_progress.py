@@ -7,13 +7,11 @@ through :class:`~ditkit.loaders.safetensors_io.SafeFile`); ``progress(done, tota
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 import torch
 
+from ..report import ProgressFn
 from .safetensors_io import SafeFile
-
-ProgressFn = Callable[[int, int], None]
 
 
 def load_with_progress(path: str | os.PathLike, progress: ProgressFn | None = None,

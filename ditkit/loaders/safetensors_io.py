@@ -13,7 +13,6 @@ No pickle anywhere: this module is the only way ditkit reads weights. Errors are
 """
 from __future__ import annotations
 
-import json
 import os
 import stat
 import struct
@@ -22,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+from .. import strict_json
 from ..errors import CheckpointError
 from .safe_fs import open_model_file
 
@@ -79,33 +79,17 @@ class Header:
         return list(self.tensors)
 
 
-def _strict_pairs(where: str):
-    def hook(pairs):
-        out = {}
-        for k, v in pairs:
-            if k in out:
-                raise CheckpointError(f"{where}: duplicate JSON key {k!r} in the safetensors header")
-            out[k] = v
-        return out
-
-    return hook
-
-
-def _reject_constant(where: str):
-    def hook(name):
-        raise CheckpointError(f"{where}: non-finite JSON constant {name} in the safetensors header")
-
-    return hook
-
-
 def strict_json_loads(text: str, where: str):
     """``json.loads`` that rejects duplicate keys and NaN/Infinity (raises CheckpointError naming ``where``)."""
     try:
-        return json.loads(text, object_pairs_hook=_strict_pairs(where), parse_constant=_reject_constant(where))
-    except CheckpointError:
-        raise
+        return strict_json.loads(text)
+    except strict_json.DuplicateKey as e:
+        raise CheckpointError(f"{where}: duplicate JSON key {e.key!r} in the safetensors header") from None
+    except strict_json.NonFiniteConstant as e:
+        raise CheckpointError(f"{where}: non-finite JSON constant {e.name} in the safetensors header") from None
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{where}: invalid JSON ({e})") from None
+
 
 
 def _open_regular(path: str, where: str):

@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any, Callable
+from typing import Callable
+
+from ..report import Report, jsonable
 
 log = logging.getLogger("ditkit")
 
@@ -182,12 +184,17 @@ def report_target(node_id: str | None, node_type: str) -> ReportTarget:
     return ReportTarget(node_id, node_type, pid, sig)
 
 
-def send_report(node_id: "str | ReportTarget | None", node_type: str, kind: str, summary: str,
+def send_report(node_id: "str | ReportTarget | None", node_type: str, kind: str, summary: "str | Report",
                 data: dict | None = None) -> dict:
     """Log a report line and push it to the UI. Returns the payload (also used as the node's ``ui`` dict).
 
     ``node_id`` is the executing node's id (reports sent from ``execute``) or a :class:`ReportTarget` (reports
-    sent later from wrappers), resolved now to the node(s) of the current prompt."""
+    sent later from wrappers), resolved now to the node(s) of the current prompt. ``summary`` is the text, or a
+    core :class:`~ditkit.report.Report`: then its ``summary()`` is the text and its ``as_dict()`` the data, with
+    ``data`` (if any) merged over it."""
+    if isinstance(summary, Report):
+        data = {**summary.as_dict(), **(data or {})}
+        summary = summary.summary()
     pid, executing = _executing()
     if isinstance(node_id, ReportTarget):
         ids, how = node_id.resolve()
@@ -204,7 +211,7 @@ def send_report(node_id: "str | ReportTarget | None", node_type: str, kind: str,
 
 def _deliver(node_id, node_type, kind, summary, data, prompt_id, executing) -> dict:
     payload = {"node": node_id, "node_type": node_type, "kind": kind, "summary": summary,
-               "data": _jsonable(data or {}), "prompt_id": prompt_id}
+               "data": jsonable(data or {}), "prompt_id": prompt_id}
     log.info("[ditkit] %s #%s %s: %s", node_type, node_id if node_id is not None else "?", kind, summary)
     try:
         from server import PromptServer
@@ -269,18 +276,6 @@ def check_memory_split(node: str, input_name: str, shape, device, device_parts: 
     if host_parts:
         budget, where = device_budget("cpu")
         preflight.check_memory(node, input_name, shape, host_parts, budget, where)
-
-
-def _jsonable(obj: Any) -> Any:
-    try:
-        json.dumps(obj)
-        return obj
-    except TypeError:
-        if isinstance(obj, dict):
-            return {str(k): _jsonable(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [_jsonable(v) for v in obj]
-        return str(obj)
 
 
 def h3_diffusion_model(model, node_id: str, message: str):

@@ -1,4 +1,4 @@
-"""DitKitH3AdaLNCache: precomputed AdaLN modulation tables for MiniMax H3 (core: ``offload/adaln.py``).
+"""DitKitH3AdaLNCache: precomputed AdaLN modulation tables for MiniMax H3 (core: ``cache/adaln.py``).
 
 Installed on a clone through ComfyUI hooks only: one object patch per ``adaln_proj`` module (a lookup module
 with the same ``linear`` child, so weight patches keyed ``...adaln_proj.linear.*`` still resolve), an
@@ -13,7 +13,7 @@ import torch
 from comfy_api.latest import io
 
 from ..errors import UnsupportedModelError
-from ..offload.adaln import AdalnScheduleCache, CachedAdalnProj, check_schedule, fp32_bits
+from ..cache.adaln import AdalnScheduleCache, CachedAdalnProj, check_schedule, fp32_bits
 from ._common import h3_diffusion_model, report_target, send_report, ui_report
 
 NODE_ID = "DitKitH3AdaLNCache"

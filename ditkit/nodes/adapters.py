@@ -114,7 +114,7 @@ class DitKitAdapterLoader(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id=NODE_ID,
-            display_name="Adapter Loader (MiniMax H3 LoRA / LoKr / FastH3, exact, ditkit)",
+            display_name="Adapter Loader (ditkit)",
             category="ditkit/loaders",
             description=("Applies a MiniMax H3 adapter exactly onto ComfyUI's H3 weights, whatever layout the base was "
                          "loaded from: ComfyUI, PEFT / DiffSynth-Studio, diffusers, kohya / musubi-tuner, LyCORIS LoKr / "

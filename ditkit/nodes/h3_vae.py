@@ -220,11 +220,11 @@ def h3_decode(vae, latent: torch.Tensor, progress=None) -> tuple[torch.Tensor, d
     mem = vae.memory_used_decode((latent.shape[0], c, 2) + tuple(latent.shape[3:]), vae.vae_dtype)
     mm.load_models_gpu([vae.patcher], memory_required=mem, force_full_load=vae.disable_offload)
     z = latent.to(device=vae.device, dtype=vae.vae_dtype)
-    with torch.inference_mode():
+    with torch.inference_mode():   # the latent was checked above (5-D, channels, no empty dimension; T = 1 here)
         if kind == "image":
-            out, rep = direct_decode_t1(m, z, int(info["t1_output_slice"]), progress)
+            out, rep = direct_decode_t1(m, z, int(info["t1_output_slice"]), progress, checked=True)
         else:
-            out, rep = repeat_decode_t1(m, z, progress)
+            out, rep = repeat_decode_t1(m, z, progress, checked=True)
     images = out.to(device=vae.output_device, dtype=vae.vae_output_dtype()).movedim(1, -1)
     data = dict(rep.as_dict(), vae_kind=kind, vae_file=info.get("file"), vae_source=source, summary=rep.summary())
     return images.reshape(-1, *images.shape[-3:]), data

@@ -193,8 +193,8 @@ class DitKitLoKrLoader(io.ComfyNode):
         path = _files.safetensors_path("loras", lokr_name, NODE_ID)
         patched, plan = apply_lokr(model, path, strength, source=lokr_name, scale=override)
         text = report_text(plan, lokr_name, strength, override)
-        payload = send_report(cls.hidden.unique_id if cls.hidden is not None else None, NODE_ID, "lokr", plan.summary(),
-                              {**plan.as_dict(), "file": lokr_name, "strength": strength, "scale_input": override})
+        payload = send_report(cls.hidden.unique_id if cls.hidden is not None else None, NODE_ID, "lokr", plan,
+                              {"file": lokr_name, "strength": strength, "scale_input": override})
         return io.NodeOutput(patched, text, ui=ui_report(payload))
 
 

@@ -13,8 +13,10 @@ override hook), so the real release files and the tiny test files both load. Str
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
+
 
 import torch
 from comfy_api.latest import io
@@ -129,63 +131,60 @@ def _read(path, progress=None):
     return sd
 
 
-def build_h3_clip(path, streaming: bool = False, prefetch: int = 1, force: bool = False, node_id=None,
-                  disable_dynamic: bool = False):
+def _h3_plan(path, header):
+    """(node id, ComfyUI CLIPType name, model_options, reported config, extra state dicts from the read file)."""
+    cfg = h3_te_config(path, header)
+    return H3_NODE, "MINIMAX", {"qwen3vl_32b_model_config": cfg}, cfg, None
+
+
+def _ltx_plan(path, header):
+    cfg, family = ltx_te_config(path, header)
+    opts = {"model_name": "gemma3_12b", "gemma3_12b_model_config": cfg} if cfg is not None else {}
+    return LTX_NODE, "LTXV", opts, (cfg or {"family": family}), (_ltx_projection if family == "gemma3" else None)
+
+
+def _ltx_projection(path, sd) -> list[dict]:
+    proj = {k: v for k, v in sd.items() if k.startswith("text_embedding_projection.")}
+    if not proj:
+        raise CheckpointError(f"{LTX_NODE}: '{path}' has no text_embedding_projection.* weights; this loader "
+                              "needs the LTX projection in the text-encoder file (use ComfyUI's "
+                              "LTXAVTextEncoderLoader to pair a bare Gemma file with an LTX checkpoint).")
+    # ComfyUI builds the LTX-AV text encoder (Gemma + projection) from >= 2 state dicts; the projection
+    # lives in the same file, so the second dict holds only those tensors (no copy)
+    return [proj]
+
+
+_PLANS = {"h3": _h3_plan, "ltx": _ltx_plan}
+
+
+def build_clip(kind: str, path, streaming: bool = False, prefetch: int = 1, force: bool = False, node_id=None,
+               disable_dynamic: bool = False):
+    """The stock CLIP of a ``kind`` ("h3" / "ltx") text-encoder file -> (clip, reported config, streaming info)."""
     import comfy.model_management as mm
     import comfy.sd
     import folder_paths
 
-    cfg = h3_te_config(path, read_header(path))
-    opts = {"qwen3vl_32b_model_config": cfg}
+    node_type, clip_type, opts, cfg, extra_dicts = _PLANS[kind](path, read_header(path))
     if streaming:
         opts["initial_device"] = mm.text_encoder_offload_device()
     bar = lazy_bar(node_id)   # phase 1: tensors read; phase 2 (streaming): layers packed
     sd = _read(path, bar)
-    clip = comfy.sd.load_text_encoder_state_dicts([sd], embedding_directory=folder_paths.get_folder_paths("embeddings"),
-                                                  clip_type=comfy.sd.CLIPType.MINIMAX, model_options=opts,
+    dicts = [sd] + (extra_dicts(path, sd) if extra_dicts is not None else [])
+    clip = comfy.sd.load_text_encoder_state_dicts(dicts, embedding_directory=folder_paths.get_folder_paths("embeddings"),
+                                                  clip_type=getattr(comfy.sd.CLIPType, clip_type), model_options=opts,
                                                   disable_dynamic=disable_dynamic)
-    del sd
-    clip.patcher.cached_patcher_init = (_reload_patcher, ("h3", str(path), streaming, prefetch, force))
-    info = install_streaming(clip, prefetch, force, node_id, H3_NODE, bar) if streaming else {"streaming": "off"}
+    del sd, dicts
+    clip.patcher.cached_patcher_init = (_reload_patcher, (kind, str(path), streaming, prefetch, force))
+    info = install_streaming(clip, prefetch, force, node_id, node_type, bar) if streaming else {"streaming": "off"}
     return clip, cfg, info
 
 
-def build_ltx_clip(path, streaming: bool = False, prefetch: int = 1, force: bool = False, node_id=None,
-                   disable_dynamic: bool = False):
-    import comfy.model_management as mm
-    import comfy.sd
-    import folder_paths
-
-    cfg, family = ltx_te_config(path, read_header(path))
-    opts = {}
-    if cfg is not None:
-        opts = {"model_name": "gemma3_12b", "gemma3_12b_model_config": cfg}
-    if streaming:
-        opts["initial_device"] = mm.text_encoder_offload_device()
-    bar = lazy_bar(node_id)   # phase 1: tensors read; phase 2 (streaming): layers packed
-    sd = _read(path, bar)
-    dicts = [sd]
-    proj = {k: v for k, v in sd.items() if k.startswith("text_embedding_projection.")}
-    if family == "gemma3":
-        if not proj:
-            raise CheckpointError(f"{LTX_NODE}: '{path}' has no text_embedding_projection.* weights; this loader "
-                                  "needs the LTX projection in the text-encoder file (use ComfyUI's "
-                                  "LTXAVTextEncoderLoader to pair a bare Gemma file with an LTX checkpoint).")
-        # ComfyUI builds the LTX-AV text encoder (Gemma + projection) from >= 2 state dicts; the projection
-        # lives in the same file, so the second dict holds only those tensors (no copy)
-        dicts.append(proj)
-    clip = comfy.sd.load_text_encoder_state_dicts(dicts, embedding_directory=folder_paths.get_folder_paths("embeddings"),
-                                                  clip_type=comfy.sd.CLIPType.LTXV, model_options=opts,
-                                                  disable_dynamic=disable_dynamic)
-    del sd, dicts, proj
-    clip.patcher.cached_patcher_init = (_reload_patcher, ("ltx", str(path), streaming, prefetch, force))
-    info = install_streaming(clip, prefetch, force, node_id, LTX_NODE, bar) if streaming else {"streaming": "off"}
-    return clip, (cfg or {"family": family}), info
+build_h3_clip = functools.partial(build_clip, "h3")
+build_ltx_clip = functools.partial(build_clip, "ltx")
 
 
 def _reload_patcher(kind, path, streaming, prefetch, force, disable_dynamic=False):
-    fn = build_h3_clip if kind == "h3" else build_ltx_clip
-    return fn(path, streaming, prefetch, force, None, disable_dynamic=disable_dynamic)[0].patcher
+    return build_clip(kind, path, streaming, prefetch, force, None, disable_dynamic=disable_dynamic)[0].patcher
 
 
 # -- streaming install ------------------------------------------------------------------------------------------
@@ -313,12 +312,17 @@ def _inputs(default_hint: str):
     ]
 
 
+def _schema_common(clip_type: str) -> dict:
+    """Schema fields both loaders share (each class names its own node id, title, description and inputs)."""
+    return {"outputs": [io.Clip.Output(tooltip=f"A stock ComfyUI CLIP (type {clip_type}).")],
+            "hidden": [io.Hidden.unique_id]}
+
+
 def _run(kind: str, node_type: str, text_encoder: str, streaming: str, prefetch: int, node_id):
     from . import _files
 
     path = _files.safetensors_path("text_encoders", text_encoder, node_type)
-    fn = build_h3_clip if kind == "h3" else build_ltx_clip
-    clip, cfg, info = fn(path, streaming == "layerwise", int(prefetch), False, node_id)
+    clip, cfg, info = build_clip(kind, path, streaming == "layerwise", int(prefetch), False, node_id)
     summary = f"loaded {text_encoder} ({cfg.get('num_hidden_layers', '?')} layers, hidden {cfg.get('hidden_size', '?')}); "
     if info["streaming"] == "layerwise":
         summary += (f"layerwise streaming on {info['device']}, prefetch {info['prefetch']}, "
@@ -332,7 +336,20 @@ def _run(kind: str, node_type: str, text_encoder: str, streaming: str, prefetch:
     return io.NodeOutput(clip, ui=ui_report(payload))
 
 
-class DitKitH3TextEncoderLoader(io.ComfyNode):
+class _TextEncoderLoader(io.ComfyNode):
+    """The shared execute of both loaders; a subclass sets ``KIND`` / ``NODE`` and its own schema."""
+
+    KIND = ""
+    NODE = ""
+
+    @classmethod
+    def execute(cls, text_encoder, streaming="off", prefetch=1) -> io.NodeOutput:
+        return _run(cls.KIND, cls.NODE, text_encoder, streaming, prefetch, cls.hidden.unique_id if cls.hidden else None)
+
+
+class DitKitH3TextEncoderLoader(_TextEncoderLoader):
+    KIND, NODE = "h3", H3_NODE
+
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -343,16 +360,13 @@ class DitKitH3TextEncoderLoader(io.ComfyNode):
                         "file), optionally streaming its layers to the GPU one at a time.",
             search_aliases=["minimax h3 clip", "qwen3vl", "h3 text encoder", "te streaming", "clip offload"],
             inputs=_inputs("Qwen3-VL-32B MiniMax H3 text encoder (text_encoders folder)."),
-            outputs=[io.Clip.Output(tooltip="A stock ComfyUI CLIP (type minimax).")],
-            hidden=[io.Hidden.unique_id],
+            **_schema_common("minimax"),
         )
 
-    @classmethod
-    def execute(cls, text_encoder, streaming="off", prefetch=1) -> io.NodeOutput:
-        return _run("h3", H3_NODE, text_encoder, streaming, prefetch, cls.hidden.unique_id if cls.hidden else None)
 
+class DitKitLTXTextEncoderLoader(_TextEncoderLoader):
+    KIND, NODE = "ltx", LTX_NODE
 
-class DitKitLTXTextEncoderLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
@@ -363,13 +377,8 @@ class DitKitLTXTextEncoderLoader(io.ComfyNode):
                         "ComfyUI CLIP (type ltxv), optionally streaming its layers to the GPU one at a time.",
             search_aliases=["ltx clip", "gemma", "ltx text encoder", "te streaming", "clip offload"],
             inputs=_inputs("Gemma text encoder for LTX-2/2.5 with the LTX text projection in the same file."),
-            outputs=[io.Clip.Output(tooltip="A stock ComfyUI CLIP (type ltxv).")],
-            hidden=[io.Hidden.unique_id],
+            **_schema_common("ltxv"),
         )
-
-    @classmethod
-    def execute(cls, text_encoder, streaming="off", prefetch=1) -> io.NodeOutput:
-        return _run("ltx", LTX_NODE, text_encoder, streaming, prefetch, cls.hidden.unique_id if cls.hidden else None)
 
 
 NODES = [DitKitH3TextEncoderLoader, DitKitLTXTextEncoderLoader]

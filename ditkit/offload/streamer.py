@@ -10,7 +10,7 @@ host pack and drops the device buffer. On CUDA the copies run on a dedicated str
 on any other device (and in the CPU tests) copies are synchronous. Embedding tables stay on the host
 (:class:`HostEmbedding`): token ids go to the host, the looked-up rows come back.
 
-Accounting (:class:`StreamStats`): bytes copied host->device, layers streamed, peak device-resident streamed
+Accounting (:class:`LayerStreamStats`): bytes copied host->device, layers streamed, peak device-resident streamed
 bytes (sum of live device packs), prefetch hits (copy already issued when the layer was needed).
 
 The CUDA path (streams, events, ``record_stream``) is written for GPUs but was only exercised on CPU here.
@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-ProgressFn = Callable[[int, int], None]
+from ..report import ProgressFn, Report
 
 ALIGN = 256  # bytes; >= the 32 B fused kernels need, and the CUDA allocator's own granularity
 
@@ -33,7 +32,7 @@ def _align(n: int, a: int = ALIGN) -> int:
 
 
 @dataclass
-class StreamStats:
+class LayerStreamStats(Report):
     bytes_h2d: int = 0
     layers_streamed: int = 0
     prefetch_hits: int = 0
@@ -49,9 +48,6 @@ class StreamStats:
 
     def note_free(self, n: int) -> None:
         self.live_device_bytes -= n
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
     def reset(self) -> None:
         live = self.live_device_bytes
@@ -97,10 +93,6 @@ def _tensors_of(layer: torch.nn.Module):
         for attr, b in list(mod._buffers.items()):
             if b is not None:
                 yield f"{mod_name}.{attr}" if mod_name else attr, mod, attr, False, b
-
-
-def _dense_stride(t: torch.Tensor) -> bool:
-    return t.is_contiguous()
 
 
 def pack_layer(index: int, layer: torch.nn.Module, pin: bool) -> LayerPack:
@@ -246,7 +238,7 @@ class LayerwiseStreamer:
             if progress is not None:
                 progress(i + 1, len(self.layers))
         self.copier = _CudaCopier(self.device) if cuda else _Copier(self.device)
-        self.stats = StreamStats()
+        self.stats = LayerStreamStats()
         self._inflight: dict[int, tuple[dict, object]] = {}   # issued, not yet acquired
         self._resident: dict[int, dict] = {}                   # acquired (bound to device views)
         self._lock = threading.RLock()
@@ -386,7 +378,7 @@ class HostEmbedding(torch.nn.Module):
     The wrapped module is held unregistered (it never moves to the device). ``weight`` is exposed for code that
     reads the table's device or shape."""
 
-    def __init__(self, embedding: torch.nn.Module, stats: StreamStats | None = None):
+    def __init__(self, embedding: torch.nn.Module, stats: LayerStreamStats | None = None):
         super().__init__()
         object.__setattr__(self, "_emb", embedding)
         object.__setattr__(self, "_stats", stats)

@@ -4,12 +4,12 @@ A file that fails here makes the runner exit 2 with one line, before a server is
 """
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import strict_json
 from ..errors import DitKitError
 from .common import WorkflowFileError
 from .workflows import check_ui_workflow, ui_to_api
@@ -62,19 +62,6 @@ def _read_workflow_bytes(p: Path) -> bytes:
         os.close(fd)
 
 
-def _strict_pairs(pairs):
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {_name(k)}")
-        out[k] = v
-    return out
-
-
-def _no_constant(name):
-    raise ValueError(f"{name} is not a JSON value")
-
-
 def _depth_over(obj: Any, limit: int) -> bool:
     stack = [(obj, 1)]
     while stack:
@@ -93,7 +80,7 @@ def parse_workflow_json(data: bytes, where: str) -> Any:
     except UnicodeDecodeError as e:
         raise WorkflowFileError(f"{where} is not UTF-8 text (byte {e.start})") from None
     try:
-        obj = json.loads(text, object_pairs_hook=_strict_pairs, parse_constant=_no_constant)
+        obj = strict_json.loads(text)   # duplicate keys / NaN / Infinity: ValueError naming them
     except RecursionError:
         raise WorkflowFileError(f"{where} is nested deeper than {MAX_WORKFLOW_DEPTH} levels") from None
     except ValueError as e:

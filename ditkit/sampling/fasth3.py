@@ -42,7 +42,6 @@ touches them.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -50,7 +49,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import strict_json
 from ..errors import ScheduleError
+from ..report import Report
 
 CONTRACT_FILE = "fastvideo_inference.json"
 CONTRACT_SCHEMA = "fasth3-inference-contract-v1"
@@ -133,7 +134,7 @@ def _check_sigmas(t: torch.Tensor, what: str) -> None:
 
 
 @dataclass(frozen=True)
-class Contract:
+class Contract(Report):
     """The schedule part of a ``fastvideo_inference.json`` (validated)."""
 
     path: str
@@ -143,13 +144,12 @@ class Contract:
     model_id: str | None = None
     extra: dict = field(default_factory=dict)
 
+    KEYS = ("path", "dmd_denoising_steps=rungs", "video_scheduler_shift=video_shift",
+            "audio_scheduler_shift=audio_shift", "model_id", "**extra")
+
     @property
     def where(self) -> str:
         return f"FastH3 contract '{self.path}'"
-
-    def as_dict(self) -> dict:
-        return {"path": self.path, "dmd_denoising_steps": list(self.rungs), "video_scheduler_shift": self.video_shift,
-                "audio_scheduler_shift": self.audio_shift, "model_id": self.model_id, **self.extra}
 
 
 def parse_contract(obj, where: str, path: str | None = None) -> Contract:
@@ -192,25 +192,6 @@ def parse_contract(obj, where: str, path: str | None = None) -> Contract:
                     model_id=mid if isinstance(mid, str) and _SAFE_TEXT.match(mid) else None, extra=extra)
 
 
-def _strict_pairs(where: str):
-    def hook(pairs):
-        out = {}
-        for k, v in pairs:
-            if k in out:
-                raise ScheduleError(f"{where}: duplicate JSON key")
-            out[k] = v
-        return out
-
-    return hook
-
-
-def _reject_constant(where: str):
-    def hook(name):
-        raise ScheduleError(f"{where}: non-finite JSON constant {name}")
-
-    return hook
-
-
 def load_contract(path: str | os.PathLike) -> Contract:
     """Read and validate a contract file: at most 64 KiB, UTF-8, strict JSON (no NaN/Infinity, no duplicate keys)."""
     path = os.fspath(path)
@@ -227,9 +208,11 @@ def load_contract(path: str | os.PathLike) -> Contract:
     except UnicodeDecodeError:
         raise ScheduleError(f"{where}: not UTF-8 text") from None
     try:
-        obj = json.loads(text, object_pairs_hook=_strict_pairs(where), parse_constant=_reject_constant(where))
-    except ScheduleError:
-        raise
+        obj = strict_json.loads(text)
+    except strict_json.DuplicateKey:      # the key is a file string: not echoed
+        raise ScheduleError(f"{where}: duplicate JSON key") from None
+    except strict_json.NonFiniteConstant as e:
+        raise ScheduleError(f"{where}: non-finite JSON constant {e.name}") from None
     except (ValueError, RecursionError) as e:
         raise ScheduleError(f"{where}: invalid JSON ({type(e).__name__})") from None
     return parse_contract(obj, where, path)
@@ -240,7 +223,7 @@ def _fmt(t: torch.Tensor) -> str:
 
 
 @dataclass
-class FastH3Schedule:
+class FastH3Schedule(Report):
     recipe: str
     label: str
     rungs: tuple[int, ...]
@@ -252,6 +235,10 @@ class FastH3Schedule:
     video_sigmas: torch.Tensor | None = None
     audio_sigmas: torch.Tensor | None = None
     audio_from_video: torch.Tensor | None = None
+
+    KEYS = ("recipe", "label", "dmd_denoising_steps=rungs", "positions", "forwards", "video_shift", "audio_shift",
+            "video_sigmas", "audio_sigmas", "audio_from_video_max_dev", "contract", "contract_note")
+    VALUES = {"audio_from_video_max_dev": lambda s: s.audio_derivation_error()}
 
     def __post_init__(self) -> None:
         self.positions = positions(self.rungs)
@@ -275,15 +262,6 @@ class FastH3Schedule:
         return (f"{self.label}: {self.forwards} forwards from {self.forwards + 1} grid points, shifts video "
                 f"{self.video_shift:g} / audio {self.audio_shift:g} set on the model (applied once); video sigmas "
                 f"[{_fmt(self.video_sigmas)}]; audio sigmas [{_fmt(self.audio_sigmas)}]; {c}")
-
-    def as_dict(self) -> dict:
-        return {"recipe": self.recipe, "label": self.label, "dmd_denoising_steps": list(self.rungs),
-                "positions": list(self.positions), "forwards": self.forwards,
-                "video_shift": self.video_shift, "audio_shift": self.audio_shift,
-                "video_sigmas": self.video_sigmas.tolist(), "audio_sigmas": self.audio_sigmas.tolist(),
-                "audio_from_video_max_dev": self.audio_derivation_error(),
-                "contract": self.contract.as_dict() if self.contract is not None else None,
-                "contract_note": self.contract_note}
 
 
 def resolve_schedule(recipe: str, contract: Contract | None = None, contract_note: str = "") -> FastH3Schedule:

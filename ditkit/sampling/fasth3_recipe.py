@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import BackendError, CheckpointError
+from ..report import Report
 from . import fasth3 as sched
 
 TILE = 64
@@ -114,13 +115,17 @@ class Evidence:
 
 
 @dataclass
-class Decision:
+class Decision(Report):
     recipe: VSARecipe | None             # None: the checkpoint did not identify itself
     sparsity: float | None               # the sparsity the checkpoint states (None: dense or unknown)
     reasons: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     looked_at: list[str] = field(default_factory=list)
+
+    KEYS = ("recipe", "label", "sparsity", "reasons", "conflicts", "notes", "looked_at")
+    VALUES = {"recipe": lambda d: d.recipe.key if d.recipe else None,
+              "label": lambda d: d.recipe.label if d.recipe else None}
 
     @property
     def identified(self) -> bool:
@@ -136,12 +141,6 @@ class Decision:
         what = (f"{self.recipe.label}, sparsity {self.sparsity:g} (keep {keep_percent_of(self.sparsity):g}%)"
                 if self.sparsity is not None else f"{self.recipe.label} (distilled dense, no VSA)")
         return what + " by " + "; ".join(self.reasons)
-
-    def as_dict(self) -> dict:
-        return {"recipe": self.recipe.key if self.recipe else None,
-                "label": self.recipe.label if self.recipe else None, "sparsity": self.sparsity,
-                "reasons": list(self.reasons), "conflicts": list(self.conflicts), "notes": list(self.notes),
-                "looked_at": list(self.looked_at)}
 
 
 def normalize_id(value) -> str | None:
@@ -277,13 +276,15 @@ def decide(ev: Evidence) -> Decision:
 
 
 @dataclass
-class RecipeChoice:
+class RecipeChoice(Report):
     mode: str                      # "auto" | "explicit"
     keep_percent: float
     sparsity: float
     label: str
     decision: Decision
     override: str | None = None    # an explicit choice that contradicts the checkpoint
+
+    KEYS = ("mode", "keep_percent", "sparsity", "label", "override", "checkpoint=decision")
 
     def summary(self) -> str:
         if self.mode == "auto":
@@ -297,10 +298,6 @@ class RecipeChoice:
         for n in self.decision.notes:
             s += f"; note: {n}"
         return s
-
-    def as_dict(self) -> dict:
-        return {"mode": self.mode, "keep_percent": self.keep_percent, "sparsity": self.sparsity, "label": self.label,
-                "override": self.override, "checkpoint": self.decision.as_dict()}
 
 
 def choose(choice: str, keep_percent: float | None, ev: Evidence, where: str = "recipe") -> RecipeChoice:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import MetadataError
 from ..loaders.safetensors_io import strict_json_loads
+from ..report import Report
 from .h3_layout import SOURCE_CONFIG_IGNORED, STOCK_SOURCE_CONFIG
 
 IMAGE_VAE_KEYS = ("h3_t1_direct", "h3_t1_format", "h3_t1_output_slice", "minimax_h3_video_vae")
@@ -33,7 +34,7 @@ LATENT_CHANNELS = 24
 
 
 @dataclass(frozen=True)
-class ImageVAEInfo:
+class ImageVAEInfo(Report):
     direct: bool
     output_slice: int
     format: str
@@ -42,9 +43,8 @@ class ImageVAEInfo:
     decoder_sha256: str | None = None
     base_sha256: str | None = None
 
-    def as_dict(self) -> dict:
-        return {"h3_t1_direct": self.direct, "h3_t1_output_slice": self.output_slice, "h3_t1_format": self.format,
-                "h3_t1_decoder_sha256": self.decoder_sha256, "h3_t1_base_sha256": self.base_sha256}
+    KEYS = ("h3_t1_direct=direct", "h3_t1_output_slice=output_slice", "h3_t1_format=format",
+            "h3_t1_decoder_sha256=decoder_sha256", "h3_t1_base_sha256=base_sha256")
 
 
 def _short(v, n: int = 80) -> str:

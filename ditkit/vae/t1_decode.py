@@ -17,16 +17,16 @@ own ``_decode_pixels`` (post_quant_conv + ViT decoder), ``split_tiles``, ``blend
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ..errors import DitKitError
+from ..report import ProgressFn, Report
 from .preflight import check_latent_shape
 
 
 @dataclass
-class T1DecodeReport:
+class T1DecodeReport(Report):
     path: str                  # "repeat_decode" | "direct_image_vae"
     batch: int
     latent_hw: tuple[int, int]
@@ -38,17 +38,14 @@ class T1DecodeReport:
     max_tile_bytes: int = 0    # largest raw decoder output of one tile (transient)
     extra: dict = field(default_factory=dict)
 
+    KEYS = ("path", "batch", "latent_hw", "tokens_decoded", "kept_raw_frame", "tiles", "tiled", "canvas_bytes",
+            "max_tile_bytes", "**extra")
+
     def summary(self) -> str:
         how = "duplicated to a 7-token clip, kept first valid frame" if self.path == "repeat_decode" else \
             f"image VAE direct, h3_t1_output_slice {self.kept_raw_frame}"
         return (f"T=1 decode ({how}): batch {self.batch}, {self.tiles} tile(s)"
                 f"{'' if self.tiled else ' (untiled)'}, canvas {self.canvas_bytes / 2**20:.2f} MiB")
-
-    def as_dict(self) -> dict:
-        return {"path": self.path, "batch": self.batch, "latent_hw": list(self.latent_hw),
-                "tokens_decoded": self.tokens_decoded, "kept_raw_frame": self.kept_raw_frame, "tiles": self.tiles,
-                "tiled": self.tiled, "canvas_bytes": self.canvas_bytes, "max_tile_bytes": self.max_tile_bytes,
-                **self.extra}
 
 
 def _check_latent(model, z: torch.Tensor) -> None:
@@ -68,9 +65,6 @@ def unwhiten(model, z: torch.Tensor) -> torch.Tensor:
     mean = model.latents_mean.view(1, -1, 1, 1, 1).to(z)
     std = model.latents_std.view(1, -1, 1, 1, 1).to(z)
     return z * std + mean
-
-
-ProgressFn = Callable[[int, int], None]
 
 
 def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeReport | None = None,
@@ -150,10 +144,12 @@ def repeat_clip_tokens(model) -> tuple[int, int]:
     return tokens, int(model.frame_pre_padding)
 
 
-def repeat_decode_t1(model, z: torch.Tensor, progress: ProgressFn | None = None) -> tuple[torch.Tensor, T1DecodeReport]:
+def repeat_decode_t1(model, z: torch.Tensor, progress: ProgressFn | None = None, *,
+                     checked: bool = False) -> tuple[torch.Tensor, T1DecodeReport]:
     """Stock video VAE, T = 1: float32 pixels [B, 3, 1, H, W] in [0, 1] equal to frame 0 of the native decode of
-    the latent duplicated to T = 2."""
-    _check_latent(model, z)
+    the latent duplicated to T = 2. ``checked``: the caller (the decode node) already ran the latent checks."""
+    if not checked:
+        _check_latent(model, z)
     tokens, kept = repeat_clip_tokens(model)
     rep = T1DecodeReport("repeat_decode", z.shape[0], (z.shape[-2], z.shape[-1]), tokens, kept)
     raw = unwhiten(model, z).repeat(1, 1, tokens, 1, 1)
@@ -161,10 +157,12 @@ def repeat_decode_t1(model, z: torch.Tensor, progress: ProgressFn | None = None)
     return model._finalize_pixels(pix), rep
 
 
-def direct_decode_t1(model, z: torch.Tensor, output_slice: int,
-                     progress: ProgressFn | None = None) -> tuple[torch.Tensor, T1DecodeReport]:
-    """Image VAE, T = 1: decode the single token directly and keep decoder frame ``output_slice``."""
-    _check_latent(model, z)
+def direct_decode_t1(model, z: torch.Tensor, output_slice: int, progress: ProgressFn | None = None, *,
+                     checked: bool = False) -> tuple[torch.Tensor, T1DecodeReport]:
+    """Image VAE, T = 1: decode the single token directly and keep decoder frame ``output_slice``.
+    ``checked``: as for :func:`repeat_decode_t1`."""
+    if not checked:
+        _check_latent(model, z)
     pt = int(getattr(getattr(model, "decoder", None), "patch_size_t", 4))
     if not 0 <= int(output_slice) < pt:
         raise DitKitError(f"h3_t1_output_slice {output_slice} is outside the {pt} frames one token decodes to")

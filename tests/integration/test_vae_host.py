@@ -49,6 +49,31 @@ def test_t1_equals_frame0_of_native_duplicated_decode(h3, vaes):
     assert not torch.equal(img, video.decode(z)[:, 0])
 
 
+@pytest.mark.parametrize("which", ["video", "image"])
+def test_t1_decode_checks_the_latent_once(h3, vaes, monkeypatch, which):
+    # the node checks the latent (5-D, channels, no empty dimension) before the memory pre-flight; the T=1 core
+    # must not run the same checks again on the same tensor
+    from ditkit.vae import preflight, t1_decode
+
+    seen = []
+    real = preflight.check_latent_shape
+
+    def counting(shape, *a, **k):
+        seen.append(tuple(shape))
+        return real(shape, *a, **k)
+
+    monkeypatch.setattr(preflight, "check_latent_shape", counting)
+    monkeypatch.setattr(t1_decode, "check_latent_shape", counting)
+    vae = vaes[0] if which == "video" else vaes[1]
+    h3.h3_decode(vae, _z((1, 24, 1, 4, 4)))
+    assert seen == [(1, 24, 1, 4, 4)]
+    seen.clear()
+    m = vae.first_stage_model                    # called directly, the core still checks
+    with pytest.raises(DitKitError, match="H3 T=1 decode"):
+        t1_decode.repeat_decode_t1(m, _z((1, 24, 1, 0, 4)))
+    assert seen == [(1, 24, 1, 0, 4)]
+
+
 def test_t_gt_1_is_native(h3, vaes):
     video, _ = vaes
     z = _z((1, 24, 7, 8, 8), 1)

@@ -35,7 +35,7 @@ def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
             out += [(node.lineno, a.name.split(".")[0]) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module.split(".")[0]))
-        elif isinstance(node, ast.Call) and _call_name(node.func) in ("importlib.import_module", "import_module",
+        elif isinstance(node, ast.Call) and call_name(node.func) in ("importlib.import_module", "import_module",
                                                                         "__import__"):
             if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
                 name = node.args[0].value
@@ -44,7 +44,7 @@ def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
     return out
 
 
-def _call_name(func: ast.AST) -> str:
+def call_name(func: ast.AST) -> str:
     parts = []
     while isinstance(func, ast.Attribute):
         parts.append(func.attr)
@@ -55,7 +55,7 @@ def _call_name(func: ast.AST) -> str:
 
 
 def calls(tree: ast.AST) -> list[tuple[int, str]]:
-    return [(n.lineno, _call_name(n.func)) for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    return [(n.lineno, call_name(n.func)) for n in ast.walk(tree) if isinstance(n, ast.Call)]
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def schema_node_id(cls: ast.ClassDef | None, consts: dict[str, str] | None = Non
     if cls is None:
         return None
     for n in ast.walk(cls):
-        if isinstance(n, ast.Call) and _call_name(n.func).split(".")[-1] == "Schema":
+        if isinstance(n, ast.Call) and call_name(n.func).split(".")[-1] == "Schema":
             for kw in n.keywords:
                 if kw.arg != "node_id":
                     continue

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ditkit.errors import DitKitError
-from ditkit.offload.adaln import (AdalnScheduleCache, ScheduleError, check_schedule, fp32_bits, h3_adaln_sizes,
+from ditkit.cache.adaln import (AdalnScheduleCache, ScheduleError, check_schedule, fp32_bits, h3_adaln_sizes,
                                   tensor_key)
 
 

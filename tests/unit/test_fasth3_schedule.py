@@ -202,6 +202,13 @@ def test_contract_errors_never_echo_file_strings(tmp_path):
     with pytest.raises(ScheduleError) as e:
         f.load_contract(p)
     assert "SECRET" not in str(e.value)
+    # strict-JSON refusals name the rule, not the key or text the file holds
+    for raw in ('{"%s": 1, "%s": 2}' % (secret, secret), '{"schema_version": "%s", "x": ' % secret,
+                '{"%s": NaN}' % secret):
+        p.write_text(raw)
+        with pytest.raises(ScheduleError, match="duplicate JSON key|invalid JSON|non-finite JSON constant NaN") as e:
+            f.load_contract(p)
+        assert "SECRET" not in str(e.value), str(e.value)
     p.write_text(json.dumps(v2_contract(model_id=secret)))
     assert f.load_contract(p).model_id is None  # odd text is dropped from the report, not echoed
 

@@ -247,7 +247,7 @@ def _corrupt_stream_copy(monkeypatch):
 
 
 def _stale_adaln_table(monkeypatch):
-    from ditkit.offload import adaln
+    from ditkit.cache import adaln
 
     real = adaln.CachedAdalnProj.compute
     monkeypatch.setattr(adaln.CachedAdalnProj, "compute", lambda self, t: real(self, t) * 1.001)

@@ -7,10 +7,10 @@ import ast
 
 import pytest
 
-from tests.support.pack_scan import PACK_ROOT, pack_python_files
+from tests.support.pack_scan import PACK_ROOT, call_name as _name, pack_python_files
 
-SERVER_DIRS = ("nodes", "loaders", "vae", "cache", "offload", "kernels")
-SERVER_ROOT_MODULES = ("__init__.py", "errors.py", "guards.py", "_version_check.py")
+SERVER_DIRS = ("nodes", "loaders", "vae", "cache", "offload", "kernels", "sampling")
+SERVER_ROOT_MODULES = ("__init__.py", "errors.py", "guards.py", "_version_check.py", "report.py", "strict_json.py")
 # CLI / developer tools that write where their operator says (not reachable from a prompt): run.py, host.py, tiny/
 WRITE_CALLS = {"os.replace", "os.rename", "os.renames", "os.mkdir", "os.makedirs", "os.link", "os.symlink",
                "os.mkfifo", "shutil.copy", "shutil.copy2", "shutil.copyfile", "shutil.copytree", "shutil.move",
@@ -21,16 +21,6 @@ ALLOWED_CALLS = {
     ("loaders/safetensors_io.py", "_save"): "save_file: a test/generator helper; test_no_server_module_calls_save_file",
     ("vae/video_stream.py", "av.open"): "PyAV gets the private /proc/self/fd path from safe_fs (checked below)",
 }
-
-
-def _name(func) -> str:
-    parts = []
-    while isinstance(func, ast.Attribute):
-        parts.append(func.attr)
-        func = func.value
-    if isinstance(func, ast.Name):
-        parts.append(func.id)
-    return ".".join(reversed(parts))
 
 
 def _writes(tree: ast.AST) -> list[tuple[int, str]]:
@@ -66,7 +56,7 @@ SERVER = sorted(_server_files())
 def test_scan_sees_the_server_side_and_detects_writes():
     rels = {r for r, _ in SERVER}
     assert {"nodes/save_video.py", "nodes/teacache.py", "cache/calibrate.py", "cache/coefficients.py",
-            "vae/video_stream.py", "loaders/safe_fs.py", "guards.py"} <= rels
+            "vae/video_stream.py", "loaders/safe_fs.py", "guards.py", "sampling/fasth3.py", "report.py"} <= rels
     src = ("import os, json, tempfile\nopen('a', 'w')\nopen(p, mode='xb')\nopen(p)\nos.replace(a, b)\n"
            "json.dump(o, f)\ntempfile.mkstemp()\nPath(p).write_text('x')\nos.makedirs(d)\nopen(p, m)\n")
     got = [name for _, name in _writes(ast.parse(src))]

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import DitKitError
+from ..report import Report
 
 
 class ScheduleError(DitKitError):
@@ -65,7 +66,7 @@ def tensor_key(t: torch.Tensor) -> tuple:
 
 
 @dataclass
-class AdalnStats:
+class AdalnStats(Report):
     hits: int = 0
     misses: int = 0
     rebuilds: int = 0
@@ -79,16 +80,13 @@ class AdalnStats:
     miss_keys: list = field(default_factory=list)
     last_signature: str = ""
 
+    VALUES = {"miss_keys": lambda s: list(s.miss_keys)[:16]}
+
     def summary(self) -> str:
         return (f"AdaLN tables: {self.hits} hits, {self.misses} misses, {self.rebuilds} rebuilds, "
                 f"{self.hot_runs} hot runs; {self.entries} entries = {self.table_bytes / 2**20:.3f} MiB tables; "
                 f"weights parked off-device {self.weight_bytes_parked / 2**20:.3f} of "
                 f"{self.weight_bytes_total / 2**20:.3f} MiB ({self.park_mode})")
-
-    def as_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d["miss_keys"] = list(self.miss_keys)[:16]
-        return d
 
 
 class CachedAdalnProj(torch.nn.Module):

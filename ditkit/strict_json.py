@@ -1,0 +1,42 @@
+"""Strict JSON for every file ditkit reads (stdlib only: the headless runner imports it too).
+
+:func:`loads` is ``json.loads`` that refuses duplicate object keys and the NaN / Infinity / -Infinity literals,
+raising :class:`DuplicateKey` / :class:`NonFiniteConstant` (both ``ValueError``, like any other invalid JSON).
+Each reader turns them into its own error and message; the key a file repeats is carried on the exception, so a
+reader that must not echo file strings (the FastH3 contract) simply leaves it out.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        r = repr(key)
+        super().__init__(f"duplicate key {r if len(r) <= 60 else r[:57] + '...'}")
+        self.key = key
+
+
+class NonFiniteConstant(ValueError):
+    def __init__(self, name: str):
+        super().__init__(f"{name} is not a JSON value")
+        self.name = name       # the literal as the parser names it: NaN, Infinity or -Infinity
+
+
+def _pairs(pairs) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _constant(name: str):
+    raise NonFiniteConstant(name)
+
+
+def loads(text: str) -> Any:
+    """``json.loads(text)`` with duplicate keys and non-finite literals refused (see the module docstring)."""
+    return json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant)

@@ -1,0 +1,135 @@
+"""The report base (ditkit/report.py): dataclass -> dict (order, renames, computed keys, merges, nested
+dataclasses, copies), the JSON-safe conversion ``send_report`` applies to a payload, and ``send_report`` taking a
+report. Expected values are written out here."""
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from ditkit.report import Report, jsonable, plain
+
+
+@dataclass
+class Leaf:                     # a plain dataclass (not a Report) nested in a report
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Inner(Report):
+    hits: int = 0
+    tags: tuple[str, ...] = ()
+
+
+@dataclass
+class Outer(Report):
+    label: str
+    inner: Inner
+    leaves: list[Leaf]
+    by_name: dict[str, Inner]
+    counts: Counter = field(default_factory=Counter)
+    path: Path | None = None
+    sigmas: torch.Tensor | None = None
+    missing: float | None = None
+
+
+@dataclass
+class Custom(Report):
+    total: float
+    nested: Inner
+    extra: dict = field(default_factory=dict)
+    hidden: str = "not in the dict"
+
+    KEYS = ("rounded", "hits=nested.hits", "total", "**extra")
+    VALUES = {"rounded": lambda r: round(r.total, 2)}
+
+    def summary(self) -> str:
+        return f"total {self.total:g}"
+
+
+def test_fields_in_order_nested_dataclasses_and_containers_become_plain():
+    o = Outer("run", Inner(3, ("a", "b")), [Leaf("w", (2, 3))], {"x": Inner(1)}, Counter({"sparse": 2}),
+              Path("/m/file.safetensors"), torch.tensor([1.0, 0.5, 0.0]))
+    d = o.as_dict()
+    assert list(d) == ["label", "inner", "leaves", "by_name", "counts", "path", "sigmas", "missing"]
+    assert d == {"label": "run", "inner": {"hits": 3, "tags": ["a", "b"]}, "leaves": [{"name": "w", "shape": [2, 3]}],
+                 "by_name": {"x": {"hits": 1, "tags": []}}, "counts": {"sparse": 2}, "path": "/m/file.safetensors",
+                 "sigmas": [1.0, 0.5, 0.0], "missing": None}
+    assert type(d["counts"]) is dict and type(d["inner"]["tags"]) is list
+    assert json.loads(json.dumps(d, allow_nan=False)) == d        # already JSON: no str() fallback needed
+
+
+def test_the_dict_is_a_copy():
+    inner = Inner(1, ("a",))
+    o = Outer("run", inner, [], {"x": inner}, Counter({"c": 1}))
+    d = o.as_dict()
+    d["counts"]["c"] = 99
+    d["leaves"].append("junk")
+    d["by_name"]["x"]["hits"] = 7
+    assert o.counts == Counter({"c": 1}) and o.leaves == [] and inner.hits == 1
+
+
+def test_keys_renames_computed_values_and_merges():
+    r = Custom(2.34567, Inner(5), {"frames": 9, "note": (1, 2)})
+    assert list(r.as_dict()) == ["rounded", "hits", "total", "frames", "note"]
+    assert r.as_dict() == {"rounded": 2.35, "hits": 5, "total": 2.34567, "frames": 9, "note": [1, 2]}
+    assert r.summary() == "total 2.34567"
+
+
+def test_a_report_without_summary_text_says_so():
+    with pytest.raises(NotImplementedError, match="Inner"):
+        Inner().summary()
+
+
+def test_non_finite_floats_stay_floats_in_as_dict():
+    d = Custom(float("nan"), Inner(), {"inf": float("inf")}).as_dict()
+    assert math.isnan(d["total"]) and d["inf"] == math.inf
+
+
+def test_plain_leaves_scalars_and_unknown_objects_alone():
+    obj = object()
+    assert plain(obj) is obj
+    assert plain(3) == 3 and plain(None) is None and plain("s") == "s"
+    assert plain(torch.tensor(2.5)) == 2.5
+
+
+# ------------------------------------------------------------------------------------ send_report's conversion
+
+def test_jsonable_returns_json_ready_data_as_it_is():
+    data = {"a": [1, 2.5, "x", None, True], "b": {"c": (1, 2)}}
+    assert jsonable(data) is data
+
+
+def test_jsonable_replaces_what_json_refuses_by_its_str():
+    t = torch.tensor([1.0, 2.0])
+    out = jsonable({"t": t, "p": Path("/m/f.safetensors"), "s": {3}, "nested": [{"dtype": torch.float16}],
+                    (1, 2): "tuple key", "ok": 1})
+    assert out == {"t": "tensor([1., 2.])", "p": "/m/f.safetensors", "s": "{3}", "nested": [{"dtype": "torch.float16"}],
+                   "(1, 2)": "tuple key", "ok": 1}
+    json.dumps(out)
+
+
+def test_jsonable_leaves_non_finite_floats_as_floats():
+    # json.dumps accepts NaN/Infinity (allow_nan defaults to True), so send_report passes them on unchanged
+    data = {"x": float("nan"), "y": [float("-inf")], "t": torch.tensor(0.0)}
+    out = jsonable(data)
+    assert math.isnan(out["x"]) and out["y"] == [-math.inf] and out["t"] == "tensor(0.)"
+
+
+# ------------------------------------------------------------------------------------ send_report with a report
+
+def test_send_report_takes_a_report(comfy):
+    from ditkit.nodes._common import send_report
+
+    r = Custom(1.0, Inner(2), {"frames": 3})
+    payload = send_report("7", "DitKitX", "kind", r, {"frames": 4, "file": "f"})
+    assert payload["summary"] == "total 1"
+    assert payload["data"] == {"rounded": 1.0, "hits": 2, "total": 1.0, "frames": 4, "file": "f"}
+    plain_payload = send_report("7", "DitKitX", "kind", "text", {"frames": 4})
+    assert plain_payload["summary"] == "text" and plain_payload["data"] == {"frames": 4}
