@@ -1,7 +1,8 @@
 """Per-model VSA-H3 runtime state: dense/sparse decisions, counters and the report (plain torch).
 
-The node (``nodes/sparse_attention.py``) owns the ComfyUI hooks; this object decides, per DiT forward and per
-attention call, whether to run sparse, calls :func:`~.vsa.vsa_h3_attention`, and counts what ran.
+The host layer (``bridge/attention.py``, installed by ``nodes/sparse_attention.py``) owns the ComfyUI hooks and
+calling convention; this object decides, per DiT forward and per attention call, whether to run sparse, calls
+:func:`~.vsa.vsa_h3_attention` on ``[B, H, S, D]`` tensors, and counts what ran.
 """
 from __future__ import annotations
 
@@ -133,49 +134,3 @@ class VSAH3Runtime:
                 f"attention calls sparse {self.calls.get('sparse', 0)}, dense {sum(dense.values())}"
                 + (f" ({', '.join(f'{k}: {v}' for k, v in dense.items())})" if dense else "")
                 + f"; measured block density {dens} (keep {self.cfg.keep:g}, k={self.k_video}); gate {self.gate_source}")
-
-
-CTX_KEY = "ditkit_vsa"         # transformer_options key: the ForwardCtx of the running DiT forward
-GATE_KEY = "ditkit_vsa_gate"   # transformer_options key: the FastH3 gate of the running block (if any)
-
-
-def make_attention_override(rt: VSAH3Runtime, prev=None):
-    """The ``optimized_attention_override`` callable that routes packed H3 self-attention through ``rt``.
-
-    ComfyUI calls it as ``override(func, q, k, v, heads, *args, mask=..., skip_reshape=..., transformer_options=...)``.
-    Calls it declines (no ForwardCtx in ``transformer_options``, another layout, a mask, the token refiner's
-    shorter sequence, or a dense step) are counted with their reason and run dense: through ``prev`` (an override
-    installed before this one) when there is one, else ``func``. A full packed-sequence call that went dense makes
-    its step dense; refiner and foreign calls do not.
-    """
-
-    def dense(func, q, k, v, heads, *a, **kw):
-        if prev is not None:
-            return prev(func, q, k, v, heads, *a, **kw)
-        return func(q, k, v, heads, *a, **kw)
-
-    def override(func, q, k, v, heads, *a, mask=None, skip_reshape=False, transformer_options=None, **kw):
-        to = transformer_options or {}
-        ctx = to.get(CTX_KEY)
-        reason = None
-        if ctx is None:
-            reason = "not an H3 DiT forward"
-        elif not skip_reshape or q.dim() != 4:
-            reason = "unexpected layout"
-        elif mask is not None:
-            reason = "masked call"
-        elif q.shape[2] != ctx.layout.seq_len:
-            reason = "token refiner / non-packed"
-        elif not ctx.sparse:
-            reason = ctx.reason
-        if reason is not None:
-            packed = ctx is not None and reason != "token refiner / non-packed"
-            rt.dense_call(reason, ctx if packed else None)
-            return dense(func, q, k, v, heads, *a, mask=mask, skip_reshape=skip_reshape,
-                         transformer_options=transformer_options, **kw)
-        out = rt.attention(q, k, v, ctx, gate=to.get(GATE_KEY))
-        B, H, S, D = out.shape
-        return out.transpose(1, 2).reshape(B, S, H * D)
-
-    override._ditkit_vsa = True
-    return override

@@ -14,13 +14,12 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from comfy_api.latest import io
 
+from ..bridge.attention import CTX_KEY, install_gate_replaces, make_attention_override, segments_from_inputs
 from ..errors import BackendError
 from ..kernels import REGISTRY
-from ..kernels.vsa_h3_runtime import CTX_KEY, GATE_KEY, VSAH3Config, VSAH3Runtime, make_attention_override
-from ..kernels.vsa_layout import prefix_segments_from_spans
+from ..kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
 from ._common import h3_diffusion_model, report_target, send_report, ui_report
 from ._fasth3_evidence import choose_recipe
 
@@ -62,25 +61,6 @@ def _find_gates(model, dm, choice: str):
     if att:
         return {int(i): w for i, w in dict(att).items()}, "to_gate_compress (loader attachment)"
     return {}, "none (model has no to_gate_compress; ComfyUI 0.33 drops it at load) -> pure sparse"
-
-
-def _segments_from_inputs(dm, args, kwargs):
-    """(prefix segment lengths, video grid) for this forward, as MiniMaxH3Model._forward builds PackedLayout."""
-    import comfy.ldm.common_dit
-    from comfy.ldm.minimax.model import PackedLayout
-
-    x, context = args[0], args[2]
-    payload = kwargs.get("minimax_payload") or {}
-    video = comfy.ldm.common_dit.pad_to_patch_size(x[0], dm.patch_size)
-    lt, lh, lw = video.shape[2], video.shape[3], video.shape[4]
-    sig = (context.shape[1], lt, lh, lw, x[1].shape[-1])
-    layout = payload.get("layout")
-    if layout is None or layout.signature != sig:
-        layout = PackedLayout(*sig, keyframes=payload.get("keyframes"), refs=payload.get("refs"))
-    prefix, _ = prefix_segments_from_spans(layout.segments)
-    pt, ph, pw = dm.patch_size
-    grid = (lt // pt, lh // ph, lw // pw)
-    return prefix, grid
 
 
 class DitKitSparseAttention(io.ComfyNode):
@@ -177,7 +157,7 @@ class DitKitSparseAttention(io.ComfyNode):
 
         def forward_wrapper(executor, *args, **kwargs):
             to = args[3] if len(args) > 3 else kwargs.get("transformer_options", {})
-            prefix, grid = _segments_from_inputs(executor.class_obj, args, kwargs)
+            prefix, grid = segments_from_inputs(executor.class_obj, args, kwargs)
             sig = to.get("sigmas")
             sigma = float(sig.flatten()[0]) if isinstance(sig, torch.Tensor) and sig.numel() else None
             to = dict(to)
@@ -199,7 +179,7 @@ class DitKitSparseAttention(io.ComfyNode):
         m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, forward_wrapper)
         m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, outer_wrapper)
         if gates:
-            _install_gate_replaces(m, dm, gates)
+            install_gate_replaces(m, dm, gates)
 
         unverified = REGISTRY.unverified("block_sparse_attn", backend) if cfg.backend is not None else None
         shown = backend + (f" (chosen explicitly, UNVERIFIED: never run on any hardware: {unverified})"
@@ -226,34 +206,6 @@ def _run_report(rt: VSAH3Runtime) -> tuple[str, dict]:
         summary += (f"; UNVERIFIED backend {', '.join(unverified)} (chosen explicitly; never run on any hardware "
                     "before this run: check its output)")
     return summary, data
-
-
-def _install_gate_replaces(m, dm, gates: dict) -> None:
-    from comfy.ldm.minimax.model import _mod_scale_shift
-
-    dit = m.model_options.setdefault("transformer_options", {}).setdefault("patches_replace", {}).get("dit", {})
-    for i, w in gates.items():
-        blk = dm.blocks[i]
-        prev = dit.get(("double_block", i))
-        heads, hd = blk.attn.heads, blk.attn.head_dim
-
-        def replace(args, extra, blk=blk, w=w, prev=prev, heads=heads, hd=hd):
-            to = args["transformer_options"]
-            ctx = to.get(CTX_KEY)
-            if ctx is not None and ctx.sparse:
-                x = args["img"]
-                shift, scale = blk.adaln_proj(args["t_emb"])[:2]
-                h = _mod_scale_shift(blk.norm1(x), shift, scale, args["mod_segments"])
-                g = F.linear(h, w.to(device=h.device, dtype=h.dtype))
-                g = g.view(h.shape[0], heads, hd).transpose(0, 1).unsqueeze(0)
-                to = dict(to)
-                to[GATE_KEY] = g
-                args = dict(args, transformer_options=to)
-            if prev is not None:
-                return prev(args, extra)
-            return extra["original_block"](args)
-
-        m.set_model_patch_replace(replace, "dit", "double_block", i)
 
 
 NODES = [DitKitSparseAttention]
