@@ -55,8 +55,9 @@ def segments_from_inputs(dm, args, kwargs):
 def make_attention_override(rt: VSAH3Runtime, prev=None):
     """The ``optimized_attention_override`` callable that routes packed H3 self-attention through ``rt``.
 
-    ComfyUI calls it as ``override(func, q, k, v, heads, *args, mask=..., skip_reshape=..., transformer_options=...)``.
-    Calls it declines (no ForwardCtx in ``transformer_options``, another layout, a mask, the token refiner's
+    ComfyUI calls it as ``override(func, q, k, v, heads, *args, mask=..., skip_reshape=..., skip_output_reshape=...,
+    transformer_options=...)``; the output is ``[B, S, H*D]``, or ``[B, H, S, D]`` with ``skip_output_reshape``
+    (as ComfyUI's own attention functions return). Calls it declines (no ForwardCtx in ``transformer_options``, another layout, a mask, the token refiner's
     shorter sequence, or a dense step) are counted with their reason and run dense: through ``prev`` (an override
     installed before this one) when there is one, else ``func``. A full packed-sequence call that went dense makes
     its step dense; refiner and foreign calls do not.
@@ -67,7 +68,8 @@ def make_attention_override(rt: VSAH3Runtime, prev=None):
             return prev(func, q, k, v, heads, *a, **kw)
         return func(q, k, v, heads, *a, **kw)
 
-    def override(func, q, k, v, heads, *a, mask=None, skip_reshape=False, transformer_options=None, **kw):
+    def override(func, q, k, v, heads, *a, mask=None, skip_reshape=False, skip_output_reshape=False,
+                 transformer_options=None, **kw):
         to = transformer_options or {}
         ctx = to.get(CTX_KEY)
         reason = None
@@ -84,9 +86,13 @@ def make_attention_override(rt: VSAH3Runtime, prev=None):
         if reason is not None:
             packed = ctx is not None and reason != "token refiner / non-packed"
             rt.dense_call(reason, ctx if packed else None)
+            if skip_output_reshape:
+                kw["skip_output_reshape"] = True
             return dense(func, q, k, v, heads, *a, mask=mask, skip_reshape=skip_reshape,
                          transformer_options=transformer_options, **kw)
         out = rt.attention(q, k, v, ctx, gate=to.get(GATE_KEY))
+        if skip_output_reshape:          # the caller wants ComfyUI's [B, H, S, D] (attention_pytorch's contract)
+            return out
         B, H, S, D = out.shape
         return out.transpose(1, 2).reshape(B, S, H * D)
 
