@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .vsa import vsa_h3_attention
+from .vsa import H3Kernels, resolve_h3_kernels, vsa_h3_attention
 from .vsa_layout import H3TileLayout, build_h3_layout
 
 
@@ -34,6 +34,7 @@ class ForwardCtx:
     sparse: bool
     reason: str
     sigma: Optional[float]
+    kernels: Optional[H3Kernels] = None   # resolved at this forward's first sparse call, reused by the others
 
 
 def _step_key(sigma: Optional[float]):
@@ -54,6 +55,7 @@ class VSAH3Runtime:
     k_video: Optional[int] = None
     n_tiles: Optional[int] = None
     layouts: set = field(default_factory=set)
+    kernels: Counter = field(default_factory=Counter)        # kernel selection -> forwards that resolved it
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def reset(self) -> None:
@@ -65,6 +67,7 @@ class VSAH3Runtime:
             self.backends.clear()
             self.block_pairs = self.block_pairs_dense = 0
             self.layouts.clear()
+            self.kernels.clear()
 
     # -- per forward -----------------------------------------------------------------------------------------
     def begin_forward(self, prefix_segments: tuple[int, ...], video_shape: tuple[int, int, int],
@@ -95,8 +98,15 @@ class VSAH3Runtime:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardCtx,
                   gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        kn = ctx.kernels
+        if kn is None or not kn.matches(q):
+            # once per forward (FastVideo resolves its attention backend once and builds the metadata once per
+            # forward): the registry is not consulted again by the other attention calls of this forward
+            kn = ctx.kernels = resolve_h3_kernels(q.device, q.dtype, q.shape[-1], self.cfg.backend)
+            with self._lock:
+                self.kernels[kn.describe()] += 1
         out, st = vsa_h3_attention(q, k, v, ctx.layout, self.cfg.keep, gate=gate, exempt=self.cfg.exempt,
-                                   backend=self.cfg.backend, sparsity=self.cfg.sparsity)
+                                   sparsity=self.cfg.sparsity, kernels=kn)
         with self._lock:
             self.calls["sparse"] += 1
             self.steps_sparse.add(_step_key(ctx.sigma))
@@ -122,7 +132,8 @@ class VSAH3Runtime:
                 "steps_sparse": len(self.steps_sparse), "steps_dense": len(self.steps_dense),
                 "steps_without_attention": len(self.steps_idle),
                 "measured_density": self.density, "k_video": self.k_video, "n_tiles": self.n_tiles,
-                "gate": self.gate_source, "layouts": sorted(self.layouts)}
+                "gate": self.gate_source, "layouts": sorted(self.layouts),
+                "kernels_per_forward": dict(self.kernels)}
 
     def summary(self) -> str:
         used = ", ".join(f"{b}" for b in self.backends) or "none (no sparse call)"
@@ -133,4 +144,5 @@ class VSAH3Runtime:
                 + (f" / {idle} without block attention (skipped by a step cache)" if idle else "") + "; "
                 f"attention calls sparse {self.calls.get('sparse', 0)}, dense {sum(dense.values())}"
                 + (f" ({', '.join(f'{k}: {v}' for k, v in dense.items())})" if dense else "")
-                + f"; measured block density {dens} (keep {self.cfg.keep:g}, k={self.k_video}); gate {self.gate_source}")
+                + f"; measured block density {dens} (keep {self.cfg.keep:g}, k={self.k_video}); gate {self.gate_source}"
+                + (f"; kernels resolved once per forward: {'; '.join(self.kernels)}" if self.kernels else ""))
