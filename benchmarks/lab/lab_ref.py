@@ -28,7 +28,8 @@ from ditkit.cache.calibrate import CalibrationRecorder, collect_pair_files, fit_
 from ditkit.cache.hooks import HOLDER_KEY, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
 from ditkit.cache.teacache import state_from_coefficients
 from ditkit.bridge.attention import CTX_KEY as VSA_CTX_KEY
-from ditkit.bridge.attention import make_attention_override, prefix_segments_from_spans
+from ditkit.bridge.attention import HOLDER_KEY as VSA_HOLDER_KEY
+from ditkit.bridge.attention import VSAAttentionOverride, VSAHolder, prefix_segments_from_spans
 from ditkit.kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
 from benchmarks.lab import lab_data as D
 from benchmarks.lab import lab_ref_dit as R
@@ -178,8 +179,9 @@ def teacache_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
 # ------------------------------------------------------------------------------------------------ VSA-H3
 
 def sparse_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
-    """DitKitSparseAttention with the node's defaults + ``overrides``: a VSAH3Runtime behind the attention override
-    (calls it declines run dense), per-forward layout from the packed segments, reset per sampling run."""
+    """DitKitSparseAttention with the node's defaults + ``overrides``: a VSAH3Runtime (in a VSAHolder) behind the
+    attention override (calls it declines run dense), per-forward layout from the packed segments, a fresh holder
+    clone per sampling run."""
     p = dict(SPARSE_DEFAULTS, **overrides)
     keep = (SPARSE_RECIPES[p["recipe"]] if SPARSE_RECIPES[p["recipe"]] is not None else float(p["keep_percent"])) / 100
     if p["gate"] != "auto" and p["gate"] != "none":
@@ -188,12 +190,10 @@ def sparse_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
                       sigma_end=float(lab.ms.percent_to_sigma(p["end_percent"])),
                       backend=None if p["backend"] == "auto" else p["backend"], min_tokens=int(p["min_tokens"]))
     # the lab DiT has no to_gate_compress weights: pure sparse (as the node reports for such a model)
-    rt = VSAH3Runtime(cfg, gate_source="none (model has no to_gate_compress) -> pure sparse")
+    holder = VSAHolder(VSAH3Runtime(cfg, gate_source="none (model has no to_gate_compress) -> pure sparse"))
     model = base.clone()
     to = model.transformer_options
     prev = to.get("optimized_attention_override")
-
-    override = make_attention_override(rt, prev)
 
     def forward_wrapper(executor, x, timestep, context, transformer_options, **kwargs):
         video = x[0]
@@ -205,17 +205,20 @@ def sparse_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
         sig = transformer_options.get("sigmas")
         sigma = float(sig.flatten()[0]) if isinstance(sig, torch.Tensor) and sig.numel() else None
         t = dict(transformer_options)
+        rt = t[VSA_HOLDER_KEY].runtime
         t[VSA_CTX_KEY] = rt.begin_forward(prefix, (T // pt, Hh // ph, Ww // pw), sigma)
         return executor(x, timestep, context, t, **kwargs)
 
     def sample_wrapper(run, t, sigmas):
-        rt.reset()
+        t = dict(t)
+        run_holder = t[VSA_HOLDER_KEY] = t[VSA_HOLDER_KEY].clone()     # the node's per-run clone
         try:
             return run(t)
         finally:
-            base.reports.append(("sparse", rt.summary()))
+            base.reports.append(("sparse", run_holder.runtime.summary()))
 
-    to["optimized_attention_override"] = override
+    to[VSA_HOLDER_KEY] = holder
+    to["optimized_attention_override"] = VSAAttentionOverride(prev)
     model.add_dm_wrapper(VSA_KEY, forward_wrapper)
     model.outer.append(sample_wrapper)
     return model

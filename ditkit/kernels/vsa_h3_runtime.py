@@ -58,6 +58,11 @@ class VSAH3Runtime:
     kernels: Counter = field(default_factory=Counter)        # kernel selection -> forwards that resolved it
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def fresh(self) -> "VSAH3Runtime":
+        """A runtime with the same settings and no counts: the state of one sampling run (the host clones the
+        installed runtime per run instead of resetting a shared one)."""
+        return VSAH3Runtime(self.cfg, gate_source=self.gate_source)
+
     def reset(self) -> None:
         with self._lock:
             self.calls.clear()

@@ -1,22 +1,25 @@
 """DitKitSparseAttention: VSA-H3 block-sparse attention for MiniMax H3 / FastH3 (MODEL -> MODEL).
 
-Thin node: validates, clones the model and installs on the clone
+Thin node: validates, clones the model and installs on the clone (``bridge/attention.py``)
+* a :class:`~ditkit.bridge.attention.VSAHolder` template (the VSA-H3 runtime: settings + counters) in
+  ``transformer_options``; each sampling run works on its own clone of it (``OUTER_SAMPLE`` wrapper, restored in
+  ``finally``, where the run report is sent);
 * an ``optimized_attention_override`` (chained: calls it declines go to the override that was already there,
   or to ComfyUI's backend) that runs :func:`ditkit.kernels.vsa_h3_attention` on packed DiT calls;
 * a ``DIFFUSION_MODEL`` wrapper deriving the packed segment spans (ComfyUI 0.33 does not publish them) from
   the inputs exactly as ``MiniMaxH3Model._forward`` does, plus the sigma gating;
 * when FastH3 ``to_gate_compress`` weights are available, ``("double_block", i)`` replaces that compute the
-  gate from the block's attention input (chaining any replace already installed);
-* an ``OUTER_SAMPLE`` wrapper that resets the counters per run and sends the run report.
+  gate from the block's attention input (chaining any replace already installed).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 from comfy_api.latest import io
 
-from ..bridge.attention import CTX_KEY, install_gate_replaces, make_attention_override, segments_from_inputs
+from ..bridge.attention import VSAHolder, install, install_gate_replaces
 from ..errors import BackendError
 from ..kernels import REGISTRY
 from ..kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
@@ -24,7 +27,6 @@ from ._common import h3_diffusion_model, report_target, send_report, ui_report
 from ._fasth3_evidence import choose_recipe
 
 NODE_ID = "DitKitSparseAttention"
-KEY = "ditkit_vsa_h3"
 GATE_ATTACHMENT = "ditkit_h3_gate_compress"
 BACKENDS = ["auto", "triton", "flex", "cpu_batched", "cpu_native", "reference", "flashinfer", "comfy_kitchen"]
 GATE_CHOICES = ["auto", "none"]
@@ -104,8 +106,6 @@ class DitKitSparseAttention(io.ComfyNode):
     def execute(cls, model, recipe: str = "FastH3 Preview v1 (keep 10%)", keep_percent: float = 10.0,
                 start_percent: float = 0.0, end_percent: float = 1.0, backend: str = "auto", min_tokens: int = 0,
                 gate: str = "auto") -> io.NodeOutput:
-        import comfy.patcher_extension as pe
-
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         dm = _h3_model(model)
         if recipe not in RECIPES:
@@ -145,7 +145,7 @@ class DitKitSparseAttention(io.ComfyNode):
         target = report_target(node_id, NODE_ID)
         m = model.clone()
         gates, gate_src = _find_gates(m, dm, gate)
-        rt = VSAH3Runtime(cfg, gate_source=gate_src)
+        holder = VSAHolder(VSAH3Runtime(cfg, gate_source=gate_src), functools.partial(_send_run_report, target))
         topts = m.model_options.setdefault("transformer_options", {})
         prev = topts.get("optimized_attention_override")
         if getattr(prev, "_ditkit_vsa", False):
@@ -153,31 +153,7 @@ class DitKitSparseAttention(io.ComfyNode):
                                f"{NODE_ID} node; use one (chain the node once, after other attention nodes)")
         prev_name = getattr(prev, "__qualname__", type(prev).__name__) if prev is not None else None
 
-        override = make_attention_override(rt, prev)
-
-        def forward_wrapper(executor, *args, **kwargs):
-            to = args[3] if len(args) > 3 else kwargs.get("transformer_options", {})
-            prefix, grid = segments_from_inputs(executor.class_obj, args, kwargs)
-            sig = to.get("sigmas")
-            sigma = float(sig.flatten()[0]) if isinstance(sig, torch.Tensor) and sig.numel() else None
-            to = dict(to)
-            to[CTX_KEY] = rt.begin_forward(prefix, grid, sigma)
-            if len(args) > 3:
-                args = args[:3] + (to,) + tuple(args[4:])
-            else:
-                kwargs["transformer_options"] = to
-            return executor(*args, **kwargs)
-
-        def outer_wrapper(executor, *args, **kwargs):
-            rt.reset()
-            try:
-                return executor(*args, **kwargs)
-            finally:
-                send_report(target, NODE_ID, "run", *_run_report(rt))
-
-        topts["optimized_attention_override"] = override
-        m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, forward_wrapper)
-        m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, outer_wrapper)
+        install(m, holder, prev)
         if gates:
             install_gate_replaces(m, dm, gates)
 
@@ -195,6 +171,10 @@ class DitKitSparseAttention(io.ComfyNode):
                                                   dm.blocks[0].attn.head_dim)}
         payload = send_report(node_id, NODE_ID, "install", summary, data)
         return io.NodeOutput(m, ui=ui_report(payload))
+
+
+def _send_run_report(target, rt: VSAH3Runtime) -> None:
+    send_report(target, NODE_ID, "run", *_run_report(rt))
 
 
 def _run_report(rt: VSAH3Runtime) -> tuple[str, dict]:

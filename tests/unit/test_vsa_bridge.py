@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ditkit.bridge.attention import CTX_KEY, make_attention_override
+from ditkit.bridge.attention import CTX_KEY, HOLDER_KEY, VSAAttentionOverride, VSAHolder
 from ditkit.kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
 
 PREFIX, GRID = (10, 74), (7, 8, 8)
@@ -29,8 +29,8 @@ def _host_attention(q, k, v, heads, mask=None, skip_reshape=False, skip_output_r
 
 def test_skip_output_reshape_is_honoured_on_sparse_calls():
     rt = VSAH3Runtime(VSAH3Config(keep=0.25))
-    override = make_attention_override(rt)
-    to = {CTX_KEY: rt.begin_forward(PREFIX, GRID, 0.5)}
+    override = VSAAttentionOverride()
+    to = {HOLDER_KEY: VSAHolder(rt), CTX_KEY: rt.begin_forward(PREFIX, GRID, 0.5)}
     q, k, v = _qkv()
     flat = override(_host_attention, q, k, v, H, skip_reshape=True, transformer_options=to)
     heads_first = override(_host_attention, q, k, v, H, skip_reshape=True, skip_output_reshape=True,
@@ -43,8 +43,8 @@ def test_skip_output_reshape_is_honoured_on_sparse_calls():
 
 def test_skip_output_reshape_reaches_the_host_on_dense_calls():
     rt = VSAH3Runtime(VSAH3Config(keep=0.25, sigma_start=0.4))         # sigma 0.5 is outside the window: dense
-    override = make_attention_override(rt)
-    to = {CTX_KEY: rt.begin_forward(PREFIX, GRID, 0.5)}
+    override = VSAAttentionOverride()
+    to = {HOLDER_KEY: VSAHolder(rt), CTX_KEY: rt.begin_forward(PREFIX, GRID, 0.5)}
     q, k, v = _qkv(1)
     out = override(_host_attention, q, k, v, H, skip_reshape=True, skip_output_reshape=True, transformer_options=to)
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
