@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DitKitError
-from . import block_sparse, block_sparse_cpu, block_sparse_cpu_native, tile_pack  # noqa: F401  (registers the ops)
+from . import (block_sparse, block_sparse_comfy_kitchen, block_sparse_cpu, block_sparse_cpu_native,  # noqa: F401
+               block_sparse_flashinfer, block_sparse_flex, block_sparse_triton, tile_pack)  # (register the backends)
 from ._triton import HAS_TRITON
 from .registry import REGISTRY, Selection
 from .vsa_layout import TILE, H3TileLayout, check_seq_len, layout_buffers
@@ -33,63 +34,10 @@ from .vsa_select import fused_topk_mask, h3_block_mask, mask_to_index
 LOG2E = block_sparse.LOG2E
 
 
-# ---------------------------------------------------------------------------------------------------------
-# torch.library custom ops around the Triton launchers (fake impls let torch.compile trace them)
-def _define_ops():
-    if not HAS_TRITON:
-        return {}
-    ops = {}
-    lib_ns = torch.ops.ditkit if hasattr(torch.ops, "ditkit") else None
-
-    def existing(name):
-        try:
-            return getattr(lib_ns, name) if lib_ns is not None else None
-        except (AttributeError, RuntimeError):
-            return None
-
-    if existing("bsa_fwd_triton") is None:
-        @torch.library.custom_op("ditkit::bsa_fwd_triton", mutates_args=())
-        def bsa_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q2k_index: torch.Tensor,
-                           q2k_num: torch.Tensor, variable_block_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            o, lse = block_sparse.block_sparse_attn_triton(q, k, v, q2k_index, q2k_num, variable_block_sizes)
-            return o, lse
-
-        @bsa_fwd_triton.register_fake
-        def _(q, k, v, q2k_index, q2k_num, variable_block_sizes):
-            return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-        @torch.library.custom_op("ditkit::vsa_pack_triton", mutates_args=())
-        def vsa_pack_triton(x: torch.Tensor, tile_src: torch.Tensor) -> torch.Tensor:
-            return tile_pack.pack_triton(x, tile_src)
-
-        @vsa_pack_triton.register_fake
-        def _(x, tile_src):
-            return x.new_empty(*x.shape[:-2], tile_src.shape[0], x.shape[-1])
-
-        @torch.library.custom_op("ditkit::vsa_unpack_combine_triton", mutates_args=())
-        def vsa_unpack_combine_triton(fine: torch.Tensor, untile_index: torch.Tensor, coarse: Optional[torch.Tensor],
-                                      gate: Optional[torch.Tensor]) -> torch.Tensor:
-            return tile_pack.unpack_combine_triton(fine, untile_index, coarse, gate)
-
-        @vsa_unpack_combine_triton.register_fake
-        def _(fine, untile_index, coarse, gate):
-            return fine.new_empty(*fine.shape[:-2], untile_index.shape[0], fine.shape[-1])
-
-    ops["bsa"] = torch.ops.ditkit.bsa_fwd_triton
-    ops["pack"] = torch.ops.ditkit.vsa_pack_triton
-    ops["unpack"] = torch.ops.ditkit.vsa_unpack_combine_triton
-    return ops
-
-
-CUSTOM_OPS = _define_ops()
-if CUSTOM_OPS:
-    # route the registry's triton entries through the custom ops
-    REGISTRY.ops["block_sparse_attn"].impls["triton"].fn = (
-        lambda q, k, v, i, n, s, need_lse=True: CUSTOM_OPS["bsa"](q, k, v, i, n, s))
-    REGISTRY.ops["vsa_pack"].impls["triton"].fn = lambda x, src: CUSTOM_OPS["pack"](x, src)
-    REGISTRY.ops["vsa_unpack_combine"].impls["triton"].fn = (
-        lambda f, u, c=None, g=None, tile=TILE: CUSTOM_OPS["unpack"](f, u, c, g))
-    REGISTRY.clear_cache()
+# every backend registers itself on import; the Triton ones call their torch.library custom op (defined beside
+# the launcher). CUSTOM_OPS: those ops by role (torch.compile tests).
+CUSTOM_OPS = ({"bsa": block_sparse_triton.CUSTOM_OP, "pack": tile_pack.PACK_OP, "unpack": tile_pack.UNPACK_OP}
+              if HAS_TRITON else {})
 
 
 def _check_qkv(q, k, v):

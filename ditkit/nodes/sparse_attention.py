@@ -28,7 +28,7 @@ from ._fasth3_evidence import choose_recipe
 
 NODE_ID = "DitKitSparseAttention"
 GATE_ATTACHMENT = "ditkit_h3_gate_compress"
-BACKENDS = ["auto", "triton", "flex", "cpu_batched", "cpu_native", "reference", "flashinfer", "comfy_kitchen"]
+BACKENDS = ["auto"] + REGISTRY.menu("block_sparse_attn")   # every registered backend, the same list everywhere
 GATE_CHOICES = ["auto", "none"]
 RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 20%)": 20.0, "custom": None,
            "auto (from the checkpoint)": "auto"}   # auto: sampling/fasth3_recipe.py decides from the checkpoint

@@ -321,7 +321,7 @@ def test_video_sparse_attn_fastvideo_semantics(backend):
 
 
 # ------------------------------------------------------------------------------------------------- torch.compile
-@pytest.mark.skipif(not block_sparse.HAS_TRITON, reason="triton not installed")
+@pytest.mark.skipif(not tile_pack.HAS_TRITON, reason="triton not installed")
 def test_custom_ops_trace_under_torch_compile():
     need_triton()
     from ditkit.kernels.vsa import CUSTOM_OPS
