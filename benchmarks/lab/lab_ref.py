@@ -5,7 +5,7 @@
   both are proven equal to ComfyUI by ``tests/integration/test_lab_ref_equivalence_dit.py``.
 * VAE: :mod:`benchmarks.lab.lab_ref_vae` (proven equal by ``tests/integration/test_lab_ref_equivalence_vae.py``).
 * Features: the SAME core objects the ditkit nodes build (``cache.hooks`` / ``cache.teacache`` / ``cache.calibrate``
-  / ``cache.coefficients`` for TeaCache, ``kernels.vsa_h3_runtime`` for VSA-H3), installed by a thin replica of the
+  / ``cache.coefficients`` for TeaCache, ``kernels.vsa_h3_runtime`` + ``bridge.attention`` for VSA-H3), installed by a thin replica of the
   node's install step into ``transformer_options`` (block replaces, attention override, diffusion-model wrapper)
   plus a per-sampling begin/end around each run (the nodes' ``OUTER_SAMPLE`` wrappers). Node defaults are mirrored
   in ``TEACACHE_DEFAULTS`` / ``SPARSE_DEFAULTS`` (a host test checks them against the node schemas).
@@ -27,9 +27,10 @@ from ditkit.cache import coefficients as coef
 from ditkit.cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files, write_pair_file
 from ditkit.cache.hooks import HOLDER_KEY, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
 from ditkit.cache.teacache import state_from_coefficients
-from ditkit.kernels.vsa_h3_runtime import CTX_KEY as VSA_CTX_KEY
-from ditkit.kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime, make_attention_override
-from ditkit.kernels.vsa_layout import prefix_segments_from_spans
+from ditkit.bridge.attention import CTX_KEY as VSA_CTX_KEY
+from ditkit.bridge.attention import HOLDER_KEY as VSA_HOLDER_KEY
+from ditkit.bridge.attention import VSAAttentionOverride, VSAHolder, prefix_segments_from_spans
+from ditkit.kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
 from benchmarks.lab import lab_data as D
 from benchmarks.lab import lab_ref_dit as R
 from benchmarks.lab import lab_ref_sample as S
@@ -178,8 +179,9 @@ def teacache_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
 # ------------------------------------------------------------------------------------------------ VSA-H3
 
 def sparse_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
-    """DitKitSparseAttention with the node's defaults + ``overrides``: a VSAH3Runtime behind the attention override
-    (calls it declines run dense), per-forward layout from the packed segments, reset per sampling run."""
+    """DitKitSparseAttention with the node's defaults + ``overrides``: a VSAH3Runtime (in a VSAHolder) behind the
+    attention override (calls it declines run dense), per-forward layout from the packed segments, a fresh holder
+    clone per sampling run."""
     p = dict(SPARSE_DEFAULTS, **overrides)
     keep = (SPARSE_RECIPES[p["recipe"]] if SPARSE_RECIPES[p["recipe"]] is not None else float(p["keep_percent"])) / 100
     if p["gate"] != "auto" and p["gate"] != "none":
@@ -188,12 +190,10 @@ def sparse_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
                       sigma_end=float(lab.ms.percent_to_sigma(p["end_percent"])),
                       backend=None if p["backend"] == "auto" else p["backend"], min_tokens=int(p["min_tokens"]))
     # the lab DiT has no to_gate_compress weights: pure sparse (as the node reports for such a model)
-    rt = VSAH3Runtime(cfg, gate_source="none (model has no to_gate_compress) -> pure sparse")
+    holder = VSAHolder(VSAH3Runtime(cfg, gate_source="none (model has no to_gate_compress) -> pure sparse"))
     model = base.clone()
     to = model.transformer_options
     prev = to.get("optimized_attention_override")
-
-    override = make_attention_override(rt, prev)
 
     def forward_wrapper(executor, x, timestep, context, transformer_options, **kwargs):
         video = x[0]
@@ -205,17 +205,20 @@ def sparse_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
         sig = transformer_options.get("sigmas")
         sigma = float(sig.flatten()[0]) if isinstance(sig, torch.Tensor) and sig.numel() else None
         t = dict(transformer_options)
+        rt = t[VSA_HOLDER_KEY].runtime
         t[VSA_CTX_KEY] = rt.begin_forward(prefix, (T // pt, Hh // ph, Ww // pw), sigma)
         return executor(x, timestep, context, t, **kwargs)
 
     def sample_wrapper(run, t, sigmas):
-        rt.reset()
+        t = dict(t)
+        run_holder = t[VSA_HOLDER_KEY] = t[VSA_HOLDER_KEY].clone()     # the node's per-run clone
         try:
             return run(t)
         finally:
-            base.reports.append(("sparse", rt.summary()))
+            base.reports.append(("sparse", run_holder.runtime.summary()))
 
-    to["optimized_attention_override"] = override
+    to[VSA_HOLDER_KEY] = holder
+    to["optimized_attention_override"] = VSAAttentionOverride(prev)
     model.add_dm_wrapper(VSA_KEY, forward_wrapper)
     model.outer.append(sample_wrapper)
     return model

@@ -5,6 +5,6 @@
 :func:`vsa_h3_attention` (packed H3 sequences).
 """
 from .registry import REGISTRY, BackendError, Selection  # noqa: F401
-from .vsa import (block_sparse_attn, pool_tiles, select_h3, video_sparse_attn,  # noqa: F401
-                  vsa_h3_attention, VSAStats)
+from .vsa import (H3Kernels, block_sparse_attn, pool_tiles, resolve_h3_kernels, select_h3,  # noqa: F401
+                  video_sparse_attn, vsa_h3_attention, VSAStats)
 from .vsa_layout import H3TileLayout, LayoutError, build_h3_layout, compute_topk  # noqa: F401

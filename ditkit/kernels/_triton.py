@@ -50,3 +50,15 @@ if HAS_TRITON:
 
 # True when this process created ditkit's kernels under TRITON_INTERPRET=1 (decided at import, like Triton)
 INTERPRETED = HAS_TRITON and _interpreted(offs64)
+
+
+def existing_custom_op(name: str):
+    """``torch.ops.ditkit.<name>`` when an earlier import of the pack already defined that custom op (ComfyUI loads
+    the pack under its folder name, tests and the CLI as ``ditkit``: the second import reuses the first's op), else
+    None."""
+    import torch
+
+    try:
+        return getattr(torch.ops.ditkit, name) if hasattr(torch.ops, "ditkit") else None
+    except (AttributeError, RuntimeError):
+        return None

@@ -159,5 +159,5 @@ def _native_check(q: Query, explicit: bool) -> Optional[str]:
     return None                  # built on the first call (load_extension); a failed build raises there
 
 
-REGISTRY.impl(OP, Impl(NAME, block_sparse_attn_cpu_native, _native_check, priority=39,
+REGISTRY.impl(OP, Impl(NAME, block_sparse_attn_cpu_native, _native_check, priority=39, explicit_only=True,
                        note="CPU, explicit: cpu_batched with the per-query-tile part as one fused C++ pass"))

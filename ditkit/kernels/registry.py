@@ -56,6 +56,8 @@ class Impl:
     priority: int = 100          # lower first
     note: str = ""
     unverified: Optional[str] = None  # never run on any hardware: why (explicit only); None = exercised by tests
+    explicit_only: bool = False      # its check never lets auto pick it (e.g. builds an extension on first use)
+    placeholder: bool = False        # registered so its refusal is explained; never has a launcher
 
 
 @dataclass
@@ -141,6 +143,15 @@ class Registry:
     def backends(self, op: str) -> list[str]:
         o = self.ops[op]
         return [i.name for i in sorted(o.impls.values(), key=lambda i: i.priority)] + [REFERENCE]
+
+    def menu(self, op: str) -> list[str]:
+        """The backends of ``op`` in the order a node offers them (static: the same list on every machine): the
+        ones ``auto`` may pick, by priority; explicit-only ones; the reference; unverified ones; placeholders."""
+        def group(i: Impl) -> int:
+            return 4 if i.placeholder else 3 if i.unverified else 1 if i.explicit_only or not i.exact else 0
+
+        impls = sorted(self.ops[op].impls.values(), key=lambda i: (group(i), i.priority))
+        return ([i.name for i in impls if group(i) < 2] + [REFERENCE] + [i.name for i in impls if group(i) >= 2])
 
     def clear_cache(self) -> None:
         self._cache.clear()

@@ -7,7 +7,9 @@
   ``u = untile_index[r]``; ``g`` = gate (packed order) or 1 when ``gate`` is None and ``coarse`` is given;
   without ``coarse`` it is a plain gather. The sum is formed in fp32 and rounded once.
 
-Each op: pure-torch reference, a private ``@triton.jit`` kernel + launcher (int64 offsets), registry entries.
+Each op: pure-torch reference, a private ``@triton.jit`` kernel + launcher (int64 offsets), its ``torch.library``
+custom op (``ditkit::vsa_pack_triton``, ``ditkit::vsa_unpack_combine_triton``; fake implementations let
+``torch.compile`` trace them) and registry entries that call the custom ops.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton
+from ._triton import HAS_TRITON, existing_custom_op, tl, triton
 from .registry import REGISTRY, Impl, triton_check
 
 TILE = 64
@@ -144,8 +146,45 @@ def _triton_check(q, explicit: bool):
     return triton_check(q, explicit, HAS_TRITON, bad_hd)
 
 
+def _define_ops():
+    pack_op, unpack_op = existing_custom_op("vsa_pack_triton"), existing_custom_op("vsa_unpack_combine_triton")
+    if pack_op is not None and unpack_op is not None:   # defined by an earlier import of the pack
+        return pack_op, unpack_op
+
+    @torch.library.custom_op("ditkit::vsa_pack_triton", mutates_args=())
+    def vsa_pack_triton(x: torch.Tensor, tile_src: torch.Tensor) -> torch.Tensor:
+        return pack_triton(x, tile_src)
+
+    @vsa_pack_triton.register_fake
+    def _(x, tile_src):
+        return x.new_empty(*x.shape[:-2], tile_src.shape[0], x.shape[-1])
+
+    @torch.library.custom_op("ditkit::vsa_unpack_combine_triton", mutates_args=())
+    def vsa_unpack_combine_triton(fine: torch.Tensor, untile_index: torch.Tensor, coarse: Optional[torch.Tensor],
+                                  gate: Optional[torch.Tensor]) -> torch.Tensor:
+        return unpack_combine_triton(fine, untile_index, coarse, gate)
+
+    @vsa_unpack_combine_triton.register_fake
+    def _(fine, untile_index, coarse, gate):
+        return fine.new_empty(*fine.shape[:-2], untile_index.shape[0], fine.shape[-1])
+
+    return torch.ops.ditkit.vsa_pack_triton, torch.ops.ditkit.vsa_unpack_combine_triton
+
+
+PACK_OP, UNPACK_OP = _define_ops() if HAS_TRITON else (None, None)
+
+
+def pack_triton_op(x: torch.Tensor, tile_src: torch.Tensor) -> torch.Tensor:
+    return PACK_OP(x, tile_src)
+
+
+def unpack_combine_triton_op(fine: torch.Tensor, untile_index: torch.Tensor, coarse: Optional[torch.Tensor] = None,
+                             gate: Optional[torch.Tensor] = None, tile: int = TILE) -> torch.Tensor:
+    return UNPACK_OP(fine, untile_index, coarse, gate)
+
+
 REGISTRY.op("vsa_pack", pack_reference)
 REGISTRY.op("vsa_unpack_combine", unpack_combine_reference)
-REGISTRY.impl("vsa_pack", Impl("triton", pack_triton if HAS_TRITON else None, _triton_check, priority=10))
-REGISTRY.impl("vsa_unpack_combine", Impl("triton", unpack_combine_triton if HAS_TRITON else None, _triton_check,
+REGISTRY.impl("vsa_pack", Impl("triton", pack_triton_op if HAS_TRITON else None, _triton_check, priority=10))
+REGISTRY.impl("vsa_unpack_combine", Impl("triton", unpack_combine_triton_op if HAS_TRITON else None, _triton_check,
                                          priority=10))

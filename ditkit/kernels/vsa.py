@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from ..errors import DitKitError
-from . import block_sparse, block_sparse_cpu, block_sparse_cpu_native, tile_pack  # noqa: F401  (registers the ops)
+from . import (block_sparse, block_sparse_comfy_kitchen, block_sparse_cpu, block_sparse_cpu_native,  # noqa: F401
+               block_sparse_flashinfer, block_sparse_flex, block_sparse_triton, tile_pack)  # (register the backends)
 from ._triton import HAS_TRITON
 from .registry import REGISTRY, Selection
 from .vsa_layout import TILE, H3TileLayout, check_seq_len, layout_buffers
@@ -32,63 +33,10 @@ from .vsa_select import fused_topk_mask, h3_block_mask, mask_to_index
 LOG2E = block_sparse.LOG2E
 
 
-# ---------------------------------------------------------------------------------------------------------
-# torch.library custom ops around the Triton launchers (fake impls let torch.compile trace them)
-def _define_ops():
-    if not HAS_TRITON:
-        return {}
-    ops = {}
-    lib_ns = torch.ops.ditkit if hasattr(torch.ops, "ditkit") else None
-
-    def existing(name):
-        try:
-            return getattr(lib_ns, name) if lib_ns is not None else None
-        except (AttributeError, RuntimeError):
-            return None
-
-    if existing("bsa_fwd_triton") is None:
-        @torch.library.custom_op("ditkit::bsa_fwd_triton", mutates_args=())
-        def bsa_fwd_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q2k_index: torch.Tensor,
-                           q2k_num: torch.Tensor, variable_block_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            o, lse = block_sparse.block_sparse_attn_triton(q, k, v, q2k_index, q2k_num, variable_block_sizes)
-            return o, lse
-
-        @bsa_fwd_triton.register_fake
-        def _(q, k, v, q2k_index, q2k_num, variable_block_sizes):
-            return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-        @torch.library.custom_op("ditkit::vsa_pack_triton", mutates_args=())
-        def vsa_pack_triton(x: torch.Tensor, tile_src: torch.Tensor) -> torch.Tensor:
-            return tile_pack.pack_triton(x, tile_src)
-
-        @vsa_pack_triton.register_fake
-        def _(x, tile_src):
-            return x.new_empty(*x.shape[:-2], tile_src.shape[0], x.shape[-1])
-
-        @torch.library.custom_op("ditkit::vsa_unpack_combine_triton", mutates_args=())
-        def vsa_unpack_combine_triton(fine: torch.Tensor, untile_index: torch.Tensor, coarse: Optional[torch.Tensor],
-                                      gate: Optional[torch.Tensor]) -> torch.Tensor:
-            return tile_pack.unpack_combine_triton(fine, untile_index, coarse, gate)
-
-        @vsa_unpack_combine_triton.register_fake
-        def _(fine, untile_index, coarse, gate):
-            return fine.new_empty(*fine.shape[:-2], untile_index.shape[0], fine.shape[-1])
-
-    ops["bsa"] = torch.ops.ditkit.bsa_fwd_triton
-    ops["pack"] = torch.ops.ditkit.vsa_pack_triton
-    ops["unpack"] = torch.ops.ditkit.vsa_unpack_combine_triton
-    return ops
-
-
-CUSTOM_OPS = _define_ops()
-if CUSTOM_OPS:
-    # route the registry's triton entries through the custom ops
-    REGISTRY.ops["block_sparse_attn"].impls["triton"].fn = (
-        lambda q, k, v, i, n, s, need_lse=True: CUSTOM_OPS["bsa"](q, k, v, i, n, s))
-    REGISTRY.ops["vsa_pack"].impls["triton"].fn = lambda x, src: CUSTOM_OPS["pack"](x, src)
-    REGISTRY.ops["vsa_unpack_combine"].impls["triton"].fn = (
-        lambda f, u, c=None, g=None, tile=TILE: CUSTOM_OPS["unpack"](f, u, c, g))
-    REGISTRY.clear_cache()
+# every backend registers itself on import; the Triton ones call their torch.library custom op (defined beside
+# the launcher). CUSTOM_OPS: those ops by role (torch.compile tests).
+CUSTOM_OPS = ({"bsa": block_sparse_triton.CUSTOM_OP, "pack": tile_pack.PACK_OP, "unpack": tile_pack.UNPACK_OP}
+              if HAS_TRITON else {})
 
 
 def _check_qkv(q, k, v):
@@ -185,22 +133,62 @@ class VSAStats:
         return self.block_pairs / max(1, self.block_pairs_dense)
 
 
+@dataclass(frozen=True)
+class H3Kernels:
+    """The registry selections one VSA-H3 call dispatches to (pack, pooled-score top-k, fine stage, unpack),
+    resolved together for one (device, dtype, head_dim, requested backend): resolve once per forward with
+    :func:`resolve_h3_kernels` and hand it to every :func:`vsa_h3_attention` call of that forward."""
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    request: Optional[str]
+    pack: Selection
+    select: Selection
+    fine: Selection
+    unpack: Selection
+
+    def matches(self, q: torch.Tensor) -> bool:
+        return q.dtype == self.dtype and q.shape[-1] == self.head_dim and q.device == self.device
+
+    def describe(self) -> str:
+        return (f"fine {self.fine.backend}, pack {self.pack.backend}, select {self.select.backend}, "
+                f"unpack {self.unpack.backend} ({self.device.type} {str(self.dtype).replace('torch.', '')} "
+                f"D={self.head_dim})")
+
+
+def resolve_h3_kernels(device, dtype: torch.dtype, head_dim: int, backend: Optional[str] = None) -> H3Kernels:
+    """The four selections of a VSA-H3 call (:class:`BackendError` for an explicit backend that cannot run)."""
+    dev = torch.device(device)
+    aux = "triton" if backend == "triton" else None   # pack/unpack follow the fine-stage request (see resolve_aux)
+    return H3Kernels(dev, dtype, int(head_dim), backend,
+                     pack=REGISTRY.resolve("vsa_pack", dev, dtype, head_dim, aux),
+                     unpack=REGISTRY.resolve("vsa_unpack_combine", dev, dtype, head_dim, aux),
+                     select=REGISTRY.resolve("vsa_select", dev, torch.float32, head_dim),
+                     fine=REGISTRY.resolve("block_sparse_attn", dev, dtype, head_dim, backend))
+
+
 def vsa_h3_attention(q, k, v, layout: H3TileLayout, keep: float, gate: Optional[torch.Tensor] = None,
                      exempt: bool = True, backend: Optional[str] = None,
-                     sparsity: Optional[float] = None) -> tuple[torch.Tensor, VSAStats]:
+                     sparsity: Optional[float] = None,
+                     kernels: Optional[H3Kernels] = None) -> tuple[torch.Tensor, VSAStats]:
     """VSA-H3 over the packed sequence ``[B,H,S,D]`` -> (output in packed order, stats).
 
     The video tiles kept per query tile are FastVideo's ``compute_topk(sparsity, n_video)``; ``sparsity`` is
     FastVideo's ``VSA_sparsity`` (give it when known, e.g. from :func:`.vsa_select.sparsity_from_keep_percent`),
-    else ``1 - keep``."""
+    else ``1 - keep``. ``kernels`` (from :func:`resolve_h3_kernels` for q's device, dtype and head dim) skips the
+    per-call registry look-ups; without it they are resolved here for ``backend``."""
     _check_qkv(q, k, v)
     check_seq_len(layout, q.shape[2])
     if gate is not None and gate.shape != q.shape:
         raise DitKitError(f"gate must match q {tuple(q.shape)} (packed order); got {tuple(gate.shape)}")
     B, H, S, D = q.shape
+    if kernels is None:
+        kernels = resolve_h3_kernels(q.device, q.dtype, D, backend)
+    elif not kernels.matches(q):
+        raise DitKitError(f"VSA-H3 kernels were resolved for {kernels.describe()}, got q {q.device.type} "
+                          f"{str(q.dtype).replace('torch.', '')} D={D}")
     lay = layout.to(q.device)
-    pk = resolve_aux("vsa_pack", q, backend)
-    un = resolve_aux("vsa_unpack_combine", q, backend)
+    pk, un, sel = kernels.pack, kernels.unpack, kernels.fine
     # per-geometry index buffers, built once per (geometry, device) and reused by every call (exact);
     # REUSE_LAYOUT_BUFFERS = False recomputes them in every call (the A side of bench_vsa_cpu.py --reuse)
     buf = layout_buffers(lay) if REUSE_LAYOUT_BUFFERS else None
@@ -213,9 +201,7 @@ def vsa_h3_attention(q, k, v, layout: H3TileLayout, keep: float, gate: Optional[
     kp = pool_tiles(kt, sizes)
     scores = torch.matmul(qp, kp.transpose(-2, -1)) / (D ** 0.5)
     k_vid = layout.topk_sparsity(sparsity) if sparsity is not None else layout.topk(keep)
-    sel_k = REGISTRY.resolve("vsa_select", q.device, torch.float32, D)
-    idx, num = sel_k.fn(scores, lay.num_prefix_tiles, lay.num_video_tiles, k_vid, exempt)
-    sel = REGISTRY.resolve("block_sparse_attn", q.device, q.dtype, D, backend)
+    idx, num = kernels.select.fn(scores, lay.num_prefix_tiles, lay.num_video_tiles, k_vid, exempt)
     fine, _ = sel.fn(qt, kt, vt, idx, num, lay.sizes, need_lse=False)
     coarse = None
     if gate is not None:

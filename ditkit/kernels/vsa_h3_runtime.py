@@ -1,7 +1,8 @@
 """Per-model VSA-H3 runtime state: dense/sparse decisions, counters and the report (plain torch).
 
-The node (``nodes/sparse_attention.py``) owns the ComfyUI hooks; this object decides, per DiT forward and per
-attention call, whether to run sparse, calls :func:`~.vsa.vsa_h3_attention`, and counts what ran.
+The host layer (``bridge/attention.py``, installed by ``nodes/sparse_attention.py``) owns the ComfyUI hooks and
+calling convention; this object decides, per DiT forward and per attention call, whether to run sparse, calls
+:func:`~.vsa.vsa_h3_attention` on ``[B, H, S, D]`` tensors, and counts what ran.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..report import Report
-from .vsa import vsa_h3_attention
+from .vsa import H3Kernels, resolve_h3_kernels, vsa_h3_attention
 from .vsa_layout import H3TileLayout, build_h3_layout
 
 
@@ -34,6 +35,7 @@ class ForwardCtx:
     sparse: bool
     reason: str
     sigma: Optional[float]
+    kernels: Optional[H3Kernels] = None   # resolved at this forward's first sparse call, reused by the others
 
 
 def _step_key(sigma: Optional[float]):
@@ -54,14 +56,20 @@ class VSAH3Runtime(Report):
     k_video: Optional[int] = None
     n_tiles: Optional[int] = None
     layouts: set = field(default_factory=set)
+    kernels: Counter = field(default_factory=Counter)        # kernel selection -> forwards that resolved it
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     KEYS = ("keep=cfg.keep", "sparsity=cfg.sparsity", "backend_requested", "backends_used=backends", "calls",
             "steps_sparse", "steps_dense", "steps_without_attention", "measured_density=density", "k_video", "n_tiles",
-            "gate=gate_source", "layouts")
+            "gate=gate_source", "layouts", "kernels_per_forward=kernels")
     VALUES = {"backend_requested": lambda r: r.cfg.backend or "auto", "steps_sparse": lambda r: len(r.steps_sparse),
               "steps_dense": lambda r: len(r.steps_dense), "steps_without_attention": lambda r: len(r.steps_idle),
               "layouts": lambda r: sorted(r.layouts)}
+
+    def fresh(self) -> "VSAH3Runtime":
+        """A runtime with the same settings and no counts: the state of one sampling run (the host clones the
+        installed runtime per run instead of resetting a shared one)."""
+        return VSAH3Runtime(self.cfg, gate_source=self.gate_source)
 
     def reset(self) -> None:
         with self._lock:
@@ -72,6 +80,7 @@ class VSAH3Runtime(Report):
             self.backends.clear()
             self.block_pairs = self.block_pairs_dense = 0
             self.layouts.clear()
+            self.kernels.clear()
 
     # -- per forward -----------------------------------------------------------------------------------------
     def begin_forward(self, prefix_segments: tuple[int, ...], video_shape: tuple[int, int, int],
@@ -102,8 +111,15 @@ class VSAH3Runtime(Report):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardCtx,
                   gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        kn = ctx.kernels
+        if kn is None or not kn.matches(q):
+            # once per forward (FastVideo resolves its attention backend once and builds the metadata once per
+            # forward): the registry is not consulted again by the other attention calls of this forward
+            kn = ctx.kernels = resolve_h3_kernels(q.device, q.dtype, q.shape[-1], self.cfg.backend)
+            with self._lock:
+                self.kernels[kn.describe()] += 1
         out, st = vsa_h3_attention(q, k, v, ctx.layout, self.cfg.keep, gate=gate, exempt=self.cfg.exempt,
-                                   backend=self.cfg.backend, sparsity=self.cfg.sparsity)
+                                   sparsity=self.cfg.sparsity, kernels=kn)
         with self._lock:
             self.calls["sparse"] += 1
             self.steps_sparse.add(_step_key(ctx.sigma))
@@ -132,50 +148,5 @@ class VSAH3Runtime(Report):
                 + (f" / {idle} without block attention (skipped by a step cache)" if idle else "") + "; "
                 f"attention calls sparse {self.calls.get('sparse', 0)}, dense {sum(dense.values())}"
                 + (f" ({', '.join(f'{k}: {v}' for k, v in dense.items())})" if dense else "")
-                + f"; measured block density {dens} (keep {self.cfg.keep:g}, k={self.k_video}); gate {self.gate_source}")
-
-
-CTX_KEY = "ditkit_vsa"         # transformer_options key: the ForwardCtx of the running DiT forward
-GATE_KEY = "ditkit_vsa_gate"   # transformer_options key: the FastH3 gate of the running block (if any)
-
-
-def make_attention_override(rt: VSAH3Runtime, prev=None):
-    """The ``optimized_attention_override`` callable that routes packed H3 self-attention through ``rt``.
-
-    ComfyUI calls it as ``override(func, q, k, v, heads, *args, mask=..., skip_reshape=..., transformer_options=...)``.
-    Calls it declines (no ForwardCtx in ``transformer_options``, another layout, a mask, the token refiner's
-    shorter sequence, or a dense step) are counted with their reason and run dense: through ``prev`` (an override
-    installed before this one) when there is one, else ``func``. A full packed-sequence call that went dense makes
-    its step dense; refiner and foreign calls do not.
-    """
-
-    def dense(func, q, k, v, heads, *a, **kw):
-        if prev is not None:
-            return prev(func, q, k, v, heads, *a, **kw)
-        return func(q, k, v, heads, *a, **kw)
-
-    def override(func, q, k, v, heads, *a, mask=None, skip_reshape=False, transformer_options=None, **kw):
-        to = transformer_options or {}
-        ctx = to.get(CTX_KEY)
-        reason = None
-        if ctx is None:
-            reason = "not an H3 DiT forward"
-        elif not skip_reshape or q.dim() != 4:
-            reason = "unexpected layout"
-        elif mask is not None:
-            reason = "masked call"
-        elif q.shape[2] != ctx.layout.seq_len:
-            reason = "token refiner / non-packed"
-        elif not ctx.sparse:
-            reason = ctx.reason
-        if reason is not None:
-            packed = ctx is not None and reason != "token refiner / non-packed"
-            rt.dense_call(reason, ctx if packed else None)
-            return dense(func, q, k, v, heads, *a, mask=mask, skip_reshape=skip_reshape,
-                         transformer_options=transformer_options, **kw)
-        out = rt.attention(q, k, v, ctx, gate=to.get(GATE_KEY))
-        B, H, S, D = out.shape
-        return out.transpose(1, 2).reshape(B, S, H * D)
-
-    override._ditkit_vsa = True
-    return override
+                + f"; measured block density {dens} (keep {self.cfg.keep:g}, k={self.k_video}); gate {self.gate_source}"
+                + (f"; kernels resolved once per forward: {'; '.join(self.kernels)}" if self.kernels else ""))

@@ -195,19 +195,17 @@ def check_seq_len(layout: H3TileLayout, n: int) -> None:
                           f"({layout.describe()}); a non-packed sequence (e.g. the token refiner) must stay dense")
 
 
-SEGMENT_CLASS = {"text": "text", "cond": "visual", "ref_img": "visual", "cond_audio": "audio", "ref_audio": "audio",
-                 "audio": "audio", "video": "video"}
+def merge_prefix_segments(spans, classify) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """FastVideo's prefix segments from a packed span list ``[(start, stop, kind)]``.
 
-
-def prefix_segments_from_spans(spans) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """FastVideo's prefix segments from a ComfyUI ``PackedLayout.segments`` list ``[(start, stop, kind)]``.
-
-    FastVideo tiles ``[text | cond video rows | audio rows]`` as three segments, so adjacent spans of the same
-    class (several keyframes' ``cond`` spans; ``cond_audio``/``ref_audio`` next to ``audio``) are merged into
-    one segment; the last span must be the target video. Returns (lengths, classes) of the prefix segments.
+    ``classify(kind)`` names the FastVideo class of a span kind (``"text"``, ``"visual"``, ``"audio"``,
+    ``"video"``; None = unknown); the host's kind names live with the host (``bridge/attention.py``). FastVideo
+    tiles ``[text | cond video rows | audio rows]`` as three segments, so adjacent spans of the same class are
+    merged into one segment; the last span must be the target video. Returns (lengths, classes) of the prefix
+    segments.
     """
     spans = [(int(a), int(b), str(k)) for a, b, k in spans]
-    if not spans or spans[-1][2] != "video":
+    if not spans or classify(spans[-1][2]) != "video":
         raise LayoutError(f"VSA-H3 needs the target video as the last packed segment; got {spans}")
     pos = 0
     lengths: list[int] = []
@@ -216,7 +214,7 @@ def prefix_segments_from_spans(spans) -> tuple[tuple[int, ...], tuple[str, ...]]
         if a != pos or b < a:
             raise LayoutError(f"VSA-H3 packed segments are not contiguous: {spans}")
         pos = b
-        cls = SEGMENT_CLASS.get(kind)
+        cls = classify(kind)
         if cls is None or cls == "video":
             raise LayoutError(f"VSA-H3 cannot place segment kind {kind!r} in the prefix ({spans})")
         if b == a:

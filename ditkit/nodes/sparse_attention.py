@@ -1,33 +1,34 @@
 """DitKitSparseAttention: VSA-H3 block-sparse attention for MiniMax H3 / FastH3 (MODEL -> MODEL).
 
-Thin node: validates, clones the model and installs on the clone
+Thin node: validates, clones the model and installs on the clone (``bridge/attention.py``)
+* a :class:`~ditkit.bridge.attention.VSAHolder` template (the VSA-H3 runtime: settings + counters) in
+  ``transformer_options``; each sampling run works on its own clone of it (``OUTER_SAMPLE`` wrapper, restored in
+  ``finally``, where the run report is sent);
 * an ``optimized_attention_override`` (chained: calls it declines go to the override that was already there,
   or to ComfyUI's backend) that runs :func:`ditkit.kernels.vsa_h3_attention` on packed DiT calls;
 * a ``DIFFUSION_MODEL`` wrapper deriving the packed segment spans (ComfyUI 0.33 does not publish them) from
   the inputs exactly as ``MiniMaxH3Model._forward`` does, plus the sigma gating;
 * when FastH3 ``to_gate_compress`` weights are available, ``("double_block", i)`` replaces that compute the
-  gate from the block's attention input (chaining any replace already installed);
-* an ``OUTER_SAMPLE`` wrapper that resets the counters per run and sends the run report.
+  gate from the block's attention input (chaining any replace already installed).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
-import torch.nn.functional as F
 from comfy_api.latest import io
 
+from ..bridge.attention import VSAHolder, install, install_gate_replaces
 from ..errors import BackendError
 from ..kernels import REGISTRY
-from ..kernels.vsa_h3_runtime import CTX_KEY, GATE_KEY, VSAH3Config, VSAH3Runtime, make_attention_override
-from ..kernels.vsa_layout import prefix_segments_from_spans
+from ..kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
 from ._common import h3_diffusion_model, report_target, send_report, ui_report
 from ._fasth3_evidence import choose_recipe
 
 NODE_ID = "DitKitSparseAttention"
-KEY = "ditkit_vsa_h3"
 GATE_ATTACHMENT = "ditkit_h3_gate_compress"
-BACKENDS = ["auto", "triton", "flex", "cpu_batched", "cpu_native", "reference", "flashinfer", "comfy_kitchen"]
+BACKENDS = ["auto"] + REGISTRY.menu("block_sparse_attn")   # every registered backend, the same list everywhere
 GATE_CHOICES = ["auto", "none"]
 RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 20%)": 20.0, "custom": None,
            "auto (from the checkpoint)": "auto"}   # auto: sampling/fasth3_recipe.py decides from the checkpoint
@@ -64,25 +65,6 @@ def _find_gates(model, dm, choice: str):
     if att:
         return {int(i): w for i, w in dict(att).items()}, "to_gate_compress (loader attachment)"
     return {}, "none (model has no to_gate_compress; ComfyUI 0.33 drops it at load) -> pure sparse"
-
-
-def _segments_from_inputs(dm, args, kwargs):
-    """(prefix segment lengths, video grid) for this forward, as MiniMaxH3Model._forward builds PackedLayout."""
-    import comfy.ldm.common_dit
-    from comfy.ldm.minimax.model import PackedLayout
-
-    x, context = args[0], args[2]
-    payload = kwargs.get("minimax_payload") or {}
-    video = comfy.ldm.common_dit.pad_to_patch_size(x[0], dm.patch_size)
-    lt, lh, lw = video.shape[2], video.shape[3], video.shape[4]
-    sig = (context.shape[1], lt, lh, lw, x[1].shape[-1])
-    layout = payload.get("layout")
-    if layout is None or layout.signature != sig:
-        layout = PackedLayout(*sig, keyframes=payload.get("keyframes"), refs=payload.get("refs"))
-    prefix, _ = prefix_segments_from_spans(layout.segments)
-    pt, ph, pw = dm.patch_size
-    grid = (lt // pt, lh // ph, lw // pw)
-    return prefix, grid
 
 
 class DitKitSparseAttention(io.ComfyNode):
@@ -126,8 +108,6 @@ class DitKitSparseAttention(io.ComfyNode):
     def execute(cls, model, recipe: str = "FastH3 Preview v1 (keep 10%)", keep_percent: float = 10.0,
                 start_percent: float = 0.0, end_percent: float = 1.0, backend: str = "auto", min_tokens: int = 0,
                 gate: str = "auto") -> io.NodeOutput:
-        import comfy.patcher_extension as pe
-
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         dm = _h3_model(model)
         if recipe not in RECIPES:
@@ -167,7 +147,7 @@ class DitKitSparseAttention(io.ComfyNode):
         target = report_target(node_id, NODE_ID)
         m = model.clone()
         gates, gate_src = _find_gates(m, dm, gate)
-        rt = VSAH3Runtime(cfg, gate_source=gate_src)
+        holder = VSAHolder(VSAH3Runtime(cfg, gate_source=gate_src), functools.partial(_send_run_report, target))
         topts = m.model_options.setdefault("transformer_options", {})
         prev = topts.get("optimized_attention_override")
         if getattr(prev, "_ditkit_vsa", False):
@@ -175,33 +155,9 @@ class DitKitSparseAttention(io.ComfyNode):
                                f"{NODE_ID} node; use one (chain the node once, after other attention nodes)")
         prev_name = getattr(prev, "__qualname__", type(prev).__name__) if prev is not None else None
 
-        override = make_attention_override(rt, prev)
-
-        def forward_wrapper(executor, *args, **kwargs):
-            to = args[3] if len(args) > 3 else kwargs.get("transformer_options", {})
-            prefix, grid = _segments_from_inputs(executor.class_obj, args, kwargs)
-            sig = to.get("sigmas")
-            sigma = float(sig.flatten()[0]) if isinstance(sig, torch.Tensor) and sig.numel() else None
-            to = dict(to)
-            to[CTX_KEY] = rt.begin_forward(prefix, grid, sigma)
-            if len(args) > 3:
-                args = args[:3] + (to,) + tuple(args[4:])
-            else:
-                kwargs["transformer_options"] = to
-            return executor(*args, **kwargs)
-
-        def outer_wrapper(executor, *args, **kwargs):
-            rt.reset()
-            try:
-                return executor(*args, **kwargs)
-            finally:
-                send_report(target, NODE_ID, "run", *_run_report(rt))
-
-        topts["optimized_attention_override"] = override
-        m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, forward_wrapper)
-        m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, outer_wrapper)
+        install(m, holder, prev)
         if gates:
-            _install_gate_replaces(m, dm, gates)
+            install_gate_replaces(m, dm, gates)
 
         unverified = REGISTRY.unverified("block_sparse_attn", backend) if cfg.backend is not None else None
         shown = backend + (f" (chosen explicitly, UNVERIFIED: never run on any hardware: {unverified})"
@@ -219,6 +175,10 @@ class DitKitSparseAttention(io.ComfyNode):
         return io.NodeOutput(m, ui=ui_report(payload))
 
 
+def _send_run_report(target, rt: VSAH3Runtime) -> None:
+    send_report(target, NODE_ID, "run", *_run_report(rt))
+
+
 def _run_report(rt: VSAH3Runtime) -> tuple[str, dict]:
     """The runtime's summary and data, plus which backends that ran are unverified (never run anywhere before)."""
     summary, data = rt.summary(), rt.as_dict()
@@ -228,34 +188,6 @@ def _run_report(rt: VSAH3Runtime) -> tuple[str, dict]:
         summary += (f"; UNVERIFIED backend {', '.join(unverified)} (chosen explicitly; never run on any hardware "
                     "before this run: check its output)")
     return summary, data
-
-
-def _install_gate_replaces(m, dm, gates: dict) -> None:
-    from comfy.ldm.minimax.model import _mod_scale_shift
-
-    dit = m.model_options.setdefault("transformer_options", {}).setdefault("patches_replace", {}).get("dit", {})
-    for i, w in gates.items():
-        blk = dm.blocks[i]
-        prev = dit.get(("double_block", i))
-        heads, hd = blk.attn.heads, blk.attn.head_dim
-
-        def replace(args, extra, blk=blk, w=w, prev=prev, heads=heads, hd=hd):
-            to = args["transformer_options"]
-            ctx = to.get(CTX_KEY)
-            if ctx is not None and ctx.sparse:
-                x = args["img"]
-                shift, scale = blk.adaln_proj(args["t_emb"])[:2]
-                h = _mod_scale_shift(blk.norm1(x), shift, scale, args["mod_segments"])
-                g = F.linear(h, w.to(device=h.device, dtype=h.dtype))
-                g = g.view(h.shape[0], heads, hd).transpose(0, 1).unsqueeze(0)
-                to = dict(to)
-                to[GATE_KEY] = g
-                args = dict(args, transformer_options=to)
-            if prev is not None:
-                return prev(args, extra)
-            return extra["original_block"](args)
-
-        m.set_model_patch_replace(replace, "dit", "double_block", i)
 
 
 NODES = [DitKitSparseAttention]

@@ -194,6 +194,54 @@ def test_sigma_window_chaining_and_refiner(env, caplog):
     assert calls["n"] == 2 * n_dense, "dense calls must reach the previously installed override"
 
 
+def test_runs_and_clones_do_not_share_counters(env, caplog, monkeypatch):
+    """Each sampling run counts on its own clone of the installed runtime: a run of a clone of the same patched
+    model that starts while the first run is in progress (its OUTER_SAMPLE wrappers entered from the first run's
+    step callback; ComfyUI cannot run a whole nested sampling of one model) neither resets nor adds to the first
+    run's counts, and neither run writes into the model's options."""
+    import comfy.patcher_extension as pe
+    import latent_preview
+
+    from ditkit.nodes.sparse_attention import DitKitSparseAttention
+
+    m = DitKitSparseAttention.execute(env.model, recipe="custom", keep_percent=KEEP * 100).result[0]
+    other = m.clone()
+    before = repr(m.model_options)
+
+    class Executor:               # what ComfyUI hands an OUTER_SAMPLE wrapper: callable, with the guider
+        def __init__(self, guider, body):
+            self.class_obj, self.body = guider, body
+
+        def __call__(self, *a, **kw):
+            return self.body()
+
+    def other_run():
+        guider = types.SimpleNamespace(model_options=other.model_options)
+        wrappers = pe.get_all_wrappers(pe.WrappersMP.OUTER_SAMPLE, {"wrappers": other.wrappers})
+        assert wrappers, "the node installs an OUTER_SAMPLE wrapper"
+        for w in wrappers:
+            w(Executor(guider, lambda: None))
+
+    state = {"nested": 0}
+
+    def prepare_callback(model, steps, x0_output_dict=None):
+        def callback(step, x0, x, total_steps):
+            if not state["nested"]:
+                state["nested"] += 1
+                other_run()             # between the first run's two steps
+        return callback
+
+    monkeypatch.setattr(latent_preview, "prepare_callback", prepare_callback)
+    with caplog.at_level(logging.INFO, logger="ditkit"):
+        _sample(env, m)
+    runs = [r.getMessage() for r in caplog.records
+            if "DitKitSparseAttention" in r.getMessage() and " run:" in r.getMessage()]
+    assert state["nested"] == 1 and len(runs) == 2, runs
+    assert "steps sparse 0 / dense 0" in runs[0] and "attention calls sparse 0," in runs[0], runs[0]
+    assert "steps sparse 2 / dense 0" in runs[1] and "attention calls sparse 4," in runs[1], runs[1]
+    assert repr(m.model_options) == before, "a sampling run must not write into the model's options"
+
+
 def test_refuses_non_h3_and_bad_backend(env):
     from ditkit.errors import BackendError, UnsupportedModelError
     from ditkit.nodes.sparse_attention import DitKitSparseAttention

@@ -176,3 +176,14 @@ def test_bench_vsa_cpu_reuse_smoke(tmp_path):
         _ratio_row(rows, case, "ratio_recomputed_over_reused")
         rows.positive(case, "recomputed_ms"), rows.positive(case, "reused_ms")
     assert "outputs bit-identical: True" in proc.stdout
+
+
+def test_bench_vsa_overhead_smoke(tmp_path):
+    # HEAD as the old side: the comparison machinery runs wherever the checkout has git history
+    proc, rows = _run(tmp_path, "bench_vsa_overhead.py", "--old-ref", "HEAD", "--reps", "1", "--calls", "2",
+                      "--dispatch-calls", "50")
+    assert rows.value("setup", "max_abs_diff") == 0.0      # both sides compute the same numbers
+    for case in ("override", "dispatch"):
+        rows.positive(case, "old_us")
+        rows.positive(case, "new_us")
+        _ratio_row(rows, case, "old_over_new")

@@ -23,7 +23,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from ditkit.kernels import block_sparse, tile_pack
+from ditkit.kernels import block_sparse_triton, tile_pack
 
 def comp(fn, sig, ce, cc):
     try:
@@ -40,7 +40,7 @@ for dt, cc, ieee in (("bf16", 90, False), ("fp16", 80, False), ("fp32", 80, True
            "VBS": "*i32", "H": "i32", "qk_scale": "fp32"}
     sig.update({n: "i32" for n in S})
     sig.update({"D": "constexpr", "BLOCK": "constexpr", "IEEE": "constexpr"})
-    out[f"bsa_{dt}_sm{cc}"] = comp(block_sparse._bsa_fwd_kernel, sig, {"D": 128, "BLOCK": 64, "IEEE": ieee}, cc)
+    out[f"bsa_{dt}_sm{cc}"] = comp(block_sparse_triton._bsa_fwd_kernel, sig, {"D": 128, "BLOCK": 64, "IEEE": ieee}, cc)
 sig = {"X": "*bf16", "OUT": "*bf16", "SRC": "*i64", "H": "i32"}
 sig.update({n: "i32" for n in ("stride_xb", "stride_xh", "stride_xs", "stride_ob", "stride_oh", "stride_os")})
 sig.update({"D": "constexpr", "BLOCK": "constexpr"})

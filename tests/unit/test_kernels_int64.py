@@ -45,9 +45,9 @@ def test_kernels_use_offs64_for_every_stride_product():
     import inspect
     import re
 
-    from ditkit.kernels import block_sparse, tile_pack
+    from ditkit.kernels import block_sparse_triton, tile_pack
 
-    for fn in (block_sparse._bsa_fwd_kernel, tile_pack._pack_kernel, tile_pack._unpack_combine_kernel):
+    for fn in (block_sparse_triton._bsa_fwd_kernel, tile_pack._pack_kernel, tile_pack._unpack_combine_kernel):
         src = inspect.getsource(fn.fn if hasattr(fn, "fn") else fn)
         body = src.split(":", 1)[1]
         assert not re.search(r"\*\s*(s_|stride_)\w+", body), f"raw stride product in {fn}"

@@ -12,7 +12,7 @@ from _kernels_interp import ensure_interpreted  # noqa: E402  (tests/unit on sys
 ensure_interpreted()
 
 from ditkit.errors import BackendError  # noqa: E402
-from ditkit.kernels import block_sparse, registry  # noqa: E402
+from ditkit.kernels import block_sparse_comfy_kitchen, block_sparse_flashinfer, block_sparse_triton, registry  # noqa: E402,E501
 from ditkit.kernels.registry import REGISTRY, Impl, Registry  # noqa: E402
 
 OP = "block_sparse_attn"
@@ -23,9 +23,10 @@ def gpu(monkeypatch):
     """Pretend a CUDA device with a chosen capability; real packages unless overridden."""
     state = {"cap": (9, 0), "pkgs": {}}
     monkeypatch.setattr(registry, "device_capability", lambda dev: state["cap"] if dev.type == "cuda" else None)
-    real = block_sparse.package_available
-    monkeypatch.setattr(block_sparse, "package_available", lambda n: state["pkgs"].get(n, real(n)))
-    monkeypatch.setattr(block_sparse, "HAS_TRITON", True)
+    real = registry.package_available
+    for mod in (block_sparse_flashinfer, block_sparse_comfy_kitchen):     # the backends that probe packages
+        monkeypatch.setattr(mod, "package_available", lambda n: state["pkgs"].get(n, real(n)))
+    monkeypatch.setattr(block_sparse_triton, "HAS_TRITON", True)
     REGISTRY.clear_cache()
     yield state
     REGISTRY.clear_cache()
@@ -220,8 +221,13 @@ def test_explain_lists_every_backend():
     assert ex["reference"] == "ok"
 
 
+# the backend values the node has shipped with (saved workflows carry them): built from the registry, unchanged
+SHIPPED_BACKENDS = ["auto", "triton", "flex", "cpu_batched", "cpu_native", "reference", "flashinfer", "comfy_kitchen"]
+
+
 def _node_backend_combo() -> tuple[list[str], str]:
-    """DitKitSparseAttention's backend options and tooltip, read by AST (no ComfyUI needed)."""
+    """DitKitSparseAttention's backend options and tooltip, read by AST (no ComfyUI needed); the options must be
+    built from the registry (``["auto"] + REGISTRY.menu(OP)``), whose value is then computed here."""
     import ast
     from pathlib import Path
 
@@ -236,7 +242,8 @@ def _node_backend_combo() -> tuple[list[str], str]:
             opts, tip = kw["options"], kw["tooltip"]
             opts = consts[opts.id] if isinstance(opts, ast.Name) else opts
             tip = consts[tip.id] if isinstance(tip, ast.Name) else tip
-            return ast.literal_eval(opts), ast.literal_eval(tip)
+            assert ast.unparse(opts) == f"['auto'] + REGISTRY.menu('{OP}')", ast.unparse(opts)
+            return ["auto"] + REGISTRY.menu(OP), ast.literal_eval(tip)
     raise AssertionError("no 'backend' combo in nodes/sparse_attention.py")
 
 
@@ -252,3 +259,27 @@ def test_node_combo_says_why_a_backend_never_runs_or_is_unverified():
             assert re.search(rf"{name}\b[^.]*never runs", tip), (name, tip)
         if impl.unverified:
             assert re.search(rf"{name}\b[^.]*UNVERIFIED", tip), (name, tip)
+
+
+def test_node_combo_is_built_from_the_registry_with_the_shipped_values():
+    options, _ = _node_backend_combo()
+    assert options == SHIPPED_BACKENDS
+    # a registered backend appears in the combo without editing the node; placeholders and unverified ones last
+    r = Registry()
+    r.op("x", lambda *a: None)
+    r.impl("x", Impl("late", None, lambda q, e: None, priority=1, placeholder=True))
+    r.impl("x", Impl("new", lambda *a: None, lambda q, e: None, priority=50))
+    r.impl("x", Impl("manual", lambda *a: None, lambda q, e: None, priority=2, explicit_only=True))
+    r.impl("x", Impl("untried", lambda *a: None, lambda q, e: None, priority=3, unverified="no device"))
+    assert r.menu("x") == ["new", "manual", "reference", "untried", "late"]
+
+
+def test_one_backend_per_file_with_its_custom_op_beside_the_launcher():
+    """Each block_sparse_attn backend lives in its own module; a Triton launcher's custom op is defined there."""
+    import inspect
+
+    impls = REGISTRY.ops[OP].impls
+    mods = {name: inspect.getmodule(i.check).__name__.rsplit(".", 1)[-1] for name, i in impls.items()}
+    assert len(set(mods.values())) == len(mods), mods
+    assert mods["triton"] == "block_sparse_triton" and block_sparse_triton.CUSTOM_OP is not None or \
+        not block_sparse_triton.HAS_TRITON

@@ -321,7 +321,7 @@ def test_video_sparse_attn_fastvideo_semantics(backend):
 
 
 # ------------------------------------------------------------------------------------------------- torch.compile
-@pytest.mark.skipif(not block_sparse.HAS_TRITON, reason="triton not installed")
+@pytest.mark.skipif(not tile_pack.HAS_TRITON, reason="triton not installed")
 def test_custom_ops_trace_under_torch_compile():
     need_triton()
     from ditkit.kernels.vsa import CUSTOM_OPS
@@ -353,7 +353,7 @@ def test_custom_ops_trace_under_torch_compile():
 
 
 def test_prefix_segments_follow_fastvideo_grouping():
-    from ditkit.kernels.vsa_layout import prefix_segments_from_spans
+    from ditkit.bridge.attention import prefix_segments_from_spans  # ComfyUI's span names -> FastVideo segments
 
     # t2va: [text | audio | video]
     assert prefix_segments_from_spans([(0, 10, "text"), (10, 84, "audio"), (84, 532, "video")]) == \

@@ -63,3 +63,46 @@ def test_steps_count_what_actually_ran():
     s = rt.summary()
     assert "steps sparse 1 / dense 2 / 2 without block attention" in s
     assert c5.sparse
+
+
+def test_kernels_resolve_once_per_forward_and_are_reported(monkeypatch):
+    """The registry is consulted by the first sparse call of a forward only (four selections: pack, unpack,
+    top-k, fine stage); the other calls of that forward reuse them, and the report names them once."""
+    from ditkit.kernels import registry
+
+    seen = []
+    real = registry.Registry.resolve
+
+    def counting(self, op, *a, **kw):
+        seen.append(op)
+        return real(self, op, *a, **kw)
+
+    monkeypatch.setattr(registry.Registry, "resolve", counting)
+    rt = VSAH3Runtime(VSAH3Config(keep=0.25))
+    q, k, v = _qkv()
+    for sigma in (0.8, 0.6):
+        ctx = rt.begin_forward(PREFIX, GRID, sigma)
+        for _ in range(3):                                   # three attention calls (blocks) per forward
+            rt.attention(q, k, v, ctx)
+    assert sorted(seen) == sorted(["vsa_pack", "vsa_unpack_combine", "vsa_select", "block_sparse_attn"] * 2), seen
+    want = "fine cpu_batched, pack reference, select reference, unpack reference (cpu float32 D=16)"
+    assert rt.as_dict()["kernels_per_forward"] == {want: 2}
+    assert rt.summary().count("kernels resolved once per forward: " + want) == 1
+    assert rt.as_dict()["backends_used"] == {"cpu_batched": 6}
+
+
+def test_a_call_with_another_dtype_in_the_same_forward_resolves_its_own_kernels():
+    import pytest
+
+    from ditkit.errors import DitKitError
+    from ditkit.kernels.vsa import resolve_h3_kernels, vsa_h3_attention
+
+    rt = VSAH3Runtime(VSAH3Config(keep=0.25))
+    ctx = rt.begin_forward(PREFIX, GRID, 0.5)
+    q, k, v = _qkv()
+    rt.attention(q, k, v, ctx)
+    rt.attention(q.double(), k.double(), v.double(), ctx)
+    assert len(rt.kernels) == 2 and any("float64" in d for d in rt.kernels)
+    kn = resolve_h3_kernels("cpu", torch.float32, 16)
+    with pytest.raises(DitKitError, match="resolved for"):
+        vsa_h3_attention(q.double(), k.double(), v.double(), ctx.layout, 0.25, kernels=kn)

@@ -1,7 +1,7 @@
 """Architecture rules, checked on the source (AST) so they hold without ComfyUI installed.
 
-* only ``nodes/`` and the root ``__init__.py`` import ComfyUI (``comfy*``, ``comfy_api``, ``folder_paths``,
-  ``server``, ``nodes``, ``execution``, ``latent_preview``, ``node_helpers``);
+* only ``nodes/``, ``bridge/`` (the host layer) and the root ``__init__.py`` import ComfyUI (``comfy*``,
+  ``comfy_api``, ``folder_paths``, ``server``, ``nodes``, ``execution``, ``latent_preview``, ``node_helpers``);
 * no ``torch.load`` / pickle / ``eval`` / ``exec`` anywhere in the pack;
 * every node id is a literal starting with ``DitKit``, unique, and inside the pack every import is relative.
 """
@@ -26,7 +26,7 @@ IDS = [str(p.relative_to(PACK_ROOT)) for p in FILES]
 
 
 def _may_import_host(rel: str) -> bool:
-    return rel.startswith("nodes/")
+    return rel.startswith(("nodes/", "bridge/"))
 
 
 def _tree(p):
@@ -48,7 +48,7 @@ CORE_FILES = [p for p, i in zip(FILES, IDS) if not _may_import_host(i)]
 def test_only_nodes_import_comfyui(path):
     rel = str(path.relative_to(PACK_ROOT))
     bad = [(line, mod) for line, mod in imported_modules(_tree(path)) if mod in HOST_MODULES]
-    assert not bad, f"{rel} imports ComfyUI modules {bad}; only nodes/ and the root __init__.py may"
+    assert not bad, f"{rel} imports ComfyUI modules {bad}; only nodes/, bridge/ and the root __init__.py may"
 
 
 @pytest.mark.parametrize("path", FILES, ids=IDS)
@@ -149,3 +149,46 @@ def test_installed_packages_are_the_inner_package_only():
     cfg = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
     assert cfg["packages"]["find"]["include"] == ["ditkit", "ditkit.*"]
     assert "package-dir" not in cfg  # the flat {ditkit = "."} mapping installed tests and lab code as ditkit.*
+
+
+# ComfyUI's attention calling convention and H3 packed-layout class: names of the host layer (bridge/attention.py)
+HOST_ATTENTION_NAMES = ("transformer_options", "skip_reshape", "optimized_attention", "PackedLayout")
+
+
+def _host_attention_names(tree) -> list[tuple[int, str]]:
+    """(line, text) of every string constant, name, attribute, argument or keyword that mentions a host name."""
+    out = []
+    for n in ast.walk(tree):
+        texts = []
+        if isinstance(n, ast.Constant) and isinstance(n.value, str):
+            texts.append(n.value)
+        elif isinstance(n, ast.Name):
+            texts.append(n.id)
+        elif isinstance(n, ast.Attribute):
+            texts.append(n.attr)
+        elif isinstance(n, ast.arg):
+            texts.append(n.arg)
+        elif isinstance(n, ast.keyword) and n.arg:
+            texts.append(n.arg)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            texts.append(n.name)
+        out += [(getattr(n, "lineno", 0), t) for t in texts if any(h in t for h in HOST_ATTENTION_NAMES)]
+    return out
+
+
+KERNEL_FILES = sorted((PACK_ROOT / "kernels").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=[p.name for p in KERNEL_FILES])
+def test_kernels_hold_no_comfyui_attention_names(path):
+    """kernels/ is plain tensors: ComfyUI's override protocol and transformer_options live in bridge/."""
+    bad = _host_attention_names(_tree(path))
+    assert not bad, f"kernels/{path.name} mentions ComfyUI's attention convention {bad}; move it to bridge/attention.py"
+
+
+def test_host_attention_name_scan_detects_violations():
+    src = ('"""Docs may say transformer_options."""\nKEY = "ditkit"\ndef f(func, q, *, skip_reshape=False):\n'
+           '    return q\nf(None, 1, skip_reshape=True)\nx = opts.optimized_attention_override\n')
+    found = {t for _, t in _host_attention_names(ast.parse(src))}
+    assert found == {"Docs may say transformer_options.", "skip_reshape", "optimized_attention_override"}
+    assert len(KERNEL_FILES) >= 8   # the scan sees the kernel modules
