@@ -13,7 +13,7 @@ import torch
 
 ON_GPU = torch.cuda.is_available()
 
-_MODS = ("ditkit.kernels._triton", "ditkit.kernels.tile_pack", "ditkit.kernels.block_sparse", "ditkit.kernels.vsa",
+_MODS = ("ditkit.kernels._triton", "ditkit.kernels.tile_pack", "ditkit.kernels.block_sparse", "ditkit.kernels.vsa", "ditkit.kernels.quant",
          "ditkit.kernels")
 
 
