@@ -119,6 +119,7 @@ class H3LoadReport:
     config: dict
     passthrough: list[str]
     quantized: int
+    quant: object = None     # loaders.quantize.QuantReport when quantized while loading
 
     def summary(self) -> str:
         conv = ", ".join(f"{v} {k}" for k, v in self.converted.items() if v) or "no conversion"

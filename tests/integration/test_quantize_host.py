@@ -166,3 +166,105 @@ def test_cli_writes_and_refuses(dm, tmp_path):
     assert len(json.loads(meta["_quantization_metadata"])["layers"]) == len(_expected_h3_layers())
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("ERROR: ") and "already exists" in r.stderr
+
+
+# ---------------------------------------------------------------------------------- loaders with weight_format
+
+@pytest.fixture(scope="module")
+def dm_registered(dm):
+    import folder_paths
+
+    folder_paths.add_model_folder_path("diffusion_models", str(dm), is_default=True)
+    return dm
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4"])
+def test_h3_loader_weight_format_gives_the_comfy_quant_model(dm_registered, tmp_path, fmt):
+    import comfy.sd
+
+    from ditkit.nodes.h3_loaders import DitKitH3ModelLoader, weight_formats
+    from ditkit.quantize import convert
+
+    if fmt not in weight_formats():
+        pytest.skip(f"this host's QUANT_ALGOS has no {fmt}")
+    out = DitKitH3ModelLoader.execute(model_name="h3_tiny_official", weight_format=fmt)
+    model, summary = out.args[0], out.args[1]
+    _check_against_host(model, dm_registered / "h3_tiny_comfy.safetensors", fmt, _expected_h3_layers())
+    assert f"quantized {fmt} (weight-only)" in summary and "block attention 8/8" in summary
+    assert "kept in stored precision: " in summary and "final layer" in summary.split("kept in stored precision: ")[1]
+    # the same model as the converter's file: its state dict through ComfyUI's loader gives the same latents bit
+    # for bit; through UNETLoader's mmap file read within 1e-5 (the memory-mapped tensors change the float
+    # summation order; the state dicts are equal, see the converter test)
+    from ditkit.loaders.safetensors_io import load_with_metadata
+
+    path, _ = convert(str(dm_registered / "h3_tiny_official"), str(tmp_path / "c.safetensors"), fmt,
+                      log=lambda *_: None)
+    v, a = _sample(model)
+    assert torch.isfinite(v).all() and torch.isfinite(a).all()
+    sd, meta = load_with_metadata(path)
+    fv, fa = _sample(comfy.sd.load_diffusion_model_state_dict(sd, metadata=meta))
+    assert torch.equal(v, fv) and torch.equal(a, fa)
+    sv, sa = _sample(comfy.sd.load_diffusion_model(path))
+    assert torch.allclose(v, sv, rtol=0, atol=1e-5) and torch.allclose(a, sa, rtol=0, atol=1e-5)
+
+
+def test_h3_loader_weight_format_as_stored_is_unchanged_and_bad_formats_are_refused(dm_registered):
+    from ditkit.errors import CheckpointError
+    from ditkit.nodes.h3_loaders import DitKitH3ModelLoader, weight_formats
+
+    import comfy.quant_ops as q
+
+    assert weight_formats()[0] == "as stored"
+    assert set(weight_formats()[1:]) <= set(q.QUANT_ALGOS)
+    a = DitKitH3ModelLoader.execute(model_name="h3_tiny_official")
+    b = DitKitH3ModelLoader.execute(model_name="h3_tiny_official", weight_format="as stored")
+    sa, sb = a.args[0].model.diffusion_model.state_dict(), b.args[0].model.diffusion_model.state_dict()
+    assert sa.keys() == sb.keys() and not any(k.endswith("comfy_quant") for k in sa)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    with pytest.raises(CheckpointError, match="'float4_magic' is not available in this ComfyUI"):
+        DitKitH3ModelLoader.execute(model_name="h3_tiny_official", weight_format="float4_magic")
+    with pytest.raises(CheckpointError, match="both set the weights' precision"):
+        DitKitH3ModelLoader.execute(model_name="h3_tiny_official", weight_dtype="fp8_e4m3fn",
+                                    weight_format=weight_formats()[1])
+
+
+def test_h3_loader_weight_format_refuses_a_quantized_file(dm_registered, tmp_path):
+    import folder_paths
+
+    from ditkit.errors import CheckpointError
+    from ditkit.nodes.h3_loaders import DitKitH3ModelLoader
+    from ditkit.quantize import convert
+
+    d = tmp_path / "dm"
+    d.mkdir()
+    convert(str(dm_registered / "h3_tiny_comfy.safetensors"), str(d / "q8.safetensors"), "int8_tensorwise",
+            log=lambda *_: None)
+    folder_paths.add_model_folder_path("diffusion_models", str(d))
+    with pytest.raises(CheckpointError, match="already quantized"):
+        DitKitH3ModelLoader.execute(model_name="q8.safetensors", weight_format="float8_e4m3fn")
+    m = DitKitH3ModelLoader.execute(model_name="q8.safetensors").args[0]     # as stored: loads the int8 file
+    assert any(k.endswith("comfy_quant") for k in m.model.diffusion_model.state_dict())
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "nvfp4"])
+def test_zimage_loader_weight_format(dm_registered, fmt):
+    import comfy.sd  # noqa: F401
+    import nodes
+
+    from ditkit.loaders import quantize as qcore
+    from ditkit.loaders.safetensors_io import load_file
+    from ditkit.nodes.image_loaders import DitKitZImageLoader
+    from ditkit.nodes.h3_loaders import weight_formats
+
+    if fmt not in weight_formats():
+        pytest.skip(f"this host's QUANT_ALGOS has no {fmt}")
+    out = DitKitZImageLoader.execute(unet_name="zimage_tiny.safetensors", weight_format=fmt)
+    model, summary = out.args[0], out.args[1]
+    src = load_file(dm_registered / "zimage_tiny.safetensors")
+    expect = [k[: -len(".weight")] for k, v in src.items() if qcore.classify("zimage", k, tuple(v.shape))[1]]
+    _check_against_host(model, dm_registered / "zimage_tiny.safetensors", fmt, expect)
+    assert "quantized " + fmt in summary
+    lat = {"samples": torch.zeros(1, 16, 8, 8)}
+    cond = [[torch.randn(1, 7, 1024, generator=torch.Generator().manual_seed(0)), {}]]
+    x = nodes.common_ksampler(model, 0, 2, 1.0, "euler", "simple", cond, cond, lat)[0]["samples"]
+    assert x.shape == (1, 16, 8, 8) and torch.isfinite(x).all()
