@@ -15,7 +15,8 @@ Three parts, one run:
    for the tiny official H3 and a generated scaled-up H3 (``--scale-gb``, default 1.0 GB of bf16 random weights with
    the real key layout), next to the target ``quantized size + 2 largest tensors``.
 2. **Weight reconstruction error per layer class** (plain torch): ``||W - deq(Q(W))|| / ||W||`` over each class,
-   for every format, on the scaled-up H3 (random weights: a property of the format, not of training).
+   for every format, on the tiny H3 (``--error-on-scaled``: the scaled-up one); random weights, so this is a
+   property of the format, not of training.
 3. **Resident bytes of the real-size models** (H3 / LTX-2 / Z-Image / FLUX.2) per format, computed from the key
    inventories the tiny generators reproduce, at real dimensions (H3 from h3.md; the others' dimensions are the
    public configs, listed in ``REAL``); no weights are made.
@@ -265,6 +266,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-rss", action="store_true", help="skip part 1 (no host needed)")
+    ap.add_argument("--error-on-scaled", action="store_true",
+                    help="part 2 on the scaled-up model (default: the tiny one; same random-weight statistics)")
     a = ap.parse_args(argv)
     if a.child:
         child(*a.child)
@@ -284,10 +287,11 @@ def main(argv=None) -> int:
         else:
             cfg = scaled_cfg(a.scale_gb)
             b_off, b_comfy = make_checkpoints(big, cfg)
-        what = "tiny H3 (--quick)" if a.quick else f"scaled-up H3, {cfg['num_layers']} blocks"
+        err_src = b_off if a.error_on_scaled else t_off
+        what = f"scaled-up H3, {cfg['num_layers']} blocks" if a.error_on_scaled else "tiny H3"
         print(f"\n## weight reconstruction error per layer class ({what}, random weights): relative RMS over the "
               "class (max over its tensors)")
-        print("\n".join(error_table(b_off)), flush=True)
+        print("\n".join(error_table(err_src)), flush=True)
         if a.no_rss:
             return 0
         comfyui = os.environ.get("COMFYUI_PATH")

@@ -231,30 +231,72 @@ def _nvfp4_rows(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.
     return packed, sbs.to(torch.float8_e4m3fn)
 
 
+CHUNK_ELEMS = 1 << 22   # rows are quantized in slices of about this many elements (whole 128-row scale tiles)
+
+
+def _row_step(cols: int) -> int:
+    return max(128, (CHUNK_ELEMS // max(cols, 1)) // 128 * 128)
+
+
 def quantize(w: torch.Tensor, fmt: str, backend: str = "reference") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A 2-D float weight -> (``weight`` data, ``{"weight_scale": ..., ["weight_scale_2": ...]}``), exactly what
     ComfyUI's layout quantize produces (see the module doc). ``backend="triton"`` runs the per-tensor formats'
-    elementwise step in the Triton kernel (same bits); the block formats are reference-only."""
+    elementwise step in the Triton kernel (same bits); the block formats are reference-only.
+
+    Rows are processed in slices of about ``CHUNK_ELEMS`` elements (the per-tensor scale is taken over the whole
+    weight first; every later step is per element or per row block), so the float32 working copies stay a few
+    slices big whatever the weight; the bits are those of the one-shot computation."""
     _check_source(w, fmt)
     if backend not in ("reference", "triton"):
         raise ValueError(f"unknown backend {backend!r}")
+    rows, cols = w.shape
+    step = _row_step(cols)
+    spans = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
     if fmt in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise"):
         scale = per_tensor_scale(w, fmt)
         if backend == "triton":
-            data = quantize_per_tensor_triton(w, scale, fmt)
-        else:
-            data = _int8_ref(w, scale) if fmt == "int8_tensorwise" else _fp8_ref(w, scale, fmt)
-        return data, {"weight_scale": scale}
+            return quantize_per_tensor_triton(w, scale, fmt), {"weight_scale": scale}
+        out = torch.empty((rows, cols), dtype=get_format(fmt).storage, device=w.device)
+        for r0, r1 in spans:
+            out[r0:r1] = _int8_ref(w[r0:r1], scale) if fmt == "int8_tensorwise" else _fp8_ref(w[r0:r1], scale, fmt)
+        return out, {"weight_scale": scale}
     if backend == "triton":
         raise ValueError(f"{fmt}: no Triton kernel (block formats run the reference)")
+    if fmt not in ("mxfp8", "nvfp4"):
+        raise ValueError(f"unknown quantization format {fmt!r}; known: {sorted(FORMATS)}")
+    pad = get_format(fmt).pad
+    pr, pc = _roundup(rows, pad), _roundup(cols, pad)
+    s2 = per_tensor_scale(w, fmt) if fmt == "nvfp4" else None
+    parts, sparts = [], []
+    for r0, r1 in spans:
+        x = w[r0:r1]
+        x = torch.nn.functional.pad(x, (0, pc - cols, 0, (pr - rows) if r1 == rows else 0))
+        d, sc = _mxfp8_rows(x) if fmt == "mxfp8" else _nvfp4_rows(x, s2)
+        parts.append(d)
+        sparts.append(sc)
+        del x
+    data = parts[0] if len(parts) == 1 else torch.cat(parts)
+    blocked = to_blocked(sparts[0] if len(sparts) == 1 else torch.cat(sparts))
     if fmt == "mxfp8":
-        data, e8 = _mxfp8_rows(_pad_to(w, 32))
-        return data, {"weight_scale": to_blocked(e8).view(torch.float8_e8m0fnu)}
-    if fmt == "nvfp4":
-        s2 = per_tensor_scale(w, fmt)
-        data, bs = _nvfp4_rows(_pad_to(w, 16), s2)
-        return data, {"weight_scale": to_blocked(bs), "weight_scale_2": s2}
-    raise ValueError(f"unknown quantization format {fmt!r}; known: {sorted(FORMATS)}")
+        return data, {"weight_scale": blocked.view(torch.float8_e8m0fnu)}
+    return data, {"weight_scale": blocked, "weight_scale_2": s2}
+
+
+def reconstruction_error(w: torch.Tensor, data: torch.Tensor, scales: dict[str, torch.Tensor],
+                         fmt: str) -> tuple[float, float]:
+    """(sum of squared errors, sum of squares of ``w``) of ``dequantize`` vs ``w``, in row slices."""
+    rows, cols = w.shape
+    e2 = r2 = 0.0
+    for r0 in range(0, rows, _row_step(cols)):
+        r1 = min(rows, r0 + _row_step(cols))
+        ref = w[r0:r1].float()
+        if fmt in ("mxfp8", "nvfp4"):
+            rec = _dequant_rows(data, scales, fmt, r0, r1, cols)
+        else:
+            rec = data[r0:r1].float() * scales["weight_scale"].float()
+        e2 += float(((rec - ref) ** 2).sum())
+        r2 += float((ref ** 2).sum())
+    return e2, r2
 
 
 def dequantize(data: torch.Tensor, scales: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int] | None = None,

@@ -304,15 +304,11 @@ def quantize_stream(items: Iterator[tuple[str, torch.Tensor]], plan: QuantPlan, 
         data, scales = Q.quantize(t, plan.fmt)
         st.quantized += 1
         if measure_error:
-            rec = Q.dequantize(data, scales, plan.fmt, tuple(t.shape))
-            ref = t.float()
-            e2 = float(((rec - ref) ** 2).sum())
-            r2 = float((ref ** 2).sum())
+            e2, r2 = Q.reconstruction_error(t, data, scales, plan.fmt)
             st.err_sq += e2
             st.ref_sq += r2
             if r2 > 0:
                 st.max_rel_err = max(st.max_rel_err, math.sqrt(e2 / r2))
-            del rec, ref
         layer = key[: -len(".weight")]
         marker = marker_tensor(plan.fmt)
         st.bytes_out += sum(x.numel() * x.element_size() for x in (data, *scales.values(), marker))

@@ -229,3 +229,21 @@ def test_triton_kernel_covers_every_fp8_code(interp):
     w = torch.cat([vals, mids, -vals, -mids]).reshape(1, -1)
     got = interp.quantize_per_tensor_triton(w, torch.tensor(1.0), "float8_e4m3fn", block=64)
     assert torch.equal(got.view(torch.uint8), w.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", list(Q.FORMATS))
+@pytest.mark.parametrize("shape", [(300, 70), (129, 33), (256, 16)])
+def test_row_sliced_quantize_equals_one_slice(fmt, shape, monkeypatch):
+    w = _weights(shape, torch.bfloat16, seed=shape[0])
+    monkeypatch.setattr(Q, "CHUNK_ELEMS", 1 << 40)
+    one = Q.quantize(w, fmt)
+    monkeypatch.setattr(Q, "CHUNK_ELEMS", 1)          # 128-row slices
+    assert Q._row_step(shape[1]) == 128
+    sliced = Q.quantize(w, fmt)
+    assert torch.equal(sliced[0].view(torch.uint8), one[0].view(torch.uint8))
+    for k in one[1]:
+        assert torch.equal(sliced[1][k].reshape(-1).view(torch.uint8), one[1][k].reshape(-1).view(torch.uint8))
+    e2, r2 = Q.reconstruction_error(w, *sliced, fmt)
+    rec = Q.dequantize(*one, fmt, shape)
+    assert e2 == pytest.approx(float(((rec - w.float()) ** 2).sum()), rel=1e-5)
+    assert r2 == pytest.approx(float((w.float() ** 2).sum()), rel=1e-5)
