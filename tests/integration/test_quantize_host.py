@@ -268,3 +268,17 @@ def test_zimage_loader_weight_format(dm_registered, fmt):
     cond = [[torch.randn(1, 7, 1024, generator=torch.Generator().manual_seed(0)), {}]]
     x = nodes.common_ksampler(model, 0, 2, 1.0, "euler", "simple", cond, cond, lat)[0]["samples"]
     assert x.shape == (1, 16, 8, 8) and torch.isfinite(x).all()
+
+
+def test_converter_file_through_the_unetloader_node(dm_registered, tmp_path):
+    import folder_paths
+    import nodes
+
+    from ditkit.quantize import convert
+
+    d = tmp_path / "unet"
+    d.mkdir()
+    convert(str(dm_registered / "h3_tiny_official"), str(d / "h3_q_nvfp4.safetensors"), "nvfp4", log=lambda *_: None)
+    folder_paths.add_model_folder_path("diffusion_models", str(d))
+    (model,) = nodes.UNETLoader().load_unet("h3_q_nvfp4.safetensors", "default")
+    _check_against_host(model, dm_registered / "h3_tiny_comfy.safetensors", "nvfp4", _expected_h3_layers())
