@@ -266,6 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-rss", action="store_true", help="skip part 1 (no host needed)")
+    ap.add_argument("--skip-tiny-rss", action="store_true", help="part 1 on the scaled-up model only")
     ap.add_argument("--error-on-scaled", action="store_true",
                     help="part 2 on the scaled-up model (default: the tiny one; same random-weight statistics)")
     a = ap.parse_args(argv)
@@ -307,7 +308,8 @@ def main(argv=None) -> int:
         if not Path(python).exists():
             python = sys.executable
         print("\n## peak RSS of loading (fresh subprocess per load)")
-        print("\n".join(rss_table("tiny H3", t_off, t_comfy, comfyui, python, a.repeats, t_comfy)), flush=True)
+        if not a.skip_tiny_rss:
+            print("\n".join(rss_table("tiny H3", t_off, t_comfy, comfyui, python, a.repeats, t_comfy)), flush=True)
         if a.quick:
             return 0
         print()
