@@ -34,7 +34,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -119,6 +119,7 @@ class H3LoadReport(Report):
     config: dict
     passthrough: list[str]
     quantized: int
+    quant: object = None     # loaders.quantize.QuantReport when quantized while loading
 
     def summary(self) -> str:
         conv = ", ".join(f"{v} {k}" for k, v in self.converted.items() if v) or "no conversion"
@@ -558,12 +559,34 @@ def _validate_marker(src: H3Source, k: str, t: torch.Tensor) -> None:
         raise CheckpointError(f"'{src.path}': quantization marker {k!r} must be a JSON object with a string 'format'")
 
 
-def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = None,
-                       on_file: Callable[[str, int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], H3LoadReport]:
-    """Detect, validate (headers only), then read + convert one tensor at a time -> (ComfyUI state dict, report).
+@dataclass
+class H3Plan:
+    """Everything decided from the headers (nothing read yet): the ordered conversion ops and the converted
+    inventory (``out key -> (shape, safetensors dtype)``), so a writer can lay out a file before reading."""
 
-    ``progress(done, total)`` is called after each output tensor; ``on_file(path, i, n)`` when a new file is opened.
-    """
+    src: H3Source
+    ops: list[_Op]
+    cfg: dict
+    passthrough: list[str]
+    bulk: str | None
+    quantized: int
+    inventory: dict[str, tuple[tuple[int, ...], str]]
+    converted: Counter = field(default_factory=Counter)
+    tensors_read: int = 0
+    bytes_read: int = 0
+
+    def report(self, tensors_out: int) -> H3LoadReport:
+        cfg = self.cfg
+        variant = ("curve" if cfg["adaln_curve"] else "full") + ("+fasth3-gates" if cfg["gate_compress"] else "") \
+            + ("+quantized" if self.quantized else "")
+        return H3LoadReport(path=self.src.path, layout=self.src.layout, variant=variant, shards=len(self.src.files),
+                            tensors_read=self.tensors_read, tensors_out=tensors_out, converted=dict(self.converted),
+                            bytes_read=self.bytes_read, bulk_dtype=self.bulk, config=cfg,
+                            passthrough=self.passthrough, quantized=self.quantized)
+
+
+def plan_h3(path: str | os.PathLike) -> H3Plan:
+    """Detect and validate (headers, index and config JSON only) -> the conversion plan."""
     src = detect(path)
     ops, cfg, passthrough = _plan(src)
     bulk, quantized = _check_dtypes(src, cfg)
@@ -574,11 +597,30 @@ def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = No
     # group by file so each shard is opened once, in shard order
     order = {f: i for i, f in enumerate(src.files)}
     ops.sort(key=lambda o: (min((order[src.locations[s][0]] for s in o.srcs), default=len(order)), o.out))
+    inventory: dict[str, tuple[tuple[int, ...], str]] = {}
+    for op in ops:
+        if op.kind == "inv_freq":
+            inventory[op.out] = ((op.arg[0],), "F32")
+            continue
+        ti = src.locations[op.srcs[0]][1]
+        shape = (3 * ti.shape[0], ti.shape[1]) if op.kind == "merge_qkv" else tuple(ti.shape)
+        inventory[op.out] = (shape, ti.dtype)
+    return H3Plan(src, ops, cfg, passthrough, bulk, quantized, inventory)
+
+
+def iter_h3_tensors(plan: H3Plan, progress: ProgressFn | None = None,
+                    on_file: Callable[[str, int, int], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read + convert one tensor at a time, in plan order: yields ``(ComfyUI key, tensor)``; nothing is kept.
+
+    ``progress(done, total)`` is called after each output tensor; ``on_file(path, i, n)`` when a new file is
+    opened. Counters (conversions, bytes read) accumulate on ``plan``."""
+    src, ops = plan.src, plan.ops
+    order = {f: i for i, f in enumerate(src.files)}
     last_use = {src.locations[s][0]: i for i, o in enumerate(ops) for s in o.srcs}
-    sd: dict[str, torch.Tensor] = {}
-    conv = Counter()
-    n_read = nbytes = 0
+    conv = plan.converted
     handles: dict[str, SafeFile] = {}
+    tensors: list[torch.Tensor] = []
+    t = None
     try:
         for done, op in enumerate(ops, start=1):
             tensors = []
@@ -590,8 +632,8 @@ def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = No
                     if on_file:
                         on_file(fpath, order[fpath] + 1, len(src.files))
                 tensors.append(fh.get(src.prefix + s))
-                n_read += 1
-                nbytes += ti.nbytes
+                plan.tensors_read += 1
+                plan.bytes_read += ti.nbytes
             if op.kind == "copy":
                 t = tensors[0]
                 if op.out.endswith(".comfy_quant"):
@@ -613,24 +655,39 @@ def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = No
                 raise AssertionError(op.kind)
             if op.kind == "copy" and op.out != op.srcs[0]:
                 conv["renamed"] += 1
-            sd[op.out] = t
-            del tensors, t
+            tensors.clear()
             for f in [f for f in handles if last_use[f] == done - 1]:   # close a shard after its last tensor
                 handles.pop(f).close()
+            yield op.out, t
+            t = None
             if progress:
                 progress(done, len(ops))
     except BaseException:
-        sd.clear()
+        tensors.clear()         # a traceback that keeps this frame must not keep tensors alive
+        t = None  # noqa: F841
         raise
     finally:
         for fh in handles.values():
             fh.close()
-    variant = ("curve" if cfg["adaln_curve"] else "full") + ("+fasth3-gates" if cfg["gate_compress"] else "") \
-        + ("+quantized" if quantized else "")
-    report = H3LoadReport(path=src.path, layout=src.layout, variant=variant, shards=len(src.files),
-                          tensors_read=n_read, tensors_out=len(sd), converted=dict(conv), bytes_read=nbytes,
-                          bulk_dtype=bulk, config=cfg, passthrough=passthrough, quantized=quantized)
-    return sd, report
+
+
+def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = None,
+                       on_file: Callable[[str, int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], H3LoadReport]:
+    """Detect, validate (headers only), then read + convert one tensor at a time -> (ComfyUI state dict, report).
+
+    ``progress(done, total)`` is called after each output tensor; ``on_file(path, i, n)`` when a new file is opened.
+    """
+    plan = plan_h3(path)
+    sd: dict[str, torch.Tensor] = {}
+    t = None
+    try:
+        for k, t in iter_h3_tensors(plan, progress, on_file):
+            sd[k] = t
+    except BaseException:
+        sd.clear()
+        t = None
+        raise
+    return sd, plan.report(len(sd))
 
 
 def comfy_metadata(path: str | os.PathLike) -> dict[str, str] | None:

@@ -406,6 +406,48 @@ def write_file(d: SafeDir, name: str, data: bytes, *,
         raise
 
 
+def _write_chunk(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_stream(d: SafeDir, name: str, chunks: Iterable) -> str:
+    """Publish the concatenated ``chunks`` (bytes-like, produced one at a time) as ``name`` in ``d``: rules 3 and
+    4 for a file too large to hold in memory. ``name`` must not exist (checked first, and again by the
+    no-replace publish); on any error (a chunk producer raising, ``ENOSPC``, ...) the temp file is removed and
+    nothing is left under ``name``. Returns the full path."""
+    validate_name(name, f"file name '{name}'", d.error)
+    full = os.path.join(d.path, name)
+    if d.lstat(name) is not None:
+        raise d.error(f"'{full}' already exists; ditkit never replaces a file it did not write")
+    for _ in range(16):
+        tmp = _temp_name(name)
+        try:
+            fd = d.open_new(tmp)
+        except FileExistsError:
+            continue
+        break
+    else:
+        raise d.error(f"cannot create a temp file in '{d.path}'")
+    try:
+        try:
+            for c in chunks:
+                _write_chunk(fd, c)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            d.publish_noreplace(tmp, d, name)
+        except FileExistsError:
+            raise d.error(f"'{full}' already exists; ditkit never replaces a file it did not write") from None
+        return full
+    except BaseException:
+        d.unlink(tmp)
+        raise
+
+
 def _read_existing(d: SafeDir, name: str, limit: int) -> tuple[tuple[int, int], bytes] | None:
     try:
         fd = d.open_read(name)

@@ -13,6 +13,7 @@ No pickle anywhere: this module is the only way ditkit reads weights. Errors are
 """
 from __future__ import annotations
 
+import json
 import os
 import stat
 import struct
@@ -34,6 +35,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
 }
 for _name, _attr, _size in (("F8_E4M3", "float8_e4m3fn", 1), ("F8_E5M2", "float8_e5m2", 1),
+                            ("F8_E8M0", "float8_e8m0fnu", 1),
                             ("U16", "uint16", 2), ("U32", "uint32", 4), ("U64", "uint64", 8)):
     if hasattr(torch, _attr):
         DTYPES[_name] = (getattr(torch, _attr), _size)
@@ -304,3 +306,44 @@ def save_file(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadat
     from safetensors.torch import save_file as _save
 
     _save({k: v.contiguous() for k, v in sorted(tensors.items())}, os.fspath(path), metadata=metadata)
+
+
+def header_bytes(inventory, metadata: dict[str, str] | None = None) -> bytes:
+    """The safetensors header (8-byte length + JSON, space-padded to 8 bytes) for tensors laid out in
+    ``inventory`` order: ``{key: (shape, safetensors dtype)}``."""
+    obj: dict = {}
+    if metadata:
+        obj["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    off = 0
+    for k, (shape, dt) in inventory.items():
+        if dt not in DTYPES:
+            raise CheckpointError(f"cannot write tensor {k!r}: unknown safetensors dtype {dt!r}")
+        n = DTYPES[dt][1]
+        for s in shape:
+            n *= int(s)
+        obj[k] = {"dtype": dt, "shape": [int(s) for s in shape], "data_offsets": [off, off + n]}
+        off += n
+    text = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def stream_chunks(inventory, items, metadata: dict[str, str] | None = None, where: str = "output"):
+    """Bytes of a safetensors file, produced one tensor at a time: the header first (from ``inventory``), then
+    each ``(key, tensor)`` of ``items``, which must come in ``inventory`` order with the declared shape and
+    dtype (a mismatch raises before its bytes are written)."""
+    yield header_bytes(inventory, metadata)
+    keys = iter(inventory.items())
+    for k, t in items:
+        want = next(keys, None)
+        if want is None or want[0] != k:
+            raise CheckpointError(f"{where}: tensor {k!r} arrived where {want[0] if want else 'the end'!r} was "
+                                  "laid out; the file is not written")
+        shape, dt = want[1]
+        if tuple(t.shape) != tuple(shape) or TORCH_TO_ST.get(t.dtype) != dt:
+            raise CheckpointError(f"{where}: tensor {k!r} is {TORCH_TO_ST.get(t.dtype)} {list(t.shape)}, laid out as "
+                                  f"{dt} {list(shape)}; the file is not written")
+        yield t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    rest = next(keys, None)
+    if rest is not None:
+        raise CheckpointError(f"{where}: tensor {rest[0]!r} was laid out but never produced; the file is not written")

@@ -15,6 +15,7 @@ from comfy_api.latest import io
 
 from ..errors import CheckpointError
 from ..loaders import h3 as core
+from ..loaders import quantize as qcore
 from . import _families, _files
 from ._common import progress, send_report, ui_report
 
@@ -22,6 +23,50 @@ NODE_ID = "DitKitH3ModelLoader"
 FOLDER = "diffusion_models"
 INDEX_NAMES = (core.OFFICIAL_INDEX, core.DIFFUSERS_INDEX)
 WEIGHT_DTYPES = ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]
+AS_STORED = "as stored"
+
+
+def weight_formats() -> list[str]:
+    """``as stored`` + the formats ditkit writes that this ComfyUI's ``comfy.quant_ops.QUANT_ALGOS`` has."""
+    from ..kernels.quant import FORMATS
+
+    try:
+        from comfy.quant_ops import QUANT_ALGOS
+    except Exception:  # noqa: BLE001 - a ComfyUI without quant_ops has no comfy_quant formats
+        QUANT_ALGOS = {}
+    return [AS_STORED] + [f for f in FORMATS if f in QUANT_ALGOS]
+
+
+def check_weight_format(node_id: str, weight_format: str) -> str | None:
+    """None for ``as stored``, else the format; a format this host cannot load is refused by name."""
+    if weight_format == AS_STORED:
+        return None
+    have = weight_formats()
+    if weight_format not in have:
+        raise CheckpointError(f"{node_id}: weight_format {weight_format!r} is not available in this ComfyUI (its "
+                              f"comfy.quant_ops.QUANT_ALGOS offers {have[1:] or 'none'} of the formats ditkit writes)")
+    return weight_format
+
+
+WEIGHT_FORMAT_TOOLTIP = ("Quantize while loading into one of ComfyUI's native comfy_quant formats (weight-only; the "
+                         "list is what this ComfyUI's QUANT_ALGOS supports). Each tensor is read, converted and "
+                         "quantized one at a time: the transformer blocks' linear layers are quantized; embeddings, "
+                         "norms, the final layer and small layers stay as stored (reported per layer class; see "
+                         "docs/quantize.md). 'as stored' keeps the file's dtypes.")
+
+
+def quantized_state_dict(family: str, fmt: str, inventory, items, where: str):
+    """Stream ``items`` through the quantizer -> (state dict as a comfy_quant file would give it, report)."""
+    plan = qcore.make_plan(family, fmt, inventory)
+    report = qcore.QuantReport(family, fmt, qcore.RECIPES[family]["source"])
+    sd = {}
+    try:
+        for k, t in qcore.quantize_stream(items, plan, report, where):
+            sd[k] = t
+    except BaseException:
+        sd.clear()
+        raise
+    return sd, report
 
 
 def _is_checkpoint_folder(path: str) -> bool:
@@ -102,11 +147,17 @@ def model_options(weight_dtype: str) -> dict:
     raise CheckpointError(f"{NODE_ID}: unknown weight_dtype {weight_dtype!r}; choose one of {WEIGHT_DTYPES}")
 
 
-def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None = None):
-    """-> (ModelPatcher, H3LoadReport). Raises CheckpointError before building anything on bad input."""
+def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None = None,
+                  weight_format: str = AS_STORED):
+    """-> (ModelPatcher, H3LoadReport); ``report.quant`` is the QuantReport (or None for ``as stored``).
+    Raises CheckpointError before building anything on bad input."""
     import comfy.sd
 
     opts = model_options(weight_dtype)
+    fmt = check_weight_format(NODE_ID, weight_format)
+    if fmt is not None and weight_dtype != "default":
+        raise CheckpointError(f"{NODE_ID}: weight_dtype {weight_dtype!r} and weight_format {weight_format!r} both "
+                              "set the weights' precision; keep weight_dtype 'default' to quantize")
     bar = None
 
     def cb(done, total):
@@ -115,7 +166,16 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
             bar = progress(total, node_id)
         bar(done, total)
 
-    sd, report = core.load_h3_state_dict(path, progress=cb)
+    if fmt is None:
+        sd, report = core.load_h3_state_dict(path, progress=cb)
+        quant = None
+    else:
+        plan = core.plan_h3(path)
+        src = plan.src
+        qcore.refuse_quantized_source(src.path, {k: ti.dtype for k, (_, ti) in src.locations.items()}, src.metadata)
+        sd, quant = quantized_state_dict("h3", fmt, plan.inventory, core.iter_h3_tensors(plan, progress=cb), src.path)
+        report = plan.report(len(sd))
+    report.quant = quant
     # ComfyUI 0.33 has no module for FastH3's trained VSA gates and drops them as unexpected keys; keep them
     # as an attachment that DitKitSparseAttention reads (nodes/sparse_attention.py GATE_ATTACHMENT).
     gates = {int(k.split(".")[1]): sd.pop(k) for k in [k for k in sd if k.startswith("blocks.")
@@ -160,6 +220,8 @@ class DitKitH3ModelLoader(io.ComfyNode):
                                         "diffusion_pytorch_model*.safetensors + config.json (diffusers).")),
                 io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default", advanced=True,
                                tooltip="Same as UNETLoader: cast weights to fp8 at load (default keeps the file's dtypes)."),
+                io.Combo.Input("weight_format", options=weight_formats(), default=AS_STORED, optional=True,
+                               tooltip=WEIGHT_FORMAT_TOOLTIP),
             ],
             outputs=[io.Model.Output(tooltip="The stock ComfyUI MiniMax H3 model."),
                      io.String.Output(display_name="report", tooltip="Layout detected, conversions applied, config.")],
@@ -167,13 +229,17 @@ class DitKitH3ModelLoader(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model_name: str, weight_dtype: str = "default") -> io.NodeOutput:
+    def execute(cls, model_name: str, weight_dtype: str = "default", weight_format: str = AS_STORED) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        check_weight_format(NODE_ID, weight_format)
         path = resolve(model_name)
-        model, report = load_h3_model(path, weight_dtype, node_id)
+        model, report = load_h3_model(path, weight_dtype, node_id, weight_format)
         summary = report.summary() + (f"; weights cast to {weight_dtype}" if weight_dtype != "default" else "")
         data = report.as_dict()
-        data.update(model_name=model_name, weight_dtype=weight_dtype)
+        data.update(model_name=model_name, weight_dtype=weight_dtype, weight_format=weight_format)
+        if report.quant is not None:
+            summary += "; quantized " + report.quant.summary()
+            data["quantization"] = report.quant.as_dict()
         payload = send_report(node_id, NODE_ID, "load", summary, data)
         return io.NodeOutput(model, summary, ui=ui_report(payload))
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..errors import UnsupportedModelError
+from ..loaders import quantize as qcore
 from ..loaders.read_progress import load_with_progress
+from ..loaders.safetensors_io import DTYPES
 from . import _families, _files
+from .h3_loaders import AS_STORED, WEIGHT_FORMAT_TOOLTIP, check_weight_format, quantized_state_dict, weight_formats
 from ._bars import lazy_bar
 from ._common import send_report, ui_report
 
@@ -40,31 +43,57 @@ def _zimage_config(sd: dict, path: str) -> dict:
     return cfg
 
 
-def load_zimage(path: str, progress=None):
-    """-> (model patcher, config, load path). ``progress(done, total)``: optional, after each tensor read."""
+def _quantized_zimage(path: str, fmt: str, progress):
+    """Config from the header (shapes only), then read -> quantize -> keep, one tensor at a time."""
+    import torch
+
+    src = qcore.open_source(path)
+    if src.family != "zimage":
+        raise UnsupportedModelError(f"{NODE_ID}: '{path}' is not a Z-Image/Lumina-2 DiT (detected {src.family!r}); "
+                                    "use UNETLoader")
+    meta = {k: torch.empty(shape, dtype=DTYPES[dt][0], device="meta") for k, (shape, dt) in src.inventory.items()}
+    cfg = _zimage_config(meta, path)
+    del meta
+    sd, report = quantized_state_dict("zimage", fmt, src.inventory, src.reader(progress), path)
+    return sd, cfg, report
+
+
+def load_zimage(path: str, progress=None, weight_format: str = AS_STORED):
+    """-> (model patcher, config, load path[, QuantReport when quantized]). ``progress(done, total)``: optional,
+    after each tensor read. With a ``weight_format`` the state dict is what a comfy_quant file gives ComfyUI."""
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.sd
     import comfy.supported_models
     import comfy.utils
 
-    sd, _ = load_with_progress(path, progress)
-    cfg = _zimage_config(sd, path)
+    fmt = check_weight_format(NODE_ID, weight_format)
+    report = None
+    if fmt is None:
+        sd, _ = load_with_progress(path, progress)
+        cfg = _zimage_config(sd, path)
+    else:
+        sd, cfg, report = _quantized_zimage(path, fmt, progress)
     if cfg["dim"] == 3840:
-        return comfy.sd.load_diffusion_model_state_dict(sd), cfg, "stock"
+        out = comfy.sd.load_diffusion_model_state_dict(sd), cfg, "stock"
+        return out if report is None else out + (report,)
     model_config = comfy.supported_models.ZImage(cfg)
+    # what comfy.sd.load_diffusion_model_state_dict does for a comfy_quant state dict (mixed-precision ops)
+    quant = comfy.utils.detect_layer_quantization(sd, "")
+    if quant:
+        model_config.quant_config = quant
     params = comfy.utils.calculate_parameters(sd)
-    weight_dtype = comfy.utils.weight_dtype(sd)
+    weight_dtype = None if quant else comfy.utils.weight_dtype(sd)
     load_device = mm.get_torch_device()
     supported = list(model_config.supported_inference_dtypes)
     unet_dtype = mm.unet_dtype(model_params=params, supported_dtypes=supported, weight_dtype=weight_dtype)
-    manual_cast = mm.unet_manual_cast(unet_dtype, load_device, supported)
+    manual_cast = mm.unet_manual_cast(None if quant else unet_dtype, load_device, supported)
     model_config.set_inference_dtype(unet_dtype, manual_cast, device=load_device)
     model = model_config.get_model(sd, "")
     patcher = comfy.model_patcher.CoreModelPatcher(model, load_device=load_device,
                                                    offload_device=mm.unet_offload_device())
     model.load_model_weights(sd, "", assign=patcher.is_dynamic())
-    return patcher, cfg, "ditkit-config"
+    return (patcher, cfg, "ditkit-config") if report is None else (patcher, cfg, "ditkit-config", report)
 
 
 class DitKitZImageLoader(io.ComfyNode):
@@ -79,6 +108,8 @@ class DitKitZImageLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input("unet_name", options=_families.family_files("diffusion_models", "zimage"),
                                tooltip="Z-Image DiT file in models/diffusion_models (ComfyUI fused-qkv layout)."),
+                io.Combo.Input("weight_format", options=weight_formats(), default=AS_STORED, optional=True,
+                               tooltip=WEIGHT_FORMAT_TOOLTIP),
             ],
             outputs=[io.Model.Output(tooltip="The Z-Image model."),
                      io.String.Output(display_name="report", tooltip="Detected config and load path.")],
@@ -86,14 +117,18 @@ class DitKitZImageLoader(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, unet_name: str) -> io.NodeOutput:
+    def execute(cls, unet_name: str, weight_format: str = AS_STORED) -> io.NodeOutput:
+        check_weight_format(NODE_ID, weight_format)
         path = _files.safetensors_path("diffusion_models", unet_name, NODE_ID)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        model, cfg, how = load_zimage(path, progress=lazy_bar(node_id))
+        model, cfg, how, *quant = load_zimage(path, progress=lazy_bar(node_id), weight_format=weight_format)
         summary = (f"Z-Image dim {cfg['dim']}, {cfg['n_layers']} layers, {cfg.get('n_heads')} heads, "
                    f"loaded via {how}")
-        payload = send_report(node_id, NODE_ID, "load", summary,
-                              {"file": unet_name, "config": cfg, "path": how})
+        data = {"file": unet_name, "config": cfg, "path": how, "weight_format": weight_format}
+        if quant:
+            summary += "; quantized " + quant[0].summary()
+            data["quantization"] = quant[0].as_dict()
+        payload = send_report(node_id, NODE_ID, "load", summary, data)
         return io.NodeOutput(model, summary, ui=ui_report(payload))
 
 

@@ -1,0 +1,322 @@
+"""Quantize-while-loading: peak host memory, weight reconstruction error, and real-size resident bytes.
+
+Three parts, one run:
+
+1. **Peak RSS of loading** (needs a ComfyUI host: ``COMFYUI_PATH`` or ditkit's cached host), each load in a fresh
+   subprocess, runs interleaved (stock, fmt1, fmt2, ..., stock, fmt1, ...) and repeated ``--repeats`` times;
+   printed: median and min-max of the peak RSS growth during the load (``ru_maxrss`` minus the RSS after the
+   imports) for
+
+   * ``stock``: the ComfyUI-layout file through ``comfy.sd.load_diffusion_model`` with ``dtype=float8_e4m3fn``
+     (what UNETLoader ``weight_dtype fp8_e4m3fn`` does: read bf16, then cast);
+   * each format: ``DitKitH3ModelLoader``'s path (``load_h3_model(..., weight_format=fmt)``) from the
+     **official shards** (interleaved qkv; the stock loader cannot read those at all);
+
+   for the tiny official H3 and a generated scaled-up H3 (``--scale-gb``, default 1.0 GB of bf16 random weights with
+   the real key layout), next to the target ``quantized size + 2 largest tensors``.
+2. **Weight reconstruction error per layer class** (plain torch): ``||W - deq(Q(W))|| / ||W||`` over each class,
+   for every format, on the tiny H3 (``--error-on-scaled``: the scaled-up one); random weights, so this is a
+   property of the format, not of training.
+3. **Resident bytes of the real-size models** (H3 / LTX-2 / Z-Image / FLUX.2) per format, computed from the key
+   inventories the tiny generators reproduce, at real dimensions (H3 from h3.md; the others' dimensions are the
+   public configs, listed in ``REAL``); no weights are made.
+
+``--quick`` (the smoke test): the tiny model only, 1 repeat.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FORMATS = ("float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4")
+
+# real dimensions. H3: /work/shared/reference/h3.md config table (5376 hidden, 56 x 128 heads, 50 + 2 blocks,
+# ffn 14336, text 5120). LTX-2 19B / Z-Image 6B / FLUX.2-dev: public model configs (assumed, not verified here).
+REAL = {
+    "h3": {"hidden_size": 5376, "num_attention_heads": 56, "attention_head_dim": 128, "num_layers": 50,
+           "token_refiner_num_layers": 2, "ffn_hidden_size": 14336, "latents_dim": 24, "audio_latents_dim": 32,
+           "patch_size": [1, 2, 2], "text_dim": 5120, "timestep_input_dim": 256, "time_embed_hidden_size": 5376,
+           "time_embed_dim": 2688, "rope_inv_freq_len": 16},
+    "ltx2": {"num_layers": 48, "num_attention_heads": 32, "attention_head_dim": 128, "cross_attention_dim": 4096,
+             "audio_num_attention_heads": 32, "audio_attention_head_dim": 64, "audio_cross_attention_dim": 2048,
+             "caption_channels": 3840, "connector_num_attention_heads": 30, "connector_attention_head_dim": 128,
+             "connector_num_layers": 2, "in_channels": 128, "audio_in_channels": 128},
+    "zimage": {"dim": 3840, "n_layers": 30, "n_refiner_layers": 2, "cap_feat_dim": 2560, "in_channels": 16,
+               "patch_size": 2, "ffn_multiple_of": 256, "t_hidden": 1024},
+    "flux2": {"hidden": 6144, "depth": 8, "depth_single": 48, "in_channels": 128, "context_dim": 15360,
+              "mlp_ratio": 3},
+}
+
+
+H3_OFFICIAL_BYTES = 66_280_430_144   # metadata.total_size of FL2VA/transformer/model.safetensors.index.json (h3.md)
+
+# --------------------------------------------------------------------------------------------- inventories
+
+def inventory(family: str, cfg: dict | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+    from ditkit.tiny import ckpt_h3, ckpt_image, ckpt_ltx
+
+    if family == "h3":
+        c = dict(ckpt_h3.CONFIG, **(cfg or {}))
+        return {k: (tuple(s), "F32" if k.startswith(ckpt_h3.FP32_PREFIXES) else "BF16")
+                for k, s in ckpt_h3.comfy_shapes(c).items()}
+    if family == "ltx2":
+        c = dict(ckpt_ltx.CONFIG, **(cfg or {}))
+        return {k: (tuple(s), "BF16") for k, s in ckpt_ltx.ltxav_shapes(c).items()}
+    if family == "zimage":
+        c = dict(ckpt_image.ZIMAGE, **(cfg or {}))
+        return {k: (tuple(s), "BF16") for k, s in ckpt_image.zimage_shapes(c).items()}
+    c = dict(ckpt_image.FLUX2, **(cfg or {}))
+    return {k: (tuple(s), "BF16") for k, s in ckpt_image.flux2_shapes(c).items()}
+
+
+def resident_bytes(family: str, inv, fmt: str | None) -> int:
+    import math
+
+    from ditkit.kernels.quant import quantized_nbytes
+    from ditkit.loaders import quantize as qc
+    from ditkit.loaders.safetensors_io import DTYPES
+
+    total = 0
+    for k, (shape, dt) in inv.items():
+        if fmt is not None and qc.classify(family, k, shape)[1]:
+            total += quantized_nbytes(shape, fmt) + len(qc.marker_tensor(fmt))
+        else:
+            total += math.prod(shape) * DTYPES[dt][1]
+    return total
+
+
+def real_size_table() -> list[str]:
+    rows = ["| model (real dims) | as stored (bf16 + fp32 islands) | " + " | ".join(FORMATS) + " |",
+            "|---|---|" + "---|" * len(FORMATS)]
+    for fam, label in (("h3", "MiniMax H3 DiT"), ("ltx2", "LTX-2 19B DiT"), ("zimage", "Z-Image 6B DiT"),
+                       ("flux2", "FLUX.2-dev DiT")):
+        inv = inventory(fam, REAL[fam])
+        base = resident_bytes(fam, inv, None)
+        cells = [f"{resident_bytes(fam, inv, f) / 2**30:.2f} GiB" for f in FORMATS]
+        rows.append(f"| {label} | {base / 2**30:.2f} GiB | " + " | ".join(cells) + " |")
+    h3 = resident_bytes("h3", inventory("h3", REAL["h3"]), None)
+    rows.append(f"\nH3 inventory check: {h3:,} bytes as stored; the official index's total_size is "
+                f"{H3_OFFICIAL_BYTES:,} ({'equal' if h3 == H3_OFFICIAL_BYTES else 'DIFFERENT'})")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- checkpoints
+
+def scaled_cfg(gb: float) -> dict:
+    """An H3 config whose bf16 weights are about ``gb`` GB (hidden 1024, 8 x 128 heads, real ratios)."""
+    from ditkit.tiny import ckpt_h3
+
+    base = dict(ckpt_h3.CONFIG, hidden_size=1024, num_attention_heads=8, attention_head_dim=128,
+                ffn_hidden_size=2816, text_dim=1024, time_embed_hidden_size=1024, time_embed_dim=512,
+                timestep_input_dim=256, token_refiner_num_layers=2, rope_inv_freq_len=16)
+    per_layer = resident_bytes("h3", inventory("h3", dict(base, num_layers=2)), None) - \
+        resident_bytes("h3", inventory("h3", dict(base, num_layers=1)), None)
+    base["num_layers"] = max(1, int(gb * 1e9 / per_layer))
+    return base
+
+
+def make_checkpoints(out: Path, cfg: dict | None) -> tuple[Path, Path]:
+    """-> (official shard folder, ComfyUI-layout single file) of one H3 config (tiny when ``cfg`` is None)."""
+    from ditkit.loaders.safetensors_io import save_file
+    from ditkit.tiny import ckpt_h3
+
+    c = dict(ckpt_h3.CONFIG, **(cfg or {}))
+    base = ckpt_h3.base_state_dict(c)
+    comfy = out / "h3_comfy.safetensors"
+    save_file(base, comfy)
+    off = ckpt_h3.official_state_dict(base, c)
+    del base
+    ckpt_h3.write_sharded(off, out / "h3_official", "model", "model.safetensors.index.json", 4,
+                          ckpt_h3.official_config(c))
+    return out / "h3_official", comfy
+
+
+# --------------------------------------------------------------------------------------------- child
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def child(mode: str, path: str, comfyui: str, warm: str) -> None:
+    """One load in this fresh process. A warm-up load of the tiny ComfyUI file first (ComfyUI imports model code
+    and allocates its caches on the first load), then the peak RSS during the measured load is sampled every
+    millisecond by a thread (and taken from ru_maxrss when that rose above the warm-up's mark)."""
+    import gc
+    import threading
+
+    sys.path.insert(0, comfyui)
+    from comfy.cli_args import args
+
+    args.cpu = True
+    import torch
+
+    import comfy.sd  # noqa: F401
+    from ditkit.nodes import h3_loaders
+
+    torch.set_num_threads(1)
+    w = comfy.sd.load_diffusion_model(warm, model_options={"dtype": torch.float8_e4m3fn})
+    del w
+    w, _ = h3_loaders.load_h3_model(warm, weight_format="float8_e4m3fn")
+    del w
+    gc.collect()
+    mark = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = _rss_now()
+    peak = [before]
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_now())
+            stop.wait(0.001)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    if mode == "stock":
+        m = comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float8_e4m3fn})
+    else:
+        m, _ = h3_loaders.load_h3_model(path, weight_format=mode)
+    stop.set()
+    th.join()
+    top = max(peak[0], _rss_now())
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if maxrss > mark:
+        top = max(top, maxrss)
+    sd = m.model.diffusion_model.state_dict()
+    resident = sum(t.numel() * t.element_size() for t in sd.values())
+    print(json.dumps({"mode": mode, "peak_growth": top - before, "before": before, "resident": resident}))
+
+
+def run_child(mode: str, path: Path, comfyui: str, python: str, warm: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "")
+                                                                      .split(os.pathsep) if p]))
+    r = subprocess.run([python, __file__, "--child", mode, str(path), comfyui, str(warm)], capture_output=True, text=True,
+                       env=env, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"child {mode} failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------------- parts
+
+def rss_table(label: str, official: Path, comfy_file: Path, comfyui: str, python: str, repeats: int,
+              warm: Path) -> list[str]:
+    from ditkit.loaders.safetensors_io import read_header
+
+    hdr = read_header(comfy_file)
+    largest = sorted((ti.nbytes for ti in hdr.tensors.values()), reverse=True)[:2]
+    src_bytes = sum(ti.nbytes for ti in hdr.tensors.values())
+    modes = ["stock"] + list(FORMATS)
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(repeats):                      # interleaved: stock, fmt1, ..., stock, fmt1, ...
+        for m in modes:
+            runs[m].append(run_child(m, comfy_file if m == "stock" else official, comfyui, python, warm))
+    rows = [f"### {label}: source {src_bytes / 2**20:.1f} MiB, two largest tensors {sum(largest) / 2**20:.1f} MiB, "
+            f"{repeats} interleaved run(s) per row",
+            "| path | resident after load | peak RSS growth median (min-max) | target (resident + 2 largest) | "
+            "peak / stock |", "|---|---|---|---|---|"]
+    stock_med = statistics.median(r["peak_growth"] for r in runs["stock"])
+    for m in modes:
+        peaks = [r["peak_growth"] for r in runs[m]]
+        res = runs[m][0]["resident"]
+        med = statistics.median(peaks)
+        target = res + sum(largest)
+        name = "stock UNETLoader fp8 cast (ComfyUI file)" if m == "stock" else f"ditkit {m} (official shards)"
+        rows.append(f"| {name} | {res / 2**20:.1f} MiB | {med / 2**20:.1f} ({min(peaks) / 2**20:.1f}-"
+                    f"{max(peaks) / 2**20:.1f}) MiB | {target / 2**20:.1f} MiB {'ok' if med <= target else 'OVER'} | "
+                    f"{med / stock_med:.2f} |")
+    return rows
+
+
+def error_table(official: Path) -> list[str]:
+    from ditkit.loaders import quantize as qc
+
+    rows = ["| layer class | " + " | ".join(FORMATS) + " |", "|---|" + "---|" * len(FORMATS)]
+    per: dict[str, dict[str, str]] = {}
+    for fmt in FORMATS:
+        src = qc.open_source(str(official))
+        plan = qc.make_plan("h3", fmt, src.inventory)
+        rep = qc.QuantReport("h3", fmt, "")
+        for _ in qc.quantize_stream(src.reader(), plan, rep, str(official)):
+            pass
+        for cls, st in rep.classes.items():
+            d = st.as_dict()
+            if "rel_rms_error" in d:
+                per.setdefault(cls, {})[fmt] = f"{d['rel_rms_error']:.3e} (max {d['max_tensor_rel_error']:.3e})"
+    for cls, vals in per.items():
+        rows.append(f"| {cls} | " + " | ".join(vals.get(f, "-") for f in FORMATS) + " |")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", nargs=4, metavar=("MODE", "PATH", "COMFYUI", "WARM"), help=argparse.SUPPRESS)
+    ap.add_argument("--scale-gb", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-rss", action="store_true", help="skip part 1 (no host needed)")
+    ap.add_argument("--skip-tiny-rss", action="store_true", help="part 1 on the scaled-up model only")
+    ap.add_argument("--error-on-scaled", action="store_true",
+                    help="part 2 on the scaled-up model (default: the tiny one; same random-weight statistics)")
+    a = ap.parse_args(argv)
+    if a.child:
+        child(*a.child)
+        return 0
+    if a.quick:
+        a.repeats = 1
+    print("## resident bytes, real-size models (computed from the key inventories)")
+    print("\n".join(real_size_table()))
+    with tempfile.TemporaryDirectory(prefix="ditkit-bench-q-") as tmp:
+        tiny = Path(tmp) / "tiny"
+        big = Path(tmp) / "big"
+        tiny.mkdir()
+        big.mkdir()
+        t_off, t_comfy = make_checkpoints(tiny, None)
+        if a.quick:                       # the smoke: the tiny model stands in for the scaled-up one
+            cfg, b_off, b_comfy = dict(num_layers=2), t_off, t_comfy
+        else:
+            cfg = scaled_cfg(a.scale_gb)
+            b_off, b_comfy = make_checkpoints(big, cfg)
+        err_src = b_off if a.error_on_scaled else t_off
+        what = f"scaled-up H3, {cfg['num_layers']} blocks" if a.error_on_scaled else "tiny H3"
+        print(f"\n## weight reconstruction error per layer class ({what}, random weights): relative RMS over the "
+              "class (max over its tensors)")
+        print("\n".join(error_table(err_src)), flush=True)
+        if a.no_rss:
+            return 0
+        comfyui = os.environ.get("COMFYUI_PATH")
+        if not comfyui:
+            from ditkit.host import find_host
+
+            h = find_host()
+            comfyui = str(h.root) if h is not None else None
+        if not comfyui:
+            print("\npeak RSS: skipped (no ComfyUI host; set COMFYUI_PATH)")
+            return 0
+        python = os.environ.get("COMFYUI_PYTHON") or str(Path(comfyui) / "venv" / "bin" / "python")
+        if not Path(python).exists():
+            python = sys.executable
+        print("\n## peak RSS of loading (fresh subprocess per load)")
+        if not a.skip_tiny_rss:
+            print("\n".join(rss_table("tiny H3", t_off, t_comfy, comfyui, python, a.repeats, t_comfy)), flush=True)
+        if a.quick:
+            return 0
+        print()
+        print("\n".join(rss_table(f"scaled-up H3 ({cfg['num_layers']} blocks, hidden 1024)", b_off, b_comfy, comfyui,
+                                  python, a.repeats, t_comfy)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

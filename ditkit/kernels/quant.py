@@ -1,0 +1,475 @@
+"""Weight quantization into ComfyUI's native ``comfy_quant`` formats: pure-torch references, a Triton kernel for
+the per-tensor formats, and the small dequantize / requantize helpers LoRA-style adapters need.
+
+Formats (the names are the keys of ComfyUI's ``comfy/quant_ops.py`` ``QUANT_ALGOS``; what one checkpoint layer
+holds is what ComfyUI's ``comfy/ops.py`` ``_load_quantized_module`` reads and ``_quantized_weight_state_dict``
+writes):
+
+=================  ============================  ==========================================  =====================
+format             ``<layer>.weight``            ``<layer>.weight_scale``                    ``.weight_scale_2``
+=================  ============================  ==========================================  =====================
+float8_e4m3fn      float8_e4m3fn ``[out, in]``   float32 0-d, ``amax / 448``                 -
+float8_e5m2        float8_e5m2 ``[out, in]``     float32 0-d, ``amax / 57344``               -
+int8_tensorwise    int8 ``[out, in]``            float32 0-d, ``max(amax / 127, 1e-30)``     -
+mxfp8              float8_e4m3fn, rows/cols      float8_e8m0fnu per 32 columns, cuBLAS        -
+                   padded to multiples of 32     "blocked" layout ``[roundup(R,128), roundup(C/32,4)]``
+nvfp4              uint8 (two e2m1 per byte,     float8_e4m3fn per 16 columns, blocked        float32 0-d,
+                   high nibble first), padded    ``[roundup(R,128), roundup(C/16,4)]``         ``amax / (448*6)``
+                   to multiples of 16
+=================  ============================  ==========================================  =====================
+
+plus ``<layer>.comfy_quant``: uint8 bytes of ``json.dumps({"format": name})``.
+
+Every reference below reproduces, operation for operation, the deterministic (``stochastic_rounding=0``) path
+of the host's own layout ``quantize`` with ``scale="recalculate"`` (what ComfyUI itself uses when it requantizes
+a patched weight, ``comfy/ops.py``), including the dtype each step runs in: the fp8 product ``x * (1/scale)`` and
+the int8 quotient ``x / scale`` are rounded to the *source* dtype (bf16 / fp16) before clamping, the nvfp4
+per-tensor scale is divided in the source dtype. ``tests/integration/test_quant_host.py`` checks this
+bit-for-bit against ``QuantizedLayout.quantize`` of the real host; ``tests/unit/test_quant.py`` against math
+written in the test.
+
+One documented difference: an all-zero tensor. The host's "recalculate" scale is 0 there and its fp8 / nvfp4
+paths divide by it (the stored weight becomes NaN). Here the scale is then 1.0, which is what the host's
+``quantize`` does when called with ``scale=1.0`` (fp8: all-zero codes, nvfp4: zero blocks), so the file stays
+finite and dequantizes to exact zeros; int8 and mxfp8 never divide by zero and match the host as is.
+
+Activation scales (``input_scale``) are never produced: weight-only quantization (ComfyUI then computes in the
+compute dtype, or quantizes activations dynamically where its kernels do).
+
+Adapters (dequantize -> add a delta -> requantize with the same scheme) use :func:`quantize`,
+:func:`dequantize` and :func:`requantize_add`; the latter works in row chunks and equals quantizing the whole
+updated weight at once, bit for bit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ._triton import HAS_TRITON, tl, triton
+
+FP8_E4M3_MAX = 448.0
+FP8_E5M2_MAX = 57344.0
+FP4_E2M1_MAX = 6.0
+INT8_MAX = 127.0
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str                  # the QUANT_ALGOS key
+    storage: torch.dtype       # dtype of <layer>.weight in the file
+    block: int                 # columns per scale (0 = one scale per tensor)
+    pad: int                   # rows / cols padded to a multiple of this (0 = none)
+    bits: int                  # bits per weight element (scales not counted)
+
+
+FORMATS: dict[str, Format] = {
+    "float8_e4m3fn": Format("float8_e4m3fn", torch.float8_e4m3fn, 0, 0, 8),
+    "float8_e5m2": Format("float8_e5m2", torch.float8_e5m2, 0, 0, 8),
+    "int8_tensorwise": Format("int8_tensorwise", torch.int8, 0, 0, 8),
+    "mxfp8": Format("mxfp8", torch.float8_e4m3fn, 32, 32, 8),
+    "nvfp4": Format("nvfp4", torch.uint8, 16, 16, 4),
+}
+SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def get_format(name: str) -> Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown quantization format {name!r}; known: {sorted(FORMATS)}") from None
+
+
+def _roundup(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def storage_layout(shape: tuple[int, ...], fmt: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of what a ``[out, in]`` weight becomes (key suffixes ``weight``, ``weight_scale``,
+    ``weight_scale_2``), from the shape alone: a file header can be written before any tensor is quantized."""
+    f = get_format(fmt)
+    if len(shape) != 2:
+        raise ValueError(f"{fmt}: quantized weights are 2-D, got shape {list(shape)}")
+    r, c = shape
+    if f.block == 0:
+        return {"weight": ((r, c), f.storage), "weight_scale": ((), torch.float32)}
+    pr, pc = _roundup(r, f.pad), _roundup(c, f.pad)
+    scales = ((_roundup(pr, 128), _roundup(pc // f.block, 4)),
+              torch.float8_e8m0fnu if fmt == "mxfp8" else torch.float8_e4m3fn)
+    if fmt == "mxfp8":
+        return {"weight": ((pr, pc), f.storage), "weight_scale": scales}
+    return {"weight": ((pr, pc // 2), f.storage), "weight_scale": scales, "weight_scale_2": ((), torch.float32)}
+
+
+def quantized_nbytes(shape: tuple[int, ...], fmt: str) -> int:
+    """Bytes of the weight and its scales in ``fmt`` (padding included)."""
+    out = 0
+    for s, dt in storage_layout(shape, fmt).values():
+        out += math.prod(s) * torch.empty((), dtype=dt).element_size()
+    return out
+
+
+# ------------------------------------------------------------------------------------ cuBLAS block-scale layout
+
+def to_blocked(m: torch.Tensor) -> torch.Tensor:
+    """[R, C] scales -> cuBLAS 1D-block-scaling layout ``[roundup(R,128), roundup(C,4)]`` (zero padded): each
+    128 x 4 tile is stored as 32 rows of 16, row ``i`` holding tile rows ``i, i+32, i+64, i+96`` (4 values each)."""
+    r, c = m.shape
+    pr, pc = _roundup(r, 128), _roundup(c, 4)
+    p = m.new_zeros((pr, pc))
+    p[:r, :c] = m
+    tiles = p.reshape(pr // 128, 128, pc // 4, 4).permute(0, 2, 1, 3)          # [rt, ct, 128, 4]
+    tiles = tiles.reshape(pr // 128, pc // 4, 4, 32, 4).permute(0, 1, 3, 2, 4)  # [rt, ct, 32, 4(row group), 4]
+    return tiles.reshape(pr, pc)
+
+
+def from_blocked(b: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocked`, cropped to ``[rows, cols]``."""
+    pr, pc = _roundup(rows, 128), _roundup(cols, 4)
+    t = b.reshape(pr // 128, pc // 4, 32, 4, 4).permute(0, 1, 3, 2, 4)          # [rt, ct, 4, 32, 4]
+    t = t.reshape(pr // 128, pc // 4, 128, 4).permute(0, 2, 1, 3).reshape(pr, pc)
+    return t[:rows, :cols]
+
+
+# ------------------------------------------------------------------------------------------------ references
+
+def _check_source(w: torch.Tensor, fmt: str) -> None:
+    if w.dtype not in SOURCE_DTYPES:
+        raise ValueError(f"{fmt}: source weights must be float32 / bfloat16 / float16, got {w.dtype}")
+    if w.dim() != 2:
+        raise ValueError(f"{fmt}: quantized weights are 2-D, got shape {list(w.shape)}")
+
+
+def per_tensor_scale(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The float32 0-d ``weight_scale`` (``weight_scale_2`` for nvfp4) the host computes with "recalculate"
+    (1.0 for an all-zero fp8 / nvfp4 tensor, see the module doc)."""
+    if fmt in ("float8_e4m3fn", "float8_e5m2"):
+        dt = torch.float8_e4m3fn if fmt == "float8_e4m3fn" else torch.float8_e5m2
+        amax = torch.amax(w.abs()).to(torch.float32)
+        if amax == 0:
+            return torch.ones((), dtype=torch.float32, device=w.device)
+        scale = amax / torch.finfo(dt).max
+        if w.dtype not in (torch.float32, torch.bfloat16):
+            fi = torch.finfo(w.dtype)
+            scale = 1.0 / torch.clamp(1.0 / scale, min=fi.min, max=fi.max)
+        return scale
+    if fmt == "int8_tensorwise":
+        return (w.abs().max().float() / INT8_MAX).clamp(min=1e-30)
+    if fmt == "nvfp4":
+        s = (torch.amax(w.abs()) / (FP8_E4M3_MAX * FP4_E2M1_MAX)).to(torch.float32)
+        return torch.ones((), dtype=torch.float32, device=w.device) if torch.amax(w.abs()) == 0 else s
+    raise ValueError(f"{fmt} has no per-tensor weight scale")
+
+
+def _fp8_ref(w: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    dt, lp = (torch.float8_e4m3fn, FP8_E4M3_MAX) if fmt == "float8_e4m3fn" else (torch.float8_e5m2, FP8_E5M2_MAX)
+    t = w * (1.0 / scale).to(w.dtype)
+    return torch.clamp(t, -lp, lp).to(dt)
+
+
+def _int8_scale_math(scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    s = scale.to(w.dtype)
+    return torch.where(s == 0, torch.full_like(s, torch.finfo(w.dtype).tiny), s)
+
+
+def _int8_ref(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (w / _int8_scale_math(scale, w)).round().clamp(-128.0, 127.0).to(torch.int8)
+
+
+def _pad_to(w: torch.Tensor, m: int) -> torch.Tensor:
+    r, c = w.shape
+    pr, pc = _roundup(r, m), _roundup(c, m)
+    if (pr, pc) == (r, c):
+        return w
+    return torch.nn.functional.pad(w, (0, pc - c, 0, pr - r))
+
+
+def _mxfp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded rows -> (fp8 data, unswizzled uint8 E8M0 exponents [rows, cols/32])."""
+    rows, cols = x.shape
+    xb = x.reshape(rows, cols // 32, 32)
+    amax = torch.amax(torch.abs(xb), dim=-1)
+    need = torch.clamp(amax.float() / FP8_E4M3_MAX, min=2.0 ** -127)
+    e = torch.clamp(torch.ceil(torch.log2(need)).to(torch.int32) + 127, 0, 254)
+    e8 = e.to(torch.uint8)
+    s = torch.where(e == 0, torch.zeros_like(e), e << 23).view(torch.float32)
+    zero = amax == 0
+    s = torch.where(zero, torch.ones_like(s), s)
+    d = xb.float() / s.unsqueeze(-1)
+    d = torch.where(zero.unsqueeze(-1), torch.zeros_like(d), d)
+    data = torch.clamp(d, -FP8_E4M3_MAX, FP8_E4M3_MAX).reshape(rows, cols).to(torch.float8_e4m3fn)
+    return data, torch.where(zero, torch.zeros_like(e8), e8)
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """float32 values in [-6, 6] -> 4-bit e2m1 codes (uint8), round to nearest, ties to the even code; the sign
+    bit is kept (also for values that round to zero)."""
+    a = v.abs()
+    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+            + (a > 5.0)).to(torch.uint8)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _nvfp4_rows(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded rows -> (packed uint8 data [rows, cols/2], unswizzled fp8 block scales [rows, cols/16])."""
+    rows, cols = x.shape
+    xb = x.reshape(rows, cols // 16, 16)
+    bs = torch.amax(torch.abs(xb), dim=-1).to(torch.float32) / FP4_E2M1_MAX
+    sbs = torch.clamp(bs / s2, max=FP8_E4M3_MAX)
+    total = s2 * sbs.to(torch.float8_e4m3fn).to(torch.float32)
+    zero = total == 0
+    d = xb.float() / torch.where(zero, torch.ones_like(total), total).unsqueeze(-1)
+    d = torch.where(zero.unsqueeze(-1), torch.zeros_like(d), d)
+    d = torch.clamp(d, -FP4_E2M1_MAX, FP4_E2M1_MAX).reshape(rows, cols)
+    c = e2m1_codes(d)
+    packed = (c[:, 0::2] << 4) | c[:, 1::2]
+    return packed, sbs.to(torch.float8_e4m3fn)
+
+
+CHUNK_ELEMS = 1 << 22   # rows are quantized in slices of about this many elements (whole 128-row scale tiles)
+
+
+def _row_step(cols: int) -> int:
+    return max(128, (CHUNK_ELEMS // max(cols, 1)) // 128 * 128)
+
+
+def quantize(w: torch.Tensor, fmt: str, backend: str = "reference") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A 2-D float weight -> (``weight`` data, ``{"weight_scale": ..., ["weight_scale_2": ...]}``), exactly what
+    ComfyUI's layout quantize produces (see the module doc). ``backend="triton"`` runs the per-tensor formats'
+    elementwise step in the Triton kernel (same bits); the block formats are reference-only.
+
+    Rows are processed in slices of about ``CHUNK_ELEMS`` elements (the per-tensor scale is taken over the whole
+    weight first; every later step is per element or per row block), so the float32 working copies stay a few
+    slices big whatever the weight; the bits are those of the one-shot computation."""
+    _check_source(w, fmt)
+    if backend not in ("reference", "triton"):
+        raise ValueError(f"unknown backend {backend!r}")
+    rows, cols = w.shape
+    step = _row_step(cols)
+    spans = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    if fmt in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise"):
+        scale = per_tensor_scale(w, fmt)
+        if backend == "triton":
+            return quantize_per_tensor_triton(w, scale, fmt), {"weight_scale": scale}
+        out = torch.empty((rows, cols), dtype=get_format(fmt).storage, device=w.device)
+        for r0, r1 in spans:
+            out[r0:r1] = _int8_ref(w[r0:r1], scale) if fmt == "int8_tensorwise" else _fp8_ref(w[r0:r1], scale, fmt)
+        return out, {"weight_scale": scale}
+    if backend == "triton":
+        raise ValueError(f"{fmt}: no Triton kernel (block formats run the reference)")
+    if fmt not in ("mxfp8", "nvfp4"):
+        raise ValueError(f"unknown quantization format {fmt!r}; known: {sorted(FORMATS)}")
+    pad = get_format(fmt).pad
+    pr, pc = _roundup(rows, pad), _roundup(cols, pad)
+    s2 = per_tensor_scale(w, fmt) if fmt == "nvfp4" else None
+    parts, sparts = [], []
+    for r0, r1 in spans:
+        x = w[r0:r1]
+        x = torch.nn.functional.pad(x, (0, pc - cols, 0, (pr - rows) if r1 == rows else 0))
+        d, sc = _mxfp8_rows(x) if fmt == "mxfp8" else _nvfp4_rows(x, s2)
+        parts.append(d)
+        sparts.append(sc)
+        del x
+    data = parts[0] if len(parts) == 1 else torch.cat(parts)
+    blocked = to_blocked(sparts[0] if len(sparts) == 1 else torch.cat(sparts))
+    if fmt == "mxfp8":
+        return data, {"weight_scale": blocked.view(torch.float8_e8m0fnu)}
+    return data, {"weight_scale": blocked, "weight_scale_2": s2}
+
+
+def reconstruction_error(w: torch.Tensor, data: torch.Tensor, scales: dict[str, torch.Tensor],
+                         fmt: str) -> tuple[float, float]:
+    """(sum of squared errors, sum of squares of ``w``) of ``dequantize`` vs ``w``, in row slices."""
+    rows, cols = w.shape
+    e2 = r2 = 0.0
+    for r0 in range(0, rows, _row_step(cols)):
+        r1 = min(rows, r0 + _row_step(cols))
+        ref = w[r0:r1].float()
+        if fmt in ("mxfp8", "nvfp4"):
+            rec = _dequant_rows(data, scales, fmt, r0, r1, cols)
+        else:
+            rec = data[r0:r1].float() * scales["weight_scale"].float()
+        e2 += float(((rec - ref) ** 2).sum())
+        r2 += float((ref ** 2).sum())
+    return e2, r2
+
+
+def dequantize(data: torch.Tensor, scales: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int] | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight a ``(data, scales)`` pair stands for, cropped to ``shape`` (the layer's ``[out, in]``;
+    needed for the padded block formats), computed in float32 then cast to ``dtype``."""
+    f = get_format(fmt)
+    if fmt in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise"):
+        out = data.float() * scales["weight_scale"].float()
+    elif fmt == "mxfp8":
+        rows, cols = data.shape
+        e = from_blocked(scales["weight_scale"].view(torch.uint8), rows, cols // 32).to(torch.int32)
+        s = torch.where(e == 0, torch.zeros_like(e), e << 23).view(torch.float32)
+        out = (data.float().reshape(rows, cols // 32, 32) * s.unsqueeze(-1)).reshape(rows, cols)
+    elif fmt == "nvfp4":
+        rows, half = data.shape
+        cols = 2 * half
+        lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=data.device)
+        codes = torch.stack([data >> 4, data & 0x0F], dim=-1).reshape(rows, cols).long()
+        vals = lut[codes].reshape(rows, cols // 16, 16)
+        bs = from_blocked(scales["weight_scale"].view(torch.float8_e4m3fn), rows, cols // 16).float()
+        out = (vals * (scales["weight_scale_2"].float() * bs).unsqueeze(-1)).reshape(rows, cols)
+    else:  # pragma: no cover - get_format refused it
+        raise AssertionError(f.name)
+    if shape is not None:
+        out = out[: shape[0], : shape[1]]
+    return out.to(dtype)
+
+
+def requantize_add(data: torch.Tensor, scales: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int],
+                   delta: Callable[[int, int], torch.Tensor], dtype: torch.dtype = torch.bfloat16,
+                   chunk_rows: int = 1024) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Dequantize -> add a delta -> requantize with the same scheme, ``chunk_rows`` rows at a time.
+
+    ``delta(r0, r1)`` returns rows ``r0:r1`` of the float update ``[r1-r0, in]`` (e.g. ``B[r0:r1] @ A * scale``);
+    the updated rows are formed as ``(dequantize(...) + delta).to(dtype)``. The result equals
+    ``quantize((dequantize(data, scales, fmt, shape) + full_delta).to(dtype), fmt)`` bit for bit: the per-tensor
+    scales come from a first pass over the chunks (amax of the updated rows), the block formats' rows are
+    independent. Peak extra memory: two chunks of ``[chunk_rows, in]`` float32 plus the new data."""
+    get_format(fmt)
+    rows, cols = shape
+    step = max(128, _roundup(chunk_rows, 128))   # whole 128-row scale tiles for the block formats
+
+    def updated(r0: int, r1: int) -> torch.Tensor:
+        if fmt in ("mxfp8", "nvfp4"):
+            base = _dequant_rows(data, scales, fmt, r0, r1, cols)
+        else:
+            base = data[r0:r1].float() * scales["weight_scale"].float()
+        return (base + delta(r0, r1).float()).to(dtype)
+
+    spans = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    if fmt in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "nvfp4"):
+        amax = None
+        for r0, r1 in spans:
+            m = torch.amax(updated(r0, r1).abs())
+            amax = m if amax is None else torch.maximum(amax, m)
+        probe = amax.reshape(1, 1).to(dtype)                  # the per-tensor scale depends only on amax
+        scale = per_tensor_scale(probe, fmt)
+    if fmt in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise"):
+        out = torch.empty((rows, cols), dtype=get_format(fmt).storage, device=data.device)
+        for r0, r1 in spans:
+            u = updated(r0, r1)
+            out[r0:r1] = _int8_ref(u, scale) if fmt == "int8_tensorwise" else _fp8_ref(u, scale, fmt)
+        return out, {"weight_scale": scale}
+    pad = get_format(fmt).pad
+    pc = _roundup(cols, pad)
+    parts, sparts = [], []
+    for r0, r1 in spans:
+        u = updated(r0, r1)
+        if r1 == rows:
+            u = torch.nn.functional.pad(u, (0, 0, 0, _roundup(rows, pad) - rows))
+        u = torch.nn.functional.pad(u, (0, pc - cols))
+        if fmt == "mxfp8":
+            d, s = _mxfp8_rows(u)
+        else:
+            d, s = _nvfp4_rows(u, scale)
+        parts.append(d)
+        sparts.append(s)
+    new = torch.cat(parts)
+    if fmt == "mxfp8":
+        return new, {"weight_scale": to_blocked(torch.cat(sparts)).view(torch.float8_e8m0fnu)}
+    return new, {"weight_scale": to_blocked(torch.cat(sparts)), "weight_scale_2": scale}
+
+
+def _dequant_rows(data, scales, fmt, r0, r1, cols):
+    rows_p = data.shape[0]
+    if fmt == "mxfp8":
+        cols_p = data.shape[1]
+        e = from_blocked(scales["weight_scale"].view(torch.uint8), rows_p, cols_p // 32)[r0:r1].to(torch.int32)
+        s = torch.where(e == 0, torch.zeros_like(e), e << 23).view(torch.float32)
+        out = (data[r0:r1].float().reshape(r1 - r0, cols_p // 32, 32) * s.unsqueeze(-1)).reshape(r1 - r0, cols_p)
+        return out[:, :cols]
+    cols_p = 2 * data.shape[1]
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=data.device)
+    d = data[r0:r1]
+    codes = torch.stack([d >> 4, d & 0x0F], dim=-1).reshape(r1 - r0, cols_p).long()
+    vals = lut[codes].reshape(r1 - r0, cols_p // 16, 16)
+    bs = from_blocked(scales["weight_scale"].view(torch.float8_e4m3fn), rows_p, cols_p // 16)[r0:r1].float()
+    out = (vals * (scales["weight_scale_2"].float() * bs).unsqueeze(-1)).reshape(r1 - r0, cols_p)
+    return out[:, :cols]
+
+
+# ------------------------------------------------------------------------------------------------------ triton
+
+_FP8_PARAMS = {"float8_e4m3fn": (3, 7, FP8_E4M3_MAX), "float8_e5m2": (2, 15, FP8_E5M2_MAX)}
+
+if HAS_TRITON:
+    from ._triton import offs64
+
+    @triton.jit
+    def _rne(v):
+        # round half to even for float32 values, exact (no reliance on the backend's rint)
+        f = tl.floor(v)
+        d = v - f
+        odd = f - 2.0 * tl.floor(f * 0.5)
+        return tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + odd))
+
+    @triton.jit
+    def _round_to_source(y, ROUND: tl.constexpr):
+        # the host rounds x*s (x/s) to the source dtype before clamping; float32 products of two bf16/fp16
+        # values are exact, so this single rounding reproduces torch's result
+        if ROUND == 1:   # bfloat16: round the float32 bits to the upper 16, ties to even
+            b = y.to(tl.int32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+            y = b.to(tl.float32, bitcast=True)
+        elif ROUND == 2:
+            y = y.to(tl.float16).to(tl.float32)
+        return y
+
+    @triton.jit
+    def _per_tensor_quant_kernel(X, S, OUT, n, ROUND: tl.constexpr, INT8: tl.constexpr, MBITS: tl.constexpr,
+                                 BIAS: tl.constexpr, LPMAX: tl.constexpr, BLOCK: tl.constexpr):
+        offs = offs64(tl.program_id(0), BLOCK) + tl.arange(0, BLOCK).to(tl.int64)
+        m = offs < n
+        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        s = tl.load(S).to(tl.float32)
+        if INT8:
+            y = _round_to_source(x / s, ROUND)
+            q = tl.minimum(tl.maximum(_rne(y), -128.0), 127.0)
+            tl.store(OUT + offs, q.to(tl.int8), mask=m)
+        else:
+            y = _round_to_source(x * s, ROUND)
+            y = tl.minimum(tl.maximum(y, -LPMAX), LPMAX)
+            a = tl.abs(y)
+            bits = a.to(tl.int32, bitcast=True)
+            sh: tl.constexpr = 23 - MBITS
+            normal = ((bits + ((1 << (sh - 1)) - 1) + ((bits >> sh) & 1)) >> sh) - ((127 - BIAS) << MBITS)
+            sub = _rne(a * (2.0 ** (BIAS - 1 + MBITS))).to(tl.int32)
+            code = tl.where(a < 2.0 ** (1 - BIAS), sub, normal)
+            sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+            code = code | (sign << 7)
+            tl.store(OUT + offs, code.to(tl.uint8), mask=m)
+
+
+def quantize_per_tensor_triton(w: torch.Tensor, scale: torch.Tensor, fmt: str, block: int = 1024) -> torch.Tensor:
+    """Launcher: the elementwise step of the fp8 / int8 per-tensor formats with a given float32 ``scale``
+    (the multiplier ``(1/scale)`` resp. divisor ``scale`` is first cast to the source dtype, as the host does)."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    if fmt not in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise"):
+        raise ValueError(f"{fmt}: the Triton kernel covers the per-tensor formats only")
+    x = w.contiguous()
+    rnd = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype]
+    n = x.numel()
+    grid = (triton.cdiv(n, block),)
+    if fmt == "int8_tensorwise":
+        s = _int8_scale_math(scale.to(x.device), x).reshape(1)
+        out = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+        _per_tensor_quant_kernel[grid](x, s, out, n, ROUND=rnd, INT8=True, MBITS=0, BIAS=0, LPMAX=0.0, BLOCK=block)
+        return out
+    mbits, bias, lp = _FP8_PARAMS[fmt]
+    s = (1.0 / scale.to(x.device)).to(x.dtype).reshape(1)
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    _per_tensor_quant_kernel[grid](x, s, out, n, ROUND=rnd, INT8=False, MBITS=mbits, BIAS=bias, LPMAX=lp,
+                                   BLOCK=block)
+    return out.view(get_format(fmt).storage)
