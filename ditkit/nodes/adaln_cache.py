@@ -12,9 +12,10 @@ import hashlib
 import torch
 from comfy_api.latest import io
 
+from ..bridge.models import h3_diffusion_model
 from ..errors import UnsupportedModelError
 from ..offload.adaln import AdalnScheduleCache, CachedAdalnProj, check_schedule, fp32_bits
-from ._common import h3_diffusion_model, report_target, send_report, ui_report
+from ._common import report_target, send_report, ui_report
 
 NODE_ID = "DitKitH3AdaLNCache"
 WRAPPER_KEY = "ditkit_h3_adaln_cache"

@@ -30,6 +30,7 @@ from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files
 from ..cache.hooks import CALL_KEY, HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
 from ..cache.teacache import TeaCacheState, state_from_coefficients
 from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
+from ..bridge.models import teacache_family
 from ..loaders import safe_fs
 from ._common import current_graph, report_target, send_report, ui_report
 
@@ -50,21 +51,7 @@ def teacache_dir() -> str:
     return os.path.join(folder_paths.get_output_directory(), "ditkit", "teacache")
 
 
-def detect_family(model) -> str:
-    dm = model.model.diffusion_model
-    name = type(dm).__name__
-    if name == "MiniMaxH3Model":
-        return "h3"
-    if name == "LTXAVModel":
-        return "ltx2"
-    if name == "NextDiT" and getattr(dm, "layers", None) is not None and len(dm.layers) \
-            and getattr(dm.layers[0], "modulation", False) and getattr(dm.layers[0].adaLN_modulation[0], "in_features", 0) <= 256:
-        return "zimage"
-    if name == "Flux" and getattr(getattr(dm, "params", None), "global_modulation", False):
-        return "flux2"
-    raise UnsupportedModelError(
-        f"TeaCache: the model's diffusion model is {name!r}; ditkit TeaCache supports MiniMax H3 (MiniMaxH3Model), "
-        "LTX-2 audio-video (LTXAVModel), Z-Image (NextDiT with Z-Image modulation) and FLUX.2 (Flux with global modulation)")
+detect_family = teacache_family  # bridge/models.py
 
 
 def check_not_stacked(model, node_id: str) -> None:
