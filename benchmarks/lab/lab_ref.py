@@ -290,7 +290,7 @@ class RefLab:
     # -- feature rows
     def t1_ditkit(self):
         """(row label, decode(z) -> [3, H, W] in [0, 1] or None, why not)."""
-        from ditkit.vae.t1_decode import repeat_decode_t1
+        from ditkit.bridge.vae import repeat_decode_t1
 
         def decode(z):
             return repeat_decode_t1(self.vae, z)[0][0, :, 0].float()
