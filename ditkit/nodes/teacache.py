@@ -27,7 +27,7 @@ from comfy_api.latest import io
 
 from ..cache import coefficients as coef
 from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files, pair_file_bytes
-from ..cache.hooks import CALL_KEY, HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
+from ..bridge.blocks import CALL_KEY, HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
 from ..cache.teacache import TeaCacheState, state_from_coefficients
 from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
 from ..bridge.models import teacache_family
