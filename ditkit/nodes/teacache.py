@@ -14,7 +14,6 @@ pair files under ``<name>/``); shipped defaults (borrowed, with provenance) are 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files
 from ..bridge.blocks import CALL_KEY, HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
 from ..cache.teacache import TeaCacheState, state_from_coefficients
 from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
+from ..bridge import fingerprint
 from ..bridge.models import teacache_family
 from ..loaders import safe_fs
 from ._common import current_graph, report_target, send_report, ui_report
@@ -75,28 +75,7 @@ def check_not_stacked(model, node_id: str) -> None:
             "DitKitTeaCache(Calibrate), and use one cache only.")
 
 
-_FP_CACHE: dict[int, dict] = {}
-
-
-def model_fingerprint(model) -> dict:
-    dm = model.model.diffusion_model
-    key = id(dm)
-    fp = _FP_CACHE.get(key)
-    if fp is None:
-        fp = coef.weights_fingerprint(dm.state_dict().items())
-        fp["class"] = type(dm).__name__
-        _FP_CACHE[key] = fp
-    out = dict(fp)
-    patches = getattr(model, "patches", {}) or {}
-    if patches:
-        h = hashlib.sha256()
-        for k in sorted(patches):
-            h.update(k.encode())
-            for p in patches[k]:
-                h.update(repr(p[0]).encode())
-        out["patches_sha256"] = h.hexdigest()
-        out["n_patched_weights"] = len(patches)
-    return out
+model_fingerprint = fingerprint.model_fingerprint  # bridge/fingerprint.py (one scheme, weakly cached)
 
 
 def run_fingerprint(guider, sampler, sigmas, family: str) -> dict:
