@@ -25,6 +25,15 @@ def h3_diffusion_model(model, node_id: str, message: str):
     return dm
 
 
+def is_h3(model) -> bool:
+    """Whether the MODEL holds a MiniMax H3 diffusion model (False on a ComfyUI without H3 support)."""
+    try:
+        from comfy.ldm.minimax.model import MiniMaxH3Model
+    except ImportError:  # pragma: no cover - ComfyUI < 0.33
+        return False
+    return isinstance(diffusion_model(model), MiniMaxH3Model)
+
+
 def model_family(model) -> str | None:
     """``"h3" | "ltx2" | "zimage" | "flux2"`` for the diffusion model of a MODEL, None for anything else.
 
