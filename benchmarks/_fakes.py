@@ -1,6 +1,6 @@
 """Duck-typed stand-ins shared by ``gpu_check.py`` and the unit tests (one copy, no ComfyUI needed).
 
-* :class:`FakeH3VideoVAE`: ComfyUI's H3 video VAE as ditkit's T=1 decode core sees it (``vae/t1_decode.py``), on
+* :class:`FakeH3VideoVAE`: ComfyUI's H3 video VAE as ``bridge/vae.py`` reads it for the T=1 decode core, on
   any device. The decoder mixes every token it is given (context matters, like attention), 4 frames per token,
   ``vae_ratio`` x spatial upsampling.
 * :func:`full_tiled_decode`: the T=1 oracle: decode every frame of every tile, blend the whole tiles, then crop

@@ -1192,7 +1192,7 @@ def sec_t1_decode(ctx: Ctx, c: dict) -> None:
     import torch
 
     from benchmarks._fakes import FakeH3VideoVAE, full_tiled_decode  # the unit tests' fake, on this device
-    from ditkit.vae.t1_decode import repeat_decode_t1, unwhiten
+    from ditkit.bridge.vae import repeat_decode_t1, unwhiten
 
     sec, dev = "t1_decode", ctx.device
     mem = Mem(dev)

@@ -29,7 +29,7 @@ is compared with the exact path on the same seeds:
 The T=1 rows encode single held-out frames (H3's T=1 encode) and compare decodes with the original frame:
 native single-token decode, repeat-decode (duplicate to T=2, decode, keep frame 0; lab reference code), and
 ditkit's path: ``DitKitH3VAEDecode`` through ``DitKitH3VAELoader`` (comfy engine, when that code exists) or
-ditkit's core ``vae.t1_decode.repeat_decode_t1`` called on the reference VAE (ref engine).
+ditkit's core ``vae.t1_decode.repeat_decode_t1`` called on the reference VAE (through ``bridge/vae.py``) (ref engine).
 
 Prompt adherence: colour and direction read back from the decoded pixels of the exact-path samples
 (``lab_data.describe_video``), on ``ADHERENCE_PROMPTS`` (12 prompts: every colour and every direction 3 times,

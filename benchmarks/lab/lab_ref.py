@@ -4,7 +4,7 @@
   sampled by :mod:`benchmarks.lab.lab_ref_sample` (KSampler ``euler`` / ``simple`` with CFG, same noise per seed);
   both are proven equal to ComfyUI by ``tests/integration/test_lab_ref_equivalence_dit.py``.
 * VAE: :mod:`benchmarks.lab.lab_ref_vae` (proven equal by ``tests/integration/test_lab_ref_equivalence_vae.py``).
-* Features: the SAME core objects the ditkit nodes build (``cache.hooks`` / ``cache.teacache`` / ``cache.calibrate``
+* Features: the SAME core objects the ditkit nodes build (``bridge.blocks`` / ``cache.teacache`` / ``cache.calibrate``
   / ``cache.coefficients`` for TeaCache, ``kernels.vsa_h3_runtime`` + ``bridge.attention`` for VSA-H3), installed by a thin replica of the
   node's install step into ``transformer_options`` (block replaces, attention override, diffusion-model wrapper)
   plus a per-sampling begin/end around each run (the nodes' ``OUTER_SAMPLE`` wrappers). Node defaults are mirrored
@@ -25,7 +25,7 @@ import torch
 
 from ditkit.cache import coefficients as coef
 from ditkit.cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files, write_pair_file
-from ditkit.cache.hooks import HOLDER_KEY, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
+from ditkit.bridge.blocks import HOLDER_KEY, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
 from ditkit.cache.teacache import state_from_coefficients
 from ditkit.bridge.attention import CTX_KEY as VSA_CTX_KEY
 from ditkit.bridge.attention import HOLDER_KEY as VSA_HOLDER_KEY
@@ -293,7 +293,7 @@ class RefLab:
     # -- feature rows
     def t1_ditkit(self):
         """(row label, decode(z) -> [3, H, W] in [0, 1] or None, why not)."""
-        from ditkit.vae.t1_decode import repeat_decode_t1
+        from ditkit.bridge.vae import repeat_decode_t1
 
         def decode(z):
             return repeat_decode_t1(self.vae, z)[0][0, :, 0].float()

@@ -7,7 +7,7 @@ ComfyUI's code) so the lab harness can run where ComfyUI is absent (CI). It is p
 the lab weights by the host test ``tests/integration/test_lab_ref_equivalence_vae.py`` (fp32, max abs <= 1e-4).
 
 What it computes (same semantics as ComfyUI's object, whose duck-typed interface it also exposes so
-``ditkit.vae.t1_decode.repeat_decode_t1`` runs on it unchanged):
+``ditkit.bridge.vae.repeat_decode_t1`` (the core through the host bridge) runs on it unchanged):
 
 * encoder: 6-level causal 3D CNN (reflect spatial padding, zero front temporal padding, single-frame inputs use only
   the last temporal tap), per-frame GroupNorm, then ``quant_conv``; the latent is the first half of the moments,

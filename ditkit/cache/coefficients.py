@@ -367,8 +367,11 @@ def check_model(cf: CoefficientFile, family: str, model_fp: dict | None) -> Guar
     if cf.family != family:
         g.mismatches.append(Mismatch("family", cf.family, family, "error"))
         return g
-    want = (cf.fingerprint.get("model") or {}).get("weights_sha256")
-    got = (model_fp or {}).get("weights_sha256")
+    stored = cf.fingerprint.get("model") or {}
+    want = stored.get("weights_sha256")
+    got_fp = model_fp or {}
+    # a file written before fingerprint scheme 2 (no "scheme") holds the previous rule's value (bridge/fingerprint.py)
+    got = got_fp.get("weights_sha256_v1") if "scheme" not in stored and "scheme" in got_fp else got_fp.get("weights_sha256")
     if cf.kind == "borrowed":
         g.mismatches.append(Mismatch("model", f"borrowed coefficients ({cf.provenance.get('source')})",
                                      "a model they were not fitted on", "warn"))

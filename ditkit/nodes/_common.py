@@ -24,6 +24,9 @@ from typing import Callable
 
 from ..report import Report, jsonable
 
+# model-family checks live in bridge/models.py; re-exported for the nodes that import it from here
+from ..bridge.models import h3_diffusion_model  # noqa: F401
+
 log = logging.getLogger("ditkit")
 
 REPORT_EVENT = "ditkit.report"
@@ -278,17 +281,3 @@ def check_memory_split(node: str, input_name: str, shape, device, device_parts: 
         preflight.check_memory(node, input_name, shape, host_parts, budget, where)
 
 
-def h3_diffusion_model(model, node_id: str, message: str):
-    """The MiniMax H3 diffusion model inside a MODEL. Otherwise an UnsupportedModelError whose text is
-    ``f"{node_id}: " + message`` with ``{got}`` replaced by the class it got (each node says why it needs H3)."""
-    from ..errors import UnsupportedModelError
-
-    dm = getattr(getattr(model, "model", None), "diffusion_model", None)
-    try:
-        from comfy.ldm.minimax.model import MiniMaxH3Model
-    except ImportError as e:  # pragma: no cover - needs ComfyUI 0.33+
-        raise UnsupportedModelError(f"{node_id}: this ComfyUI has no MiniMax H3 support (needs 0.33+)") from e
-    if not isinstance(dm, MiniMaxH3Model):
-        got = type(dm).__name__ if dm is not None else type(model).__name__
-        raise UnsupportedModelError(f"{node_id}: " + message.format(got=got))
-    return dm

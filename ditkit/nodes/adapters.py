@@ -17,6 +17,7 @@ import torch
 from comfy.weight_adapter.base import WeightAdapterBase
 from comfy_api.latest import io
 
+from ..bridge.models import is_h3
 from ..errors import AdapterError
 from ..loaders import h3_adapters as core
 from . import _files
@@ -43,15 +44,6 @@ class DitKitAdapterPatch(WeightAdapterBase):
         for it in items:
             core.apply_item_(weight, it, strength, function)
         return weight
-
-
-def is_h3(model) -> bool:
-    dm = getattr(getattr(model, "model", None), "diffusion_model", None)
-    try:
-        from comfy.ldm.minimax.model import MiniMaxH3Model
-    except ImportError:  # pragma: no cover - ComfyUI < 0.33
-        return False
-    return isinstance(dm, MiniMaxH3Model)
 
 
 def apply_h3_adapter(model, path: str, strength: float, source: str | None = None, qkv_layout: str = "auto",

@@ -14,9 +14,10 @@ import time
 import folder_paths
 from comfy_api.latest import io
 
+from ..bridge.models import h3_diffusion_model
 from ..errors import ScheduleError, UnsupportedModelError
 from ..sampling import fasth3 as core
-from ._common import h3_diffusion_model, send_report, ui_report
+from ._common import send_report, ui_report
 
 NODE_ID = "DitKitFastH3Schedule"
 FOLDER = "diffusion_models"

@@ -5,7 +5,7 @@
   scaled/tiny files get the same wrapper with a ``MiniMaxH3VideoVAE`` built at the file's size (the stock loader
   always builds the full-size model and cannot load them). The validated facts ride along as ``vae.ditkit_h3``.
 * ``DitKitH3VAEDecode``: T > 1 is the native ``VAE.decode`` (identical output); T = 1 repeat-decodes on a video
-  VAE (``vae/t1_decode.py``) or decodes directly with the declared slice on an image VAE.
+  VAE (``vae/t1_decode.py`` through ``bridge/vae.py``) or decodes directly with the declared slice on an image VAE.
 * ``DitKitH3EmptyImageLatent`` / ``DitKitH3EncodeImage``: single-frame (T = 1) H3 latents, optionally paired with an
   empty audio latent as the (video, audio) NestedTensor the H3 DiT consumes.
 """
@@ -21,6 +21,7 @@ import comfy.model_management as mm
 import comfy.nested_tensor
 import comfy.sd
 
+from ..bridge.vae import direct_decode_t1, is_h3_vae, repeat_decode_t1
 from ..errors import CheckpointError, DitKitError, UnsupportedModelError
 from ..loaders.read_progress import load_with_progress
 from ..loaders.safetensors_io import read_header
@@ -28,7 +29,6 @@ from ..vae.h3_layout import (H3_VIDEO_KEYS, STOCK_VIDEO_CONFIG, classify_vae_key
                              video_vae_plan)
 from ..vae import preflight
 from ..vae.metadata import check_whitening_matches, validate_image_vae_metadata
-from ..vae.t1_decode import direct_decode_t1, repeat_decode_t1
 from . import _families, _files, _h3_audio_vae
 from ._bars import lazy_bar
 from ._common import check_memory_split, device_budget, progress, send_report, ui_report
@@ -165,8 +165,7 @@ def _video_part(latent):
 
 def _require_h3(vae):
     m = getattr(vae, "first_stage_model", None)
-    if m is None or not all(hasattr(m, a) for a in ("_decode_temporal_chunks", "_decode_pixels", "latents_mean",
-                                                    "split_tiles", "frame_pre_padding")):
+    if not is_h3_vae(m):
         audio = getattr(vae, "ditkit_h3", {}).get("kind") == "audio" or type(m).__name__ == "MiniMaxH3AudioVAE"
         raise UnsupportedModelError(f"DitKitH3VAEDecode needs a MiniMax H3 video or image VAE; got "
                                     f"{type(m).__name__ if m is not None else 'an invalid VAE'}"

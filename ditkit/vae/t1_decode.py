@@ -1,9 +1,8 @@
 """H3 video-VAE decode of a single latent frame (T = 1): repeat-decode, per-frame tile slicing, image-VAE direct.
 
-Works on ComfyUI's ``MiniMaxH3VideoVAE`` object (``VAE.first_stage_model``) by duck typing: it calls the object's
-own ``_decode_pixels`` (post_quant_conv + ViT decoder), ``split_tiles``, ``blend``, ``_finalize_pixels`` and reads
-``latents_mean/std``, ``vae_ratio``, ``tiling``, ``frame_pre_padding``, ``tokens_chunk_size``, ``token_overlap`` and
-``_decode_temporal_chunks``. Nothing is patched; ComfyUI is never imported here.
+Works on an :class:`H3VaeOps`: the VAE's decode steps as plain callables and numbers. ``bridge/vae.py`` builds it
+from ComfyUI's ``MiniMaxH3VideoVAE`` (``VAE.first_stage_model``: its own pixel decode = post_quant_conv + ViT
+decoder, tile split, blend, pixel finalisation and temporal chunk plan); nothing here knows that object.
 
 * :func:`repeat_decode_t1` — stock video VAE: the single token is duplicated to T = 2, which the temporal decoder
   pads (repeating the last token) to one chunk of ``tokens_chunk_size + token_overlap`` = 7 tokens; that chunk is
@@ -17,6 +16,7 @@ own ``_decode_pixels`` (post_quant_conv + ViT decoder), ``split_tiles``, ``blend
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -48,10 +48,28 @@ class T1DecodeReport(Report):
                 f"{'' if self.tiled else ' (untiled)'}, canvas {self.canvas_bytes / 2**20:.2f} MiB")
 
 
-def _check_latent(model, z: torch.Tensor) -> None:
+@dataclass(frozen=True)
+class H3VaeOps:
+    """What the T=1 decode needs from an H3 video / image VAE (built by ``bridge/vae.h3_vae_ops``)."""
+    decode_pixels: Callable[[torch.Tensor], torch.Tensor]    # raw latents [B, C, t, h, w] -> raw decoder pixels
+    finalize_pixels: Callable[[torch.Tensor], torch.Tensor]  # raw decoder pixels -> float pixels in [0, 1]
+    temporal_chunks: Callable[[int], tuple[int, int]]         # latent tokens -> (pad tokens, chunks) of the native plan
+    split_tiles: Callable[[int], tuple]                      # pixel length -> (starts, lengths, overlaps)
+    blend: Callable[..., torch.Tensor]                       # blend(a, b, extent, dim=...)
+    latents_mean: torch.Tensor
+    latents_std: torch.Tensor
+    vae_ratio: int
+    tiling: bool
+    frame_pre_padding: int
+    tokens_chunk_size: int
+    token_overlap: int
+    patch_size_t: int                                        # decoder frames one latent token decodes to
+
+
+def _check_latent(vae: H3VaeOps, z: torch.Tensor) -> None:
     if z.ndim != 5:
         raise DitKitError(f"H3 video latent must be 5-D [B, C, T, H, W]; got shape {tuple(z.shape)}")
-    c = int(model.latents_mean.numel())
+    c = int(vae.latents_mean.numel())
     if z.shape[1] != c:
         raise DitKitError(f"latent has {z.shape[1]} channels but this H3 VAE expects {c} "
                           f"(shape {tuple(z.shape)}); is it a latent of another model?")
@@ -60,14 +78,14 @@ def _check_latent(model, z: torch.Tensor) -> None:
         raise DitKitError(f"T=1 decode got a latent with T={z.shape[2]} (shape {tuple(z.shape)})")
 
 
-def unwhiten(model, z: torch.Tensor) -> torch.Tensor:
+def unwhiten(vae, z: torch.Tensor) -> torch.Tensor:
     """Normalised latents -> raw latents (same arithmetic as the native decode)."""
-    mean = model.latents_mean.view(1, -1, 1, 1, 1).to(z)
-    std = model.latents_std.view(1, -1, 1, 1, 1).to(z)
+    mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(z)
+    std = vae.latents_std.view(1, -1, 1, 1, 1).to(z)
     return z * std + mean
 
 
-def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeReport | None = None,
+def tiled_decode_frame(vae: H3VaeOps, z: torch.Tensor, frame: int, report: T1DecodeReport | None = None,
                        progress: ProgressFn | None = None) -> torch.Tensor:
     """Decode raw latents ``z`` [B, C, t, h, w] with the VAE's spatial tiling, keeping only decoder frame ``frame``
     of every tile before blending. Returns raw decoder pixels [B, 3, 1, H, W] (not yet de-normalised).
@@ -75,8 +93,8 @@ def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeRepor
     ``progress(done, total)`` is called after each tile is decoded and placed, in units of tile x batch item (one
     decoder call decodes one tile of every batch item): ``total`` = tiles x B, ``done`` = B, 2B, ..., total."""
     b = int(z.shape[0])
-    if not getattr(model, "tiling", True):
-        out = model._decode_pixels(z)
+    if not vae.tiling:
+        out = vae.decode_pixels(z)
         if report is not None:
             report.tiled = False
             report.tiles = 1
@@ -87,10 +105,10 @@ def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeRepor
         if progress is not None:
             progress(b, b)
         return out
-    r = int(model.vae_ratio)
+    r = int(vae.vae_ratio)
     height, width = z.shape[-2] * r, z.shape[-1] * r
-    y_idx, y_len, y_ov = model.split_tiles(height)
-    x_idx, x_len, x_ov = model.split_tiles(width)
+    y_idx, y_len, y_ov = vae.split_tiles(height)
+    x_idx, x_len, x_ov = vae.split_tiles(width)
     total = len(y_idx) * len(x_idx) * b
     done = 0
     canvas = None
@@ -102,7 +120,7 @@ def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeRepor
         left = None
         ox = 0
         for j, (x0, xl) in enumerate(zip(x_idx, x_len)):
-            raw = model._decode_pixels(z[..., y0 // r:y0 // r + yl // r, x0 // r:x0 // r + xl // r])
+            raw = vae.decode_pixels(z[..., y0 // r:y0 // r + yl // r, x0 // r:x0 // r + xl // r])
             if report is not None:
                 report.tiles += 1
                 report.max_tile_bytes = max(report.max_tile_bytes, raw.numel() * raw.element_size())
@@ -113,9 +131,9 @@ def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeRepor
                 below.append(tile[..., -y_ov[i]:, :].clone())
             right = tile[..., :, -x_ov[j]:].clone() if not last_col else None
             if i > 0:
-                tile = model.blend(above[j], tile, y_ov[i - 1], dim=-2)
+                tile = vae.blend(above[j], tile, y_ov[i - 1], dim=-2)
             if j > 0:
-                tile = model.blend(left, tile, x_ov[j - 1], dim=-1)
+                tile = vae.blend(left, tile, x_ov[j - 1], dim=-1)
             left = right
             if not last_row:
                 tile = tile[..., :-y_ov[i], :]
@@ -135,37 +153,37 @@ def tiled_decode_frame(model, z: torch.Tensor, frame: int, report: T1DecodeRepor
     return canvas
 
 
-def repeat_clip_tokens(model) -> tuple[int, int]:
+def repeat_clip_tokens(vae: H3VaeOps) -> tuple[int, int]:
     """(tokens of the first temporal chunk the native decoder runs for a 2-token latent, kept raw frame)."""
-    pad, chunks = model._decode_temporal_chunks(2)
-    tokens = min(2 + int(pad), int(model.tokens_chunk_size) + int(model.token_overlap))
+    pad, chunks = vae.temporal_chunks(2)
+    tokens = min(2 + int(pad), int(vae.tokens_chunk_size) + int(vae.token_overlap))
     if chunks < 1 or tokens < 2:
         raise DitKitError(f"unexpected H3 temporal chunk plan for T=2: pad {pad}, chunks {chunks}")
-    return tokens, int(model.frame_pre_padding)
+    return tokens, int(vae.frame_pre_padding)
 
 
-def repeat_decode_t1(model, z: torch.Tensor, progress: ProgressFn | None = None, *,
+def repeat_decode_t1(vae: H3VaeOps, z: torch.Tensor, progress: ProgressFn | None = None, *,
                      checked: bool = False) -> tuple[torch.Tensor, T1DecodeReport]:
     """Stock video VAE, T = 1: float32 pixels [B, 3, 1, H, W] in [0, 1] equal to frame 0 of the native decode of
     the latent duplicated to T = 2. ``checked``: the caller (the decode node) already ran the latent checks."""
     if not checked:
-        _check_latent(model, z)
-    tokens, kept = repeat_clip_tokens(model)
+        _check_latent(vae, z)
+    tokens, kept = repeat_clip_tokens(vae)
     rep = T1DecodeReport("repeat_decode", z.shape[0], (z.shape[-2], z.shape[-1]), tokens, kept)
-    raw = unwhiten(model, z).repeat(1, 1, tokens, 1, 1)
-    pix = tiled_decode_frame(model, raw, kept, rep, progress)
-    return model._finalize_pixels(pix), rep
+    raw = unwhiten(vae, z).repeat(1, 1, tokens, 1, 1)
+    pix = tiled_decode_frame(vae, raw, kept, rep, progress)
+    return vae.finalize_pixels(pix), rep
 
 
-def direct_decode_t1(model, z: torch.Tensor, output_slice: int, progress: ProgressFn | None = None, *,
+def direct_decode_t1(vae: H3VaeOps, z: torch.Tensor, output_slice: int, progress: ProgressFn | None = None, *,
                      checked: bool = False) -> tuple[torch.Tensor, T1DecodeReport]:
     """Image VAE, T = 1: decode the single token directly and keep decoder frame ``output_slice``.
     ``checked``: as for :func:`repeat_decode_t1`."""
     if not checked:
-        _check_latent(model, z)
-    pt = int(getattr(getattr(model, "decoder", None), "patch_size_t", 4))
+        _check_latent(vae, z)
+    pt = int(vae.patch_size_t)
     if not 0 <= int(output_slice) < pt:
         raise DitKitError(f"h3_t1_output_slice {output_slice} is outside the {pt} frames one token decodes to")
     rep = T1DecodeReport("direct_image_vae", z.shape[0], (z.shape[-2], z.shape[-1]), 1, int(output_slice))
-    pix = tiled_decode_frame(model, unwhiten(model, z), int(output_slice), rep, progress)
-    return model._finalize_pixels(pix), rep
+    pix = tiled_decode_frame(vae, unwhiten(vae, z), int(output_slice), rep, progress)
+    return vae.finalize_pixels(pix), rep

@@ -108,7 +108,7 @@ def test_calibration_name_problems_fail_at_execute_before_sampling(h3_env):
 def test_coefficient_check_and_open_are_one_step(h3_env, tmp_path, monkeypatch):
     """A symlink swapped in right after the path was checked must not be followed: the file read is the file the
     check saw (or nothing)."""
-    import ditkit.nodes.teacache as T
+    import ditkit.bridge.teacache as T   # where the coefficient file is located and opened
     from ditkit.cache import coefficients as coef
 
     tc = h3_env["teacache"]

@@ -17,7 +17,7 @@ import torch
 from ditkit.loaders.safetensors_io import load_file, save_file
 from benchmarks.lab.lab_data import make_clip
 from benchmarks.lab.lab_ref_vae import DEFAULT_VAE_FILE, load_lab_vae
-from ditkit.vae.t1_decode import repeat_decode_t1
+from ditkit.bridge.vae import repeat_decode_t1
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "data" / "lab_ref_vae_golden.safetensors"

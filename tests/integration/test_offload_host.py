@@ -34,7 +34,7 @@ def reports(monkeypatch):
     return got
 
 
-def _sample(comfy, model, steps, cfg=1.0, sampler="euler", sigmas=None, ctx_seed=0):
+def _sample(comfy, model, steps, cfg=1.0, sampler="euler", sigmas=None, ctx_seed=0, callback=None):
     import comfy.sample
     import comfy.samplers
     from comfy_extras.nodes_minimax_h3 import _empty_av_latent
@@ -48,7 +48,8 @@ def _sample(comfy, model, steps, cfg=1.0, sampler="euler", sigmas=None, ctx_seed
     if sigmas is not None:
         smp = comfy.samplers.sampler_object(sampler)
         return comfy.sample.sample_custom(model, noise, cfg, smp, sigmas, pos, neg, lat, seed=1, disable_pbar=True)
-    return comfy.sample.sample(model, noise, steps, cfg, sampler, "simple", pos, neg, lat, seed=1, disable_pbar=True)
+    return comfy.sample.sample(model, noise, steps, cfg, sampler, "simple", pos, neg, lat, seed=1, disable_pbar=True,
+                               callback=callback)
 
 
 def _equal(a, b) -> bool:
@@ -88,6 +89,55 @@ def test_adaln_cache_bit_identical_two_prompts_different_steps(comfy, ckpts, rep
     assert runs[2] == {"hits": 6 * 2 * n_proj, "misses": 0, "rebuilds": 1, "hot_runs": 0}
     assert cache.stats.entries == 6  # one t_emb per step (t2va: t_v and t_a in one tensor)
     assert cache.stats.table_bytes > 0
+
+
+class _Executor:
+    """What ComfyUI hands an OUTER_SAMPLE wrapper: the guider as ``class_obj``, and the rest of the run as a call."""
+
+    def __init__(self, guider, inner):
+        self.class_obj = guider
+        self.inner = inner
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_adaln_cache_runs_and_clones_do_not_share_run_state(comfy, ckpts, reports):
+    """Each sampling run has its own run state (a holder cloned per run, restored in ``finally``, as EasyCache does).
+    A 6-step run of a clone going on while a 4-step run of the cached model is in progress (the second run's
+    OUTER_SAMPLE wrapper called from inside the first's) must leave the first run its own schedule: its report says
+    4 steps. With one runtime object shared by every clone and every run, the inner run overwrote the outer run's
+    schedule (the outer report said 6). Afterwards the installed holder is untouched and model_options restored."""
+    import types
+
+    import comfy.sd
+    from comfy.patcher_extension import WrappersMP
+
+    model = comfy.sd.load_diffusion_model(str(ckpts / "diffusion_models" / "h3_tiny_comfy.safetensors"))
+    m, cache = _cached(comfy, model)
+    m2 = m.clone()
+    key = "ditkit_h3_adaln_cache"
+    wrap = {id(p): p.wrappers[WrappersMP.OUTER_SAMPLE][key][0] for p in (m, m2)}
+    guiders = {id(p): types.SimpleNamespace(model_options=p.model_options, model_patcher=p) for p in (m, m2)}
+    s4, s6 = torch.linspace(1, 0, 5), torch.linspace(1, 0, 7)
+    seen = {}
+
+    def run(p, sigmas, inner):
+        g = guiders[id(p)]
+        return wrap[id(p)](_Executor(g, lambda *a, **k: inner(g)), None, None, None, sigmas)
+
+    def inner_run(g):
+        seen["outer_options"] = g.model_options
+        return run(m2, s6, lambda g2: "inner")
+
+    run(m, s4, inner_run)
+    steps = [r["data"]["steps"] for r in reports if "run" in r["data"]]
+    assert steps == [6, 4]                                  # inner run reports first; each its own schedule
+    assert guiders[id(m)].model_options is m.model_options  # restored after the run
+    holders = [p.model_options["transformer_options"].get(key) for p in (m, m2)]
+    assert holders[0] is not None and holders[0] is holders[1]          # the clones share the installed holder...
+    assert seen["outer_options"]["transformer_options"][key] is not holders[0]   # ...each run works on its own
+    assert holders[0].sigmas is None and holders[0].built_for is None        # ...and no run wrote to the shared one
 
 
 def test_adaln_cache_misses_are_computed_and_reported(comfy, ckpts, reports):

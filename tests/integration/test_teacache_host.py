@@ -34,7 +34,8 @@ def env(comfy, tmp_path_factory):
 
 @pytest.fixture
 def reports(monkeypatch):
-    import ditkit.nodes.teacache as T
+    import ditkit.bridge.teacache as B   # per-run reports (sample wrappers)
+    import ditkit.nodes.teacache as T    # install reports (nodes)
 
     got = []
     real = T.send_report
@@ -44,6 +45,7 @@ def reports(monkeypatch):
         return real(node_id, node_type, kind, summary, data)
 
     monkeypatch.setattr(T, "send_report", rec)
+    monkeypatch.setattr(B, "send_report", rec)
     return got
 
 

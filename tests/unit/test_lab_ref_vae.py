@@ -18,7 +18,7 @@ from ditkit.loaders.safetensors_io import load_file
 from benchmarks.lab.lab_data import make_clip
 from benchmarks.lab.lab_metrics import paired_gain_ci, psnr, ssim
 from benchmarks.lab.lab_ref_vae import DEFAULT_VAE_FILE, LabVAE, load_lab_vae
-from ditkit.vae.t1_decode import repeat_decode_t1
+from ditkit.bridge.vae import repeat_decode_t1
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "lab_ref_vae_golden.safetensors"
 

@@ -10,7 +10,7 @@ import torch
 from ditkit.loaders.read_progress import load_with_progress
 from ditkit.loaders.safetensors_io import load_with_metadata, read_header, save_file
 from ditkit.offload.streamer import LayerwiseStreamer, StreamedLayer
-from ditkit.vae.t1_decode import direct_decode_t1, repeat_decode_t1, tiled_decode_frame, unwhiten
+from ditkit.bridge.vae import direct_decode_t1, repeat_decode_t1, tiled_decode_frame, unwhiten
 
 from _fake_h3 import FakeH3 as _FakeH3  # noqa: E402  (tests/unit on sys.path)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ditkit.cache.coefficients import StreamCoefficients
-from ditkit.cache.hooks import (CALL_KEY, HOLDER_KEY, CallCtx, H3Adapter, HookedLayers, TeaCacheHolder,
+from ditkit.bridge.blocks import (CALL_KEY, HOLDER_KEY, CallCtx, H3Adapter, HookedLayers, TeaCacheHolder,
                                 diffusion_model_wrapper, make_block_replace)
 from ditkit.cache.teacache import TeaCacheConfig, TeaCacheState
 

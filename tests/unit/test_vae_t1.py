@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ditkit.errors import DitKitError
-from ditkit.vae.t1_decode import direct_decode_t1, repeat_decode_t1, tiled_decode_frame, unwhiten
+from ditkit.bridge.vae import direct_decode_t1, repeat_decode_t1, tiled_decode_frame, unwhiten
 
 from _fake_h3 import FakeH3, full_tiled_decode  # noqa: E402  (tests/unit on sys.path; the oracle decode is
 #   benchmarks/_fakes.py's, shared with gpu_check.py)

@@ -1,4 +1,8 @@
-"""Block-stack hooks shared by TeaCache and its calibration (plain torch, duck-typed models).
+"""Block-stack hooks shared by TeaCache and its calibration: ComfyUI's block-replace and wrapper conventions.
+
+Host layer (moved from ``cache/hooks.py``): the argument dicts ComfyUI passes to ``patches_replace["dit"]`` block
+replaces, the ``DIFFUSION_MODEL`` wrapper's arguments and the blocks' module structure per family are known here;
+the decisions and the residual cache are the plain-torch ``cache/teacache.py`` / ``cache/calibrate.py``.
 
 The nodes install, on a model clone:
 
@@ -36,8 +40,8 @@ from typing import Any, Callable, Hashable
 import torch
 import torch.nn.functional as F
 
-from .calibrate import CalibrationRecorder
-from .teacache import TeaCacheState
+from ..cache.calibrate import CalibrationRecorder
+from ..cache.teacache import TeaCacheState
 
 HOLDER_KEY = "ditkit_teacache"
 CALL_KEY = "ditkit_teacache_call"
