@@ -290,7 +290,8 @@ def apply_layout(nodes_by_key: dict[str, dict], layout: dict, next_id: int) -> l
     ``"column": i`` stacks under the earlier stage in column i; with ``"row": r`` as well it starts below every
     group of the rows before, so the rows of a comparison line up), its nodes stacked in the listed order with
     room for the title bar and badge row between them. A Note (MarkdownNote) with ``layout["note"]`` goes in
-    front. Every node must be in exactly one stage. Returns the groups."""
+    front. ``layout["sizes"]`` (``{node: [w, h]}``) widens nodes the frontend draws wider than the default (a
+    measured size, e.g. a loader with a long combo). Every node must be in exactly one stage. Returns the groups."""
     stages = layout.get("stages") or []
     listed = [k for st in stages for k in st["nodes"]]
     missing = sorted(set(nodes_by_key) - set(listed), key=str)
@@ -299,6 +300,11 @@ def apply_layout(nodes_by_key: dict[str, dict], layout: dict, next_id: int) -> l
     if missing or unknown or dup:
         raise WorkflowError(f"layout: nodes not in any stage {missing}, unknown nodes {unknown}, "
                             f"nodes in two stages {dup}")
+    for k, size in (layout.get("sizes") or {}).items():     # nodes the frontend draws wider than the default
+        if k not in nodes_by_key or len(size) != 2:
+            raise WorkflowError(f"layout: size for unknown node {k!r} or not [width, height]: {size!r}")
+        nodes_by_key[k]["size"] = [max(int(size[0]), nodes_by_key[k]["size"][0]),
+                                   max(int(size[1]), nodes_by_key[k]["size"][1])]
     head = TITLE_HEIGHT + BADGE_GAP + BADGE_HEIGHT           # what a node needs above its pos
     x = 100
     note_text = layout.get("note")

@@ -339,3 +339,14 @@ def test_layout_rows_of_a_comparison_line_up():
     g = {x["title"]: x["bounding"] for x in ui["groups"]}
     # B1 sits in column 0 but below the taller A2 group of row 0, not just below A1
     assert g["B1"][0] == g["A1"][0] and g["B1"][1] > g["A2"][1] + g["A2"][3] > g["A1"][1] + g["A1"][3]
+
+
+def test_layout_sizes_widen_nodes_and_refuse_unknown_ones():
+    layout = {"stages": [{"title": "all", "nodes": sorted(GRAPH, key=str)}], "sizes": {"1": [520, 10]}}
+    ui = wfm.api_to_ui(GRAPH, INFO, name="t", layout=layout)
+    node = next(n for n in ui["nodes"] if n["id"] == 1)
+    assert node["size"][0] == 520 and node["size"][1] > 10      # never narrower / lower than the default
+    group = ui["groups"][0]
+    assert group["bounding"][2] >= 520                            # the stage's group is as wide as its widest node
+    with pytest.raises(wfm.WorkflowError, match="unknown node 'nope'"):
+        wfm.api_to_ui(GRAPH, INFO, name="t", layout={**layout, "sizes": {"nope": [1, 1]}})
