@@ -112,7 +112,16 @@ def _canvas_badges(page, node: str) -> list[str]:
 def _click_badge(page, node: str, prefix: str) -> str:
     """Click, with the mouse, the centre of the drawn badge of ``node`` whose text starts with ``prefix`` (its
     boundingRect, set by the last draw, is node-relative) and return the text of the toast it opens."""
-    page.wait_for_timeout(500)  # a frame drawn with the current badges
+    # as a user would: bring the node into view at 100 % zoom (a wide workflow fitted to the window is drawn in
+    # LiteGraph's low-quality mode, which draws no badges), then let a frame draw the current badges
+    page.evaluate("""(id) => {
+        const n = window.app.graph.getNodeById(Number(id));
+        const c = window.app.canvas;
+        c.ds.scale = 1;
+        c.ds.offset = [120 - n.pos[0], 160 - n.pos[1]];
+        c.setDirty(true, true);
+    }""", node)
+    page.wait_for_timeout(500)
     pos = page.evaluate("""([id, prefix]) => {
         const n = window.app.graph.getNodeById(Number(id));
         const c = window.app.canvas;
