@@ -49,7 +49,11 @@ def load_old(ref: str, into: Path):
     (pkg / "kernels" / "csrc").mkdir(parents=True)
     (pkg / "bridge").mkdir()
     (pkg / "__init__.py").write_text('"""old revision (benchmark copy)"""\n', encoding="utf-8")
-    files = ["errors.py"] + ls("kernels") + ls("bridge") + ["kernels/csrc/tile_attn.cpp"]
+    top = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{ref}:ditkit"], capture_output=True,
+                         text=True).stdout.split()
+    # the kernels' own top-level imports (errors; report / strict_json where that revision has them)
+    files = ([f for f in ("errors.py", "report.py", "strict_json.py") if f in top] + ls("kernels") + ls("bridge")
+             + ["kernels/csrc/tile_attn.cpp"])
     for rel in files:
         blob = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:ditkit/{rel}"], check=True,
                               capture_output=True).stdout

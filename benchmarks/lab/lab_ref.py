@@ -42,7 +42,8 @@ NATIVE_ONLY = "not available (native ComfyUI node; run with COMFYUI_PATH)"
 TEACACHE_DEFAULTS = dict(threshold=0.2, audio_threshold=0.2, start_percent=0.0, end_percent=1.0, cache_device="model",
                          strict=False)
 CALIBRATE_DEFAULTS = dict(degree=4)
-SPARSE_RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 20%)": 20.0, "custom": None}
+SPARSE_RECIPES = {"FastH3 Preview v1 (keep 10%)": 10.0, "FastH3 8-step V2 (keep 20%)": 20.0, "custom": None,
+                  "auto (from the checkpoint)": "auto"}   # the node's table; auto is refused here (no checkpoint)
 SPARSE_DEFAULTS = dict(recipe="FastH3 Preview v1 (keep 10%)", keep_percent=10.0, start_percent=0.0, end_percent=1.0,
                        backend="auto", min_tokens=0, gate="auto")
 TEACACHE_WRAPPER_KEY = "ditkit_teacache"
@@ -183,6 +184,9 @@ def sparse_model(lab: "RefLab", base: RefModel, overrides: dict) -> RefModel:
     attention override (calls it declines run dense), per-forward layout from the packed segments, a fresh holder
     clone per sampling run."""
     p = dict(SPARSE_DEFAULTS, **overrides)
+    if SPARSE_RECIPES[p["recipe"]] == "auto":
+        raise ValueError("the lab reference engine has no loaded checkpoint to take a recipe from: use an explicit "
+                         "recipe (the lab DiT is not a FastH3 release)")
     keep = (SPARSE_RECIPES[p["recipe"]] if SPARSE_RECIPES[p["recipe"]] is not None else float(p["keep_percent"])) / 100
     if p["gate"] != "auto" and p["gate"] != "none":
         raise RuntimeError(f"unknown gate option {p['gate']!r}")

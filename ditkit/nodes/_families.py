@@ -47,7 +47,7 @@ def header_keys(path: str) -> frozenset[str] | None:
             return _cache[key]
     try:
         keys = frozenset(read_header(path).keys())
-    except Exception:  # noqa: BLE001 - unreadable header: not listed (the loader would refuse it with the reason)
+    except Exception:  # noqa: BLE001 - unreadable header: listed, the loader refuses it with the reason
         return None
     with _lock:
         if len(_cache) > 4096:
@@ -72,8 +72,10 @@ def family_of_keys(keys) -> set[str]:
 
 
 def is_family(path: str, family: str) -> bool:
+    """Whether the header says ``family``. A file whose header cannot be read is listed (its family cannot be
+    decided from the header): picking it gets the loader's error naming what is wrong, not a silent absence."""
     keys = header_keys(path)
-    return keys is not None and family in family_of_keys(keys)
+    return keys is None or family in family_of_keys(keys)
 
 
 def family_files(folder: str, family: str) -> list[str]:

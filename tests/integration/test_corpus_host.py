@@ -109,6 +109,12 @@ def test_corpus_files_fail_on_the_host_with_the_manifest_error(comfy_server, pla
     failures = []
     for c in cases:
         node = c["host"]["node"]
+        if c["id"] in NOT_OFFERED:   # the loader's list (family from the header) does not offer it: /prompt refuses
+            status, body = comfy_server.post_prompt(graph_for(consumer, placed[c["id"]]))
+            text = json.dumps(body)
+            if status != 400 or placed[c["id"]] not in text or "not in" not in text:
+                failures.append(f"{c['id']}: expected a validation refusal (not offered), got {status}: {text[:300]}")
+            continue
         err = comfy_server.run_expect_failure(graph_for(consumer, placed[c["id"]]))
         etype, msg = _exception(err)
         missing = [w for w in c["words"] if w not in msg]
@@ -120,6 +126,11 @@ def test_corpus_files_fail_on_the_host_with_the_manifest_error(comfy_server, pla
     assert entry["status"]["status_str"] == "success", entry["status"]
     print(f"{consumer}: {len(cases)} corpus files refused with the manifest error; valid counterpart ran")
 
+
+# corpus files whose readable header says they are another kind of file: the family-filtered loader list does not
+# offer them (issue #22), so on the host they are refused at /prompt validation; in process the loader core still
+# refuses them with the manifest error (tests/unit/test_corpus.py)
+NOT_OFFERED = {"lokr_not_lokr"}
 
 PROMPTS = [c for c in CASES if c["consumer"] == "prompt"]
 

@@ -480,11 +480,15 @@ def _prompt_cases():
                                                          "inputs": {"samples": ["2", 0], "vae": ["1", 0]}},
                                                    "4": {"class_type": "PreviewImage", "inputs": {"images": ["3", 0]}}},
          "execution", "3", "DitKitError", ["must be 5-D"]),
-        ("prompt_audio_vae_into_h3_decode", {"1": {"class_type": "VAELoader", "inputs": {"vae_name": H3_VIDEO_VAE}},
+        # DitKitH3VAELoader loads H3 audio VAEs (at the file's size); the video decode refuses one by name
+        ("prompt_audio_vae_into_h3_decode", {"1": {"class_type": "EmptyMiniMaxH3LatentAV",
+                                                   "inputs": {"width": 64, "height": 64, "length": 5}},
                                              "2": {"class_type": "DitKitH3VAELoader",
                                                    "inputs": {"vae_name": "h3_audio_vae_tiny.safetensors"}},
-                                             "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", 0]}}},
-         "execution", "2", "UnsupportedModelError", ["H3 AUDIO VAE"]),
+                                             "3": {"class_type": "DitKitH3VAEDecode",
+                                                   "inputs": {"samples": ["1", 0], "vae": ["2", 0]}},
+                                             "4": {"class_type": "PreviewImage", "inputs": {"images": ["3", 0]}}},
+         "execution", "3", "UnsupportedModelError", ["H3 AUDIO VAE"]),
     ]
     # issue #17: hostile values that pass /prompt validation and must fail in the node, before any heavy work
     unet = {"class_type": "UNETLoader", "inputs": {"unet_name": H3_MODEL, "weight_dtype": "default"}}
