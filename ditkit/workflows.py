@@ -1,25 +1,7 @@
-"""ComfyUI workflow formats: API <-> UI (litegraph) conversion and the example-workflow twins.
+"""``python -m ditkit.workflows``: the entry point of the workflow tools (UI <-> API conversion, example twins).
 
-ditkit keeps every example workflow in API format (``example_workflows/api/<name>.json``: what the
-integration tests queue on /prompt) and ships a UI-format twin (``example_workflows/<name>.json``: what
-ComfyUI's template browser opens). Mapping between the two needs each node's input order and which inputs are
-widgets, i.e. the server's ``/object_info``. Each twin carries a compact copy of the schemas of the node
-classes it uses (``extra.ditkit_schemas``; the frontend keeps and ignores it), so a twin can be checked and
-regenerated without a server (CI) and adding a workflow touches no shared file; an integration test checks the
-embedded schemas against a live server.
-
-CLI::
-
-    python -m ditkit.workflows sync [--check] [--comfyui PATH | --server URL]
-    python -m ditkit.workflows to-ui API.json [-o UI.json] [--comfyui PATH | --server URL]
-    python -m ditkit.workflows to-api UI.json [-o API.json] [--comfyui PATH | --server URL]
-
-``sync`` rewrites every twin from its API source (``--check``: only report, exit 1 when a twin is stale,
-missing or orphaned). Schemas come from ``--comfyui``/``--server`` (``/object_info``; use this after adding a
-workflow or changing a node's inputs) or else from the schemas embedded in the twins.
-
-Plain Python (no ComfyUI, no torch imports). The code lives in :mod:`ditkit.runner.workflows`; this module is the
-``python -m ditkit.workflows`` entry point and keeps the names callers import from it.
+The code and its documentation live in :mod:`ditkit.runner.workflows`; this module re-exports the names callers
+import from it.
 """
 from __future__ import annotations
 
