@@ -9,8 +9,15 @@ module name), ``kernels`` or ``cache``.
 Importing this module never imports ComfyUI: the node classes are built only when ComfyUI calls
 :func:`comfy_entrypoint`.
 """
-from .ditkit import __version__, comfy_entrypoint
-
 WEB_DIRECTORY = "./web"
 
-__all__ = ["WEB_DIRECTORY", "comfy_entrypoint", "__version__"]
+if __package__:  # ComfyUI (and any package import) always gives the folder a package name
+    from .ditkit import __version__, comfy_entrypoint
+
+    __all__ = ["WEB_DIRECTORY", "comfy_entrypoint", "__version__"]
+else:
+    # pytest collects this folder as a Python package and imports this file for its setup; under a folder name
+    # that is not an identifier (``ComfyUI-ditkit``, the usual name of a cloned pack) it imports it as a lone
+    # module, where a relative import cannot work and every test would error at setup. There is nothing to
+    # export there: the tests import the inner package ``ditkit`` themselves.
+    __all__ = ["WEB_DIRECTORY"]
