@@ -7,7 +7,7 @@ Oracles, per composition ``f`` and stream (video, audio latents), with ``rel(x, 
 * the same pipeline on the unquantized model: ``rel(q∘f, f) <= 2 * rel(q, plain)``. VSA and TeaCache leave the
   weights alone, so the weights' quantization error is all that separates the two runs; the adapter adds one more
   rounding of the layers it patches (dequantize -> add -> requantize), at most a second quantization error.
-  Measured on this model: ratios 0.98-1.52 (fp8 and int8, every composition), so the factor 2 has margin and a
+  Measured on this model: ratios 0.98-1.53 (fp8 and int8, every composition), so the factor 2 has margin and a
   feature that ran differently on the quantized model (another tile selection, other skipped steps, a lost patch)
   exceeds it; and ``rel(q∘f, f) > 0.2 * rel(q, plain)`` (the quantized weights were the ones used);
 * the feature did to the quantized model what it does to the unquantized one: ``d_q = q∘f - q`` against
