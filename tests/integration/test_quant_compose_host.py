@@ -261,3 +261,48 @@ def test_adapter_on_the_quantized_base_equals_the_host_requantize(env, fmt):
         diff = (got != want)
         assert int((got - want).abs().max()) <= 1 and float(diff.double().mean()) <= 1e-3, \
             (key, float(diff.double().mean()))
+
+
+# ------------------------------------------------------------------------------------------------ real server
+
+def test_one_graph_with_everything_on_a_real_server(comfy_server):
+    """Quantized loader -> adapter -> sparse attention -> TeaCache -> KSampler as one prompt on a headless ComfyUI:
+    it runs, and each ditkit node's report is the one of that node id (install reports in /history, per-run
+    reports in the server log under the id of the node that installed the feature)."""
+    graph = {
+        "1": {"class_type": "DitKitH3ModelLoader", "inputs": {"model_name": MODEL, "weight_dtype": "default",
+                                                              "weight_format": "float8_e4m3fn"}},
+        "2": {"class_type": "DitKitAdapterLoader", "inputs": {"model": ["1", 0], "strength": 1.0, "qkv_layout": "auto",
+                                                              "adapter_name": "h3_diffsynth_lora_tiny.safetensors",
+                                                              "scale": 0.0}},
+        "3": {"class_type": "DitKitSparseAttention", "inputs": {"model": ["2", 0], "recipe": "custom",
+                                                                "keep_percent": 25.0, "start_percent": 0.0,
+                                                                "end_percent": 1.0, "backend": "reference",
+                                                                "min_tokens": 0, "gate": "auto"}},
+        "4": {"class_type": "DitKitTeaCache", "inputs": {"model": ["3", 0], "coefficients": "shipped:h3_tiny_calibrated",
+                                                         "threshold": 0.3, "audio_threshold": 0.3, "start_percent": 0.0,
+                                                         "end_percent": 1.0, "cache_device": "model", "strict": False}},
+        "5": {"class_type": "DitKitH3TextEncoderLoader", "inputs": {"text_encoder": "qwen3vl_tiny_minimax_h3.safetensors",
+                                                                    "streaming": "off", "prefetch": 1}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["5", 0], "text": "a red fox runs through fresh snow"}},
+        "7": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": W, "height": H_PX, "length": LENGTH}},
+        "8": {"class_type": "KSampler", "inputs": {"model": ["4", 0], "seed": 7, "steps": STEPS, "cfg": 1.0,
+                                                   "sampler_name": "euler", "scheduler": "simple", "positive": ["6", 0],
+                                                   "negative": ["6", 0], "latent_image": ["7", 0], "denoise": 1.0}},
+        "11": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["8", 0]}},
+        "9": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": "ditkit/quant_compose"}},
+        "10": {"class_type": "PreviewAny", "inputs": {"source": ["1", 1]}},
+    }
+    entry = comfy_server.run(graph)
+    assert entry["status"]["status_str"] == "success"
+    outs, log = entry["outputs"], comfy_server.log_text()
+    for nid in ("1", "2", "3", "4"):
+        reps = outs[nid]["ditkit_report"]          # /history outputs are keyed by the node id
+        assert reps and all(r["node_type"] == graph[nid]["class_type"] for r in reps), (nid, reps)
+        assert f"[ditkit] {graph[nid]['class_type']} #{nid} " in log, nid
+    assert "quantized float8_e4m3fn (weight-only)" in outs["1"]["ditkit_report"][0]["summary"]
+    assert "quantized layers" in " ".join(outs["2"]["ditkit_report"][0]["data"]["notes"])
+    assert re.search(r"\[ditkit\] DitKitSparseAttention #3 run: VSA-H3 backend reference; steps sparse \d+", log), \
+        log[-3000:]
+    m = re.findall(r"\[ditkit\] DitKitTeaCache #4 teacache: TeaCache h3: computed (\d+)/(\d+) calls, skipped (\d+)", log)
+    assert m and int(m[-1][1]) == STEPS and int(m[-1][2]) >= 1, log[-3000:]
