@@ -153,6 +153,16 @@ def sample(model):
     return [t.clone().double() for t in r.unbind()]     # video, audio
 
 
+_SAMPLES: dict = {}
+
+
+def cached(key, fn):
+    """Samples are deterministic (fixed seed, CPU): the unquantized references are computed once per module."""
+    if key not in _SAMPLES:
+        _SAMPLES[key] = fn()
+    return _SAMPLES[key]
+
+
 def rel(x, y):
     return float((x - y).norm() / y.norm())
 
@@ -177,10 +187,14 @@ def _runs(reports):
 @pytest.mark.parametrize("what", list(COMPOSITIONS))
 def test_quantized_composition_differs_only_by_the_quantization_error(env, reports, fmt, what):
     compose = COMPOSITIONS[what]
-    plain, qplain = sample(load()), sample(load(fmt))
-    reports.clear()
-    ref = sample(compose(load()))
-    runs_ref = _runs(reports)
+    plain, qplain = cached(("plain", None), lambda: sample(load())), cached(("plain", fmt), lambda: sample(load(fmt)))
+
+    def unquantized():
+        reports.clear()
+        out = sample(compose(load()))
+        return out, _runs(reports)
+
+    ref, runs_ref = cached((what, None), unquantized)
     reports.clear()
     qm = compose(load(fmt))
     installs = list(reports)
