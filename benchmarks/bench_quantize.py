@@ -42,7 +42,12 @@ if str(ROOT) not in sys.path:
 FORMATS = ("float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4")
 
 # real dimensions. H3: /work/shared/reference/h3.md config table (5376 hidden, 56 x 128 heads, 50 + 2 blocks,
-# ffn 14336, text 5120). LTX-2 19B / Z-Image 6B / FLUX.2-dev: public model configs (assumed, not verified here).
+# ffn 14336, text 5120). LTX-2 19B / Z-Image 6B / FLUX.2-dev: their public configs (docs/quantize.md "Real-size
+# dimensions": diffusers' convert_ltx2_to_diffusers.py "2.0" and convert_flux2_to_diffusers.py "flux2-dev",
+# Tongyi-MAI/Z-Image transformer/config.json + ComfyUI's model_detection.py); tests/integration/test_real_dims_host.py
+# builds ComfyUI's own model classes from them on the meta device and compares every key and shape with the
+# inventory below. Z-Image ``t_hidden`` is the timestep embedder's sinusoid width (ComfyUI TimestepEmbedder
+# frequency_embedding_size 256), not its hidden width (min(dim, 1024) = 1024).
 REAL = {
     "h3": {"hidden_size": 5376, "num_attention_heads": 56, "attention_head_dim": 128, "num_layers": 50,
            "token_refiner_num_layers": 2, "ffn_hidden_size": 14336, "latents_dim": 24, "audio_latents_dim": 32,
@@ -53,7 +58,7 @@ REAL = {
              "caption_channels": 3840, "connector_num_attention_heads": 30, "connector_attention_head_dim": 128,
              "connector_num_layers": 2, "in_channels": 128, "audio_in_channels": 128},
     "zimage": {"dim": 3840, "n_layers": 30, "n_refiner_layers": 2, "cap_feat_dim": 2560, "in_channels": 16,
-               "patch_size": 2, "ffn_multiple_of": 256, "t_hidden": 1024},
+               "patch_size": 2, "ffn_multiple_of": 256, "t_hidden": 256},
     "flux2": {"hidden": 6144, "depth": 8, "depth_single": 48, "in_channels": 128, "context_dim": 15360,
               "mlp_ratio": 3},
 }

@@ -9,6 +9,8 @@ would refuse it). Families are told apart by tensor names the loaders themselves
 * ``h3_dit``: MiniMax H3 DiT in ditkit's official or ComfyUI names (``audio_patch_proj.*``) or diffusers names
   (``audio_proj_in.*``); LTX-2's ``audio_patchify_proj`` is a different name.
 * ``zimage``: NextDiT (``cap_embedder.*``, ``noise_refiner.*``, ``x_embedder.*``).
+* ``ltx2``: LTX-2 / LTX-Video (``adaln_single.emb.timestep_embedder.linear_1.bias``, ComfyUI's own marker).
+* ``flux2``: FLUX.2 (``double_stream_modulation_img.lin.weight``, ComfyUI's own marker).
 * ``h3_vae``: H3 video / image / audio VAEs (``vae/h3_layout.classify_vae_keys``).
 * ``lokr``: LoKr factors (``*.lokr_w1``, ``*.lokr_w1_a``, ``*.lokr_w2``, ...; ``loaders/lokr.FACTOR_KEYS``).
 
@@ -64,6 +66,10 @@ def family_of_keys(keys) -> set[str]:
         out.add("h3_dit")
     if {"cap_embedder", "noise_refiner", "x_embedder"} <= tops:
         out.add("zimage")
+    if "adaln_single.emb.timestep_embedder.linear_1.bias" in ks:
+        out.add("ltx2")
+    if "double_stream_modulation_img.lin.weight" in ks:
+        out.add("flux2")
     if classify_vae_keys(ks) in ("h3_video", "h3_audio"):
         out.add("h3_vae")
     if any(k.rsplit(".", 1)[-1] in FACTOR_KEYS for k in ks):

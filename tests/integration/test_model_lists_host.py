@@ -20,6 +20,8 @@ from ditkit.errors import CheckpointError
 LOADERS = [  # module, node class, input, folder, tiny file
     ("ditkit.nodes.image_loaders", "DitKitZImageLoader", "unet_name", "diffusion_models", "zimage_tiny.safetensors"),
     ("ditkit.nodes.h3_loaders", "DitKitH3ModelLoader", "model_name", "diffusion_models", "h3_tiny_comfy.safetensors"),
+    ("ditkit.nodes.dit_loaders", "DitKitLTX2ModelLoader", "unet_name", "diffusion_models", "ltx2_tiny.safetensors"),
+    ("ditkit.nodes.dit_loaders", "DitKitFlux2ModelLoader", "unet_name", "diffusion_models", "flux2_tiny.safetensors"),
     ("ditkit.nodes.h3_vae", "DitKitH3VAELoader", "vae_name", "vae", "h3_video_vae_tiny.safetensors"),
     ("ditkit.nodes.lokr", "DitKitLoKrLoader", "lokr_name", "loras", "zimage_lokr_tiny.safetensors"),
     ("ditkit.nodes.adapters", "DitKitAdapterLoader", "adapter_name", "loras", "h3_diffsynth_lora_tiny.safetensors"),
@@ -153,6 +155,10 @@ FAMILY = {  # node -> (folder, files of its family, files of other families)
     "DitKitH3ModelLoader": ("diffusion_models", {"h3_tiny_comfy.safetensors", "h3_tiny_curve.safetensors",
                                                  "h3_tiny_fasth3.safetensors", "h3_tiny_official", "h3_tiny_diffusers"},
                             {"flux2_tiny.safetensors", "ltx2_tiny.safetensors", "zimage_tiny.safetensors"}),
+    "DitKitLTX2ModelLoader": ("diffusion_models", {"ltx2_tiny.safetensors"},
+                              {"flux2_tiny.safetensors", "zimage_tiny.safetensors", "h3_tiny_comfy.safetensors"}),
+    "DitKitFlux2ModelLoader": ("diffusion_models", {"flux2_tiny.safetensors"},
+                               {"ltx2_tiny.safetensors", "zimage_tiny.safetensors", "h3_tiny_comfy.safetensors"}),
     "DitKitH3VAELoader": ("vae", {"h3_video_vae_tiny.safetensors", "h3_image_vae_tiny.safetensors",
                                   "h3_audio_vae_tiny.safetensors"}, set()),
     "DitKitLoKrLoader": ("loras", {"zimage_lokr_tiny.safetensors", "flux2_lokr_tiny.safetensors"}, set()),
@@ -168,7 +174,8 @@ def test_listing_offers_only_the_loaders_family(comfy, tiny_ckpts, tmp_path, cls
     d = tmp_path / kind
     d.mkdir()
     # a file of another family under a name that looks right, and one of the right family under a neutral name
-    wrong = {"diffusion_models": "ltx2_tiny.safetensors", "vae": None, "loras": None}[kind]
+    wrong = {"diffusion_models": "flux2_tiny.safetensors" if cls == "DitKitLTX2ModelLoader" else "ltx2_tiny.safetensors",
+             "vae": None, "loras": None}[kind]
     src_wrong = tiny_ckpts / ("diffusion_models" if kind != "diffusion_models" else kind) / (
         wrong or "zimage_tiny.safetensors")
     shutil.copyfile(src_wrong, d / "zz_looks_like_ours.safetensors")

@@ -13,7 +13,7 @@ NODES_DIR = ROOT / "ditkit" / "nodes"
 
 CATEGORIES = {"ditkit/loaders", "ditkit/attention", "ditkit/cache", "ditkit/vae", "ditkit/sampling", "ditkit/latent"}
 NODE_IDS = {"DitKitAdapterLoader", "DitKitFastH3Schedule", "DitKitH3AdaLNCache", "DitKitH3EmptyImageLatent", "DitKitH3EncodeImage",
-            "DitKitH3ModelLoader", "DitKitH3TextEncoderLoader", "DitKitH3VAEDecode", "DitKitH3VAELoader",
+            "DitKitH3ModelLoader", "DitKitH3TextEncoderLoader", "DitKitLTX2ModelLoader", "DitKitFlux2ModelLoader", "DitKitH3VAEDecode", "DitKitH3VAELoader",
             "DitKitLTXTextEncoderLoader", "DitKitLoKrLoader", "DitKitSaveVideo", "DitKitSparseAttention",
             "DitKitTeaCache", "DitKitTeaCacheCalibrate", "DitKitZImageLoader"}
 NAME = re.compile(r"^(?!DitKit)[A-Z][A-Za-z0-9.\-/ ]*[A-Za-z0-9] \(ditkit\)$")
