@@ -5,7 +5,7 @@ Steps, all pure functions:
 
 1. :func:`parse` groups the file's keys into modules by suffix (``lora_A``/``lora_B`` with or without PEFT's
    ``.default`` adapter infix, ``lora_down``/``lora_up``, ``alpha``; LyCORIS ``lokr_*`` (parsed by the shared
-   LoKr core, ``loaders/lokr.py``) and ``hada_*``; FastVideo ``.diff`` / ``.diff_b`` / ``.set_weight``; curve-form
+   LoKr core, ``loaders/lokr_apply.py``) and ``hada_*``; FastVideo ``.diff`` / ``.diff_b`` / ``.set_weight``; curve-form
    ``adaln_t_table`` and full ``adaln_proj.linear`` replacements). Every key ends up applied, unused (another
    component, with the reason) or refused (an error naming the key): there are no silent skips.
 2. :func:`plan` maps every module onto the ComfyUI H3 key layout (``diffusion_model.blocks.N.attn.qkv_proj`` ...),
@@ -55,7 +55,7 @@ Scale (ΔW = scale * B @ A, per module; the report says which rule gave it):
 * metadata ``alpha`` in a file without ``.alpha`` keys: alpha / rank (diffusers ``MiniMaxH3LoraLoaderMixin``).
 * other alpha-less LoRAs on original names (no prefix, ``lora_unet_``): alpha = rank -> 1.0, as diffusers'
   ``MiniMaxH3LoraLoaderMixin.lora_state_dict`` loads them (the convention larryvrh/MiniMax-H3-Turbo-Lora states).
-* LoKr: the shared LoKr core's rules (``loaders/lokr.py``). LoHa: alpha / rank (LyCORIS ``LohaModule``).
+* LoKr: the shared LoKr core's rules (``loaders/lokr_apply.py``). LoHa: alpha / rank (LyCORIS ``LohaModule``).
 * ``.diff`` / ``.diff_b``: 1.0 (full-rank deltas). ``.set_weight`` / curve-form full AdaLN weights: assigned, i.e.
   ``W = W_base + strength * (W_new - W_base)`` (ComfyUI's pruned-AdaLN merge rule, h3.md §9).
 * otherwise: refused naming what is missing, unless the node's ``scale`` input sets it.
@@ -74,7 +74,7 @@ from ..errors import AdapterError, CheckpointError
 from ..kernels import delta_fuse
 from ..report import Report
 from . import h3 as h3core
-from . import lokr as lokr_core
+from . import lokr_apply as lokr_core
 from .lokr_math import rebuild_w1, rebuild_w2
 from .safetensors_io import SafeFile
 

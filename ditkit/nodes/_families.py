@@ -10,7 +10,7 @@ would refuse it). Families are told apart by tensor names the loaders themselves
   (``audio_proj_in.*``); LTX-2's ``audio_patchify_proj`` is a different name.
 * ``zimage``: NextDiT (``cap_embedder.*``, ``noise_refiner.*``, ``x_embedder.*``).
 * ``h3_vae``: H3 video / image / audio VAEs (``vae/h3_layout.classify_vae_keys``).
-* ``lokr``: LoKr factors (``*.lokr_w1``, ``*.lokr_w1_a``, ``*.lokr_w2``, ...; ``loaders/lokr.FACTOR_KEYS``).
+* ``lokr``: LoKr factors (``*.lokr_w1``, ``*.lokr_w1_a``, ``*.lokr_w2``, ...; ``loaders/lokr_apply.FACTOR_KEYS``).
 
 A ``model.diffusion_model.`` prefix (full checkpoints) is ignored. Folders (sharded checkpoints) are listed by the
 loader itself, once.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 
-from ..loaders.lokr import FACTOR_KEYS
+from ..loaders.lokr_apply import FACTOR_KEYS
 from ..loaders.safetensors_io import read_header
 from ..vae.h3_layout import classify_vae_keys
 

@@ -147,7 +147,7 @@ class DitKitAdapterLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model, adapter_name: str, strength: float, qkv_layout: str = "auto",
                 scale: float = 0.0) -> io.NodeOutput:
-        from ..loaders import lokr as lokr_core
+        from ..loaders import lokr_apply as lokr_core
 
         override = None if lokr_core.check_scale_input(scale, "scale") == 0.0 else float(scale)
         lokr_core.check_scale_input(strength, "strength")

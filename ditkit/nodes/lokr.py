@@ -1,6 +1,6 @@
 """DitKitLoKrLoader: exact LoKr adapters on ComfyUI's fused Z-Image / FLUX.2 weights.
 
-The core (``loaders/lokr.py``) parses, maps and validates; this node clones the model and registers one
+The core (``loaders/lokr_apply.py``) parses, maps and validates; this node clones the model and registers one
 lazy patch per adapter module with ``ModelPatcher.add_patches`` (row offsets for slices of fused weights).
 The patch is a ``WeightAdapterBase`` that ComfyUI's ``lora.calculate_weight`` calls when it patches the
 weight: ΔW is materialised one layer at a time (fp32), so unloading, strength changes and dynamic VRAM
@@ -15,7 +15,7 @@ from comfy.weight_adapter.base import WeightAdapterBase
 from comfy_api.latest import io
 
 from ..errors import AdapterError
-from ..loaders import lokr as core
+from ..loaders import lokr_apply as core
 from . import _families, _files
 from ._common import send_report, ui_report
 
