@@ -63,20 +63,18 @@ Scale (ΔW = scale * B @ A, per module; the report says which rule gave it):
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from ..errors import AdapterError, CheckpointError
+from ..errors import AdapterError
 from ..kernels import delta_fuse
 from ..report import Report
 from . import h3 as h3core
 from . import lokr_apply as lokr_core
 from .lokr_math import rebuild_w1, rebuild_w2
-from .safetensors_io import SafeFile
 
 QKV_LAYOUTS = ("auto", "interleaved", "contiguous")
 FASTVIDEO_FORMAT = "fastvideo-lora-v2"
@@ -260,42 +258,12 @@ class Module:
     lokr: Optional[lokr_core.LoKrModule] = None
 
 
-@dataclass
-class AdapterFile:
-    path: str
-    tensors: dict[str, torch.Tensor]
-    metadata: dict[str, str]
-    peft_config: dict | None = None
-    config_source: str | None = None
-    notes: list[str] = field(default_factory=list)
+AdapterFile = lokr_core.AdapterFile   # one reader for both adapter paths: ``lokr_apply.read_adapter_file``
 
 
 def read_adapter_file(path: str) -> AdapterFile:
-    """Tensors + metadata of an adapter ``.safetensors`` and the PEFT config that belongs to it (diffusers
-    ``lora_adapter_metadata`` in the file, else ``adapter_config.json`` next to a PEFT-layout file)."""
-    path = os.fspath(path)
-    try:
-        with SafeFile(path) as f:
-            tensors = {k: f.get(k) for k in f.keys()}
-            metadata = dict(f.metadata)
-    except CheckpointError:
-        raise
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"adapter file '{path}' cannot be read ({type(e).__name__}: {e}); truncated or not "
-                              "safetensors?") from None
-    out = AdapterFile(path, tensors, metadata)
-    found = lokr_core.config_from_metadata(metadata)
-    side = os.path.join(os.path.dirname(path), PEFT_CONFIG_NAME)
-    if found is not None:
-        out.peft_config, out.config_source = found
-    elif any(k.startswith("base_model.model.") for k in tensors):
-        if os.path.isfile(side):
-            out.peft_config = lokr_core.read_peft_config_file(side)
-            out.config_source = f"{PEFT_CONFIG_NAME} next to the file"
-    elif os.path.isfile(side):
-        out.notes.append(f"{PEFT_CONFIG_NAME} next to the file not used: only PEFT-layout files (base_model.model.* "
-                         "keys) take their config from it")
-    return out
+    """:func:`lokr_apply.read_adapter_file` naming the file "adapter" in its errors."""
+    return lokr_core.read_adapter_file(path, what="adapter")
 
 
 def _split_key(k: str) -> tuple[str, str] | None:

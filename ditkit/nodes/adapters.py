@@ -21,7 +21,7 @@ from ..bridge.models import is_h3
 from ..errors import AdapterError
 from ..loaders import h3_adapters as core
 from . import _files
-from ._common import send_report, ui_report
+from ._common import adapter_report_lines, send_report, ui_report
 from .h3_loaders import GATE_ATTACHMENT
 from .lokr import apply_lokr, check_weight_keys
 from .lokr import report_text as lokr_report_text
@@ -92,13 +92,7 @@ def report_text(plan: core.Plan, file: str, strength: float, scale: float | None
         lines.append("applied " + it.describe())
     for i in sorted(plan.gates):
         lines.append(f"assigned sparse-attention gate of block {i} (to_gate_compress.set_weight)")
-    for k, why in plan.unused.items():
-        lines.append(f"unused {k}: {why}")
-    for k, why in plan.refused.items():
-        lines.append(f"refused {k}: {why}")
-    for n in plan.notes:
-        lines.append(f"note: {n}")
-    return "\n".join(lines)
+    return "\n".join(lines + adapter_report_lines(plan))
 
 
 class DitKitAdapterLoader(io.ComfyNode):

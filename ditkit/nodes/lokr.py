@@ -17,7 +17,7 @@ from comfy_api.latest import io
 from ..errors import AdapterError
 from ..loaders import lokr_apply as core
 from . import _families, _files
-from ._common import send_report, ui_report
+from ._common import adapter_report_lines, send_report, ui_report
 
 NODE_ID = "DitKitLoKrLoader"
 _SUPPORTED_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -148,13 +148,7 @@ def report_text(plan: core.LoKrPlan, file: str, strength: float, scale: float | 
     for it in plan.items:
         lines.append(f"applied {it.module.prefix} -> {it.target.describe()} ({it.target.via}; scale "
                      f"{it.module.scale:g}: {it.module.scale_rule})")
-    for k, why in plan.unused.items():
-        lines.append(f"unused {k}: {why}")
-    for k, why in plan.refused.items():
-        lines.append(f"refused {k}: {why}")
-    for n in plan.notes:
-        lines.append(f"note: {n}")
-    return "\n".join(lines)
+    return "\n".join(lines + adapter_report_lines(plan))
 
 
 class DitKitLoKrLoader(io.ComfyNode):
