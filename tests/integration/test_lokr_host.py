@@ -15,6 +15,8 @@ import torch
 from ditkit.errors import AdapterError, CheckpointError, DitKitError
 from ditkit.loaders.safetensors_io import load_file, save_file
 from ditkit.tiny import ckpt_image as ci
+from tests.support.quant_oracle import bits as _bits
+from tests.support.quant_oracle import host_requant_oracle, json_format, saved_weights
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -228,35 +230,6 @@ def test_quantized_base_refused_with_layer_and_format(comfy, tiny_ckpts, fmt):
     assert all(torch.equal(before_w[k], after[k].float()) for k in before_w)
 
 
-def saved_weights(m, tmp_path, names):
-    """What ModelSave writes for ``names`` (``comfy.sd.save_checkpoint``, the function behind ModelSave):
-    {name: {"weight", "weight_scale", "comfy_quant"}} read back from the file."""
-    import comfy.sd
-
-    out = tmp_path / f"saved_{len(list(tmp_path.iterdir()))}.safetensors"
-    comfy.sd.save_checkpoint(str(out), m)
-    sd = load_file(out)
-    got = {}
-    for n in names:
-        pre = next(p for p in ("model.diffusion_model.", "diffusion_model.", "") if f"{p}{n}.weight" in sd)
-        got[n] = {s: sd[f"{pre}{n}.{s}"] for s in ("weight", "weight_scale", "comfy_quant") if f"{pre}{n}.{s}" in sd}
-    return got
-
-
-def host_requant_oracle(qt, delta64):
-    """The host's own layout quantize (comfy QUANT_ALGOS layout class, scale="recalculate") of
-    (float64 dequant(base) + float64 ΔW) rounded once to float32. float64 dequant = raw codes * scale, exact."""
-    import comfy.quant_ops as q
-
-    w64 = qt._qdata.double() * qt._params.scale.double() + delta64
-    data, params = q.get_layout_class(qt._layout_cls).quantize(w64.float(), scale="recalculate")
-    return data, params.scale
-
-
-def _bits(t):
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "int8_tensorwise"])
 def test_quantized_base_requantized_bit_exact_and_saved_same_scheme(comfy, tiny_ckpts, tmp_path, fmt):
     """comfy_quant per-tensor fp8 / int8: ditkit dequantizes, adds ΔW and requantizes in row chunks into the SAME
@@ -297,12 +270,6 @@ def test_quantized_base_requantized_bit_exact_and_saved_same_scheme(comfy, tiny_
     text = report_text(plan, "f", 0.75)
     assert f"single_blocks.0.linear1.weight: requantized {fmt} in 1 row chunks" in text
     assert not any(k in m.patches for k in keys) and all(k in m.object_patches for k in keys)
-
-
-def json_format(t):
-    import json
-
-    return json.loads(bytes(t.tolist()).decode())["format"]
 
 
 def test_quantized_base_failure_leaves_no_partial_patch(comfy, tiny_ckpts, monkeypatch):
