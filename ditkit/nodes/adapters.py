@@ -59,7 +59,16 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
     def base_weight(k: str):
         if k.startswith("gate:"):
             return dict(base_gates).get(int(k[5:]))
-        return sd.get(k)
+        if k not in sd:
+            return None
+        w = model.get_model_object(k)
+        w = getattr(w, "data", w)
+        if type(w).__name__ == "QuantizedTensor":   # the state dict holds its raw codes: use the values
+            p = w._params
+            if getattr(p, "scale", None) is not None and p.scale.numel() == 1:
+                return w._qdata.double() * p.scale.double()   # per-tensor: exact
+            return w.dequantize()
+        return sd[k]
 
     af = core.read_adapter_file(path)
     plan = core.plan(af, g, base_weight, source=source, qkv_layout=qkv_layout, scale_override=scale)

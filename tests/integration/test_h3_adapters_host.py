@@ -596,6 +596,29 @@ def test_quantized_h3_base_requantized_bit_exact_and_saved_same_scheme(comfy, tm
     assert all(f"note: quantized layer {n}.weight: requantized {fmt} in 1 row chunks" in text for n in names)
 
 
+def test_assigned_weight_onto_quantized_h3_layer_uses_its_values(comfy, tmp_path):
+    """``.set_weight`` onto an fp8 layer: W_base + (W_new - W_base) with W_base the layer's VALUES (its state dict
+    holds the raw fp8 codes); the saved layer is W_new within one fp8 step (e4m3: 2^-3 relative, or the scale)."""
+    import comfy.model_management
+    import comfy.sd
+    import comfy.utils
+
+    from ditkit.nodes.adapters import apply_h3_adapter
+
+    q = comfy.sd.load_diffusion_model_state_dict(_h3_comfy_quant(c.base_state_dict(), "float8_e4m3fn"))
+    k = "diffusion_model.blocks.0.attn.out_proj.weight"
+    w0 = comfy.utils.get_attr(q.model, k)
+    new = (w0._qdata.double() * w0._params.scale.double() * 0.5 + 0.01).float()
+    p = tmp_path / "assign.safetensors"
+    save_file({"transformer_blocks.0.attn.to_out.0.set_weight": new}, str(p), metadata={"format": "fastvideo-lora-v2"})
+    m, _ = apply_h3_adapter(q, str(p), 1.0)
+    got = saved_weights(m, tmp_path, ["blocks.0.attn.out_proj"])["blocks.0.attn.out_proj"]
+    comfy.model_management.unload_all_models()
+    s = got["weight_scale"].double()
+    err = (got["weight"].double() * s - new.double()).abs()
+    assert (err / new.double().abs().clamp_min(float(s))).max().item() <= 0.125 + 1e-6
+
+
 def test_convrot_h3_base_refused_by_layer(comfy, tmp_path):
     import comfy.sd
 
