@@ -13,22 +13,39 @@ needed on top of the weight:
 * ``native``             -- ComfyUI's ``comfy.weight_adapter.lora.LoRAAdapter.calculate_weight`` on the same factors
                             (what LoraLoaderModelOnly registers): it builds ΔW whole.
 
-Runs are interleaved (ditkit, native, ditkit-interleaved, then again) ``--repeat`` times; the median and min-max of
-each and the ditkit/native ratios are printed from this one run. Quality delta: max |ditkit - native| / max |ΔW|
-(contiguous layout, same arithmetic up to fp32 summation order).
+On an fp8 (comfy_quant ``float8_e4m3fn``) base of the same shape, whose codes are written chunk by chunk so no float
+copy of the layer ever raised the peak before the measurement:
+
+* ``ditkit-fp8``         -- what DitKitAdapterLoader does for a quantized layer (``nodes/lokr.fuse_quantized`` ->
+                            ``kernels/delta_fuse.requantize_fuse``): float64 row chunks, two passes, a new fp8
+                            QuantizedTensor of the same layout (contiguous qkv layout);
+* ``native-fp8``         -- ComfyUI's patch path for the same LoRA on that layer, step by step as
+                            ``ModelPatcher.patch_weight_to_device`` runs it: ``cast_to_device(weight, cpu, float32,
+                            copy=True)`` + the layer's ``convert_weight`` (whole-layer dequantize), ``LoRAAdapter.
+                            calculate_weight``, then the layer's ``set_weight``: ``requantize_from_float(scale=
+                            "recalculate", stochastic_rounding=seed, inplace_ops=True)``.
+
+Runs are interleaved (one of each mode per round, in a fixed order) ``--repeat`` times; the median and min-max of
+each and the ditkit/native ratios are printed from this one run (``--only fp8`` / ``--only float`` runs one group).
+Quality delta: float: max |ditkit - native| / max |ΔW| (contiguous layout, same arithmetic up to fp32 summation
+order); fp8: RMS of (dequantized result - float64 (dequant(base) + ΔW)) over RMS ΔW, first 512 rows, for each path
+(both are one fp8 rounding of the exact update: ditkit round-to-nearest, ComfyUI stochastic). Every figure is also a
+row (``--rows FILE``, benchmarks/_harness.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from benchmarks._harness import Rows, ratio_stats, spread, stats  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -49,6 +66,43 @@ if comfyui:
 g = torch.Generator().manual_seed(0)
 a = (torch.randn(rank, cols, generator=g) * 0.02).to(torch.bfloat16)
 b = (torch.randn(rows, rank, generator=g) * 0.02).to(torch.bfloat16)
+if mode.endswith("-fp8"):
+    import types
+    from comfy.quant_ops import QuantizedTensor, get_layout_class
+    key = "diffusion_model.blocks.0.attn.qkv_proj.weight"
+    codes = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for r0 in range(0, rows, 512):                     # codes written chunk by chunk: no float copy of the layer
+        codes[r0:r0 + 512] = (torch.randn(min(512, rows - r0), cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    lay = "TensorCoreFP8E4M3Layout"
+    params = get_layout_class(lay).Params(scale=torch.tensor(0.02 / 100), orig_dtype=torch.bfloat16, orig_shape=(rows, cols))
+    qt = QuantizedTensor(codes, lay, params)
+    if mode == "ditkit-fp8":
+        from ditkit.kernels import delta_fuse
+        from ditkit.nodes.lokr import fuse_quantized
+        fake = types.SimpleNamespace(get_model_object=lambda k: qt, patches={})
+        dl = delta_fuse.Delta("lowrank", (b.float(), a.float()), 1.0)
+        run = lambda: fuse_quantized(fake, {key: [dl]}, {key: "float8_e4m3fn"})[0][key].data
+    else:
+        import comfy.model_management, comfy.utils
+        from comfy.weight_adapter.lora import LoRAAdapter
+        def run():
+            temp = comfy.model_management.cast_to_device(qt, torch.device("cpu"), torch.float32, copy=True)
+            if isinstance(temp, QuantizedTensor):          # the layer's convert_weight
+                temp = temp.dequantize()
+            temp = LoRAAdapter(set(), (b, a, None, None, None, None)).calculate_weight(
+                temp, key, 1.0, 1.0, None, lambda x: x, torch.float32)
+            return qt.requantize_from_float(temp, scale="recalculate", stochastic_rounding=comfy.utils.string_to_seed(key),
+                                            inplace_ops=True)
+    h0 = hwm_kib()
+    t = time.perf_counter()
+    new = run()
+    sec = time.perf_counter() - t
+    peak = (hwm_kib() - h0) / 1024
+    exact = codes[:512].double() * params.scale.double() + b[:512].double() @ a.double()
+    err = (new.dequantize()[:512].double() - exact).pow(2).mean().sqrt() / (b[:512].double() @ a.double()).pow(2).mean().sqrt()
+    print(json.dumps({"seconds": sec, "peak_extra_mib": peak, "rel_rms_err": err.item(),
+                      "layout": type(new).__name__ + ":" + new._layout_cls}))
+    raise SystemExit(0)
 weight = torch.randn(rows, cols, generator=g)          # ComfyUI's fp32 intermediate copy of the layer
 if mode.startswith("ditkit"):
     from ditkit.loaders import h3_adapters as core
@@ -88,40 +142,58 @@ def run(mode, a, out=""):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=21504)
+    ap.add_argument("--rows", type=int, default=21504, dest="nrows")
     ap.add_argument("--cols", type=int, default=5376)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", choices=("float", "fp8"), default=None, help="run one group of modes")
     ap.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH", ""))
+    ap.add_argument("--rows-out", dest="rows_out", metavar="FILE",
+                    help="also write every figure as a row (benchmarks/_harness.py): .jsonl or .csv")
     a = ap.parse_args(argv)
+    a.rows = a.nrows
     if not a.comfyui:
         raise SystemExit("needs the ComfyUI source tree (--comfyui or COMFYUI_PATH) for the native path")
-    modes = ("ditkit", "native", "ditkit-interleaved")
+    groups = {"float": ("ditkit", "native", "ditkit-interleaved"), "fp8": ("ditkit-fp8", "native-fp8")}
+    modes = tuple(m for gname, ms in groups.items() if a.only in (None, gname) for m in ms)
+    rows = Rows(a.rows_out, "bench_adapter_fuse")
     res = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="bench_adapter_") as td:
         for i in range(a.repeat):          # ABAB: one of each per round
             for m in modes:
-                out = Path(td) / f"{m}.pt" if i == 0 and m != "ditkit-interleaved" else ""
+                out = Path(td) / f"{m}.pt" if i == 0 and m in ("ditkit", "native") else ""
                 res[m].append(run(m, a, out))
-        import torch
+        qual = None
+        if "ditkit" in modes:
+            import torch
 
-        d, n = torch.load(Path(td) / "ditkit.pt"), torch.load(Path(td) / "native.pt")
-        qual = (d["w"] - n["w"]).abs().max().item() / d["d"].abs().max().item()
-    print(f"H3 qkv LoRA fuse: weight [{a.rows} x {a.cols}] fp32 ({a.rows * a.cols * 4 / 2**20:.0f} MiB), rank {a.rank}, "
-          f"{a.repeat} rounds (interleaved)")
-    med = {}
+            d, n = torch.load(Path(td) / "ditkit.pt"), torch.load(Path(td) / "native.pt")
+            qual = (d["w"] - n["w"]).abs().max().item() / d["d"].abs().max().item()
+    print(f"H3 qkv LoRA fuse: weight [{a.rows} x {a.cols}] (fp32 {a.rows * a.cols * 4 / 2**20:.0f} MiB, fp8 "
+          f"{a.rows * a.cols / 2**20:.0f} MiB), rank {a.rank}, {a.repeat} rounds (interleaved)")
     for m in modes:
-        pk = [r["peak_extra_mib"] for r in res[m]]
-        sc = [r["seconds"] for r in res[m]]
-        med[m] = (statistics.median(pk), statistics.median(sc))
-        print(f"  {m:<19} peak extra RSS median {med[m][0]:8.1f} MiB (min {min(pk):.1f}, max {max(pk):.1f}); "
-              f"time median {med[m][1]:.3f} s (min {min(sc):.3f}, max {max(sc):.3f})")
-    for m in ("ditkit", "ditkit-interleaved"):
-        pr = [r["peak_extra_mib"] / max(q["peak_extra_mib"], 1e-9) for r, q in zip(res[m], res["native"])]
-        tr = [r["seconds"] / q["seconds"] for r, q in zip(res[m], res["native"])]
-        print(f"  ratio {m}/native: peak {statistics.median(pr):.3f} (min {min(pr):.3f}, max {max(pr):.3f}); "
-              f"time {statistics.median(tr):.2f} (min {min(tr):.2f}, max {max(tr):.2f})")
-    print(f"  quality: max |ditkit - native| / max |ΔW| = {qual:.2e} (contiguous layout, fp32)")
+        pk, sc = stats(r["peak_extra_mib"] for r in res[m]), stats(r["seconds"] for r in res[m])
+        print(f"  {m:<19} peak extra RSS median {pk['median']:8.1f} MiB (min {pk['min']:.1f}, max {pk['max']:.1f}); "
+              f"time median {sc['median']:.3f} s (min {sc['min']:.3f}, max {sc['max']:.3f})")
+        rows.add_stats(m, "peak_rss_growth", pk, "MiB")
+        rows.add_stats(m, "time", sc, "s")
+    pairs = [(m, "native") for m in ("ditkit", "ditkit-interleaved") if m in modes]
+    pairs += [("ditkit-fp8", "native-fp8")] if "ditkit-fp8" in modes else []
+    for m, base in pairs:
+        pr = ratio_stats([r["peak_extra_mib"] for r in res[m]], [q["peak_extra_mib"] for q in res[base]])
+        tr = ratio_stats([r["seconds"] for r in res[m]], [q["seconds"] for q in res[base]])
+        print(f"  ratio {m}/{base}: peak {pr['median']:.3f} {spread(pr)}; time {tr['median']:.2f} {spread(tr)}")
+        rows.add_stats(f"{m}/{base}", "peak_rss_ratio", pr, "x")
+        rows.add_stats(f"{m}/{base}", "time_ratio", tr, "x")
+    if qual is not None:
+        print(f"  quality: max |ditkit - native| / max |ΔW| = {qual:.2e} (contiguous layout, fp32)")
+        rows.add("ditkit/native", "max_abs_diff_over_max_delta", qual)
+    for m in ("ditkit-fp8", "native-fp8"):
+        if m in modes:
+            e = stats(r["rel_rms_err"] for r in res[m])
+            print(f"  quality {m}: RMS(result - exact update) / RMS(ΔW) = {e['median']:.3e} (first 512 rows; "
+                  f"result {res[m][0]['layout']})")
+            rows.add_stats(m, "rel_rms_err_vs_exact", e, "", note=res[m][0]["layout"])
     return 0
 
 

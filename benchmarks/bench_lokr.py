@@ -51,7 +51,7 @@ from ditkit.tiny import ckpt_image as ci
 shapes = {f"diffusion_model.{k.replace('.scale', '.weight')}": v
           for k, v in ci.flux2_shapes({**ci.FLUX2, "hidden": h, "depth": nd, "depth_single": ns}).items()}
 res = {}
-from ditkit.loaders import lokr as core
+from ditkit.loaders import lokr_apply as core
 from ditkit.loaders.safetensors_io import SafeFile, save_file
 wk = "diffusion_model.single_blocks.0.linear1.weight"
 pre = "diffusion_model.single_blocks.0.linear1"

@@ -19,6 +19,7 @@ Every ``index * stride`` product in the kernel is int64 (``_triton.offs64``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -213,3 +214,72 @@ def fuse_(weight: torch.Tensor, kind: str, parts: tuple, scale: float, row_map: 
         return "triton"
     fuse_reference_(weight, kind, parts, scale, row_map, max_chunk_elems, function)
     return "reference"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# quantized weights: dequantize -> add -> requantize with the same scheme, in row chunks
+PER_TENSOR_FORMATS = ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One delta onto a (quantized) weight: ``weight[rows] += scale * ΔW[row_map]`` (``rows`` None: the whole
+    weight; ``kind`` / ``parts`` / ``row_map`` as for :func:`fuse_`)."""
+    kind: str
+    parts: tuple
+    scale: float
+    row_map: Optional[torch.Tensor] = None
+    rows: Optional[tuple[int, int]] = None
+
+
+def delta_sum_rows(deltas, r0: int, r1: int, cols: int, dtype=torch.float64, device=None) -> torch.Tensor:
+    """Rows ``r0:r1`` of ``sum(delta.scale * ΔW)`` over ``deltas``, each placed at its own row slice, in ``dtype``
+    (only the rows asked for are formed)."""
+    out = torch.zeros((r1 - r0, cols), dtype=dtype, device=device)
+    for d in deltas:
+        a, b = d.rows if d.rows is not None else (0, None)
+        n = _rows_of(d.kind, d.parts) if d.row_map is None else d.row_map.numel()
+        b = a + n if b is None else b
+        o0, o1 = max(r0, a), min(r1, b)
+        if o0 >= o1:
+            continue
+        parts = tuple(p.to(device) if device is not None else p for p in d.parts)
+        idx = torch.arange(o0 - a, o1 - a, dtype=torch.long, device=device)
+        if d.row_map is not None:
+            idx = d.row_map.to(device=idx.device, dtype=torch.long)[idx]
+        rows = delta_rows(d.kind, parts, idx, dtype).reshape(o1 - o0, -1)
+        out[o0 - r0:o1 - r0] += rows.mul_(float(d.scale))
+        del rows
+    return out
+
+
+def requantize_fuse(data: torch.Tensor, scales: dict, fmt: str, shape: tuple[int, int], deltas,
+                    max_chunk_elems: int = DEFAULT_CHUNK_ELEMS, source_dtype=torch.float32
+                    ) -> tuple[torch.Tensor, dict, int]:
+    """A per-tensor quantized weight ``(data, scales)`` plus ``deltas`` -> ``(new data, new scales, chunks)``: the
+    weight is dequantized, the deltas added and the result requantized with the same scheme, one row chunk at a
+    time (two passes: the new per-tensor amax first, then the codes), with ``kernels/quant.requantize_add``.
+
+    Each chunk is formed in float64 (``data * scale`` is exact there, ΔW rows are float64 products) and rounded
+    once to ``source_dtype`` before the deterministic round-to-nearest quantize, so the result equals quantizing
+    ``(float64 dequantize + float64 ΔW).to(source_dtype)`` whole, bit for bit, without the whole ΔW or the whole
+    float weight ever existing. Block formats (mxfp8, nvfp4) are refused (``ValueError``)."""
+    from . import quant
+
+    if fmt not in PER_TENSOR_FORMATS:
+        raise ValueError(f"{fmt}: the chunked requantize covers the per-tensor formats {PER_TENSOR_FORMATS} only")
+    rows, cols = shape
+    for d in deltas:
+        if d.kind not in KINDS:
+            raise ValueError(f"delta kind {d.kind!r} is not one of {KINDS}")
+        n = _rows_of(d.kind, d.parts) if d.row_map is None else d.row_map.numel()
+        a, b = d.rows if d.rows is not None else (0, rows)
+        if _cols_of(d.kind, d.parts) != cols or b - a != n or not 0 <= a < b <= rows:
+            raise ValueError(f"{d.kind} delta [{n}, {_cols_of(d.kind, d.parts)}] does not fit rows {a}:{b} of a "
+                             f"[{rows}, {cols}] weight")
+    chunk_rows = max(1, int(max_chunk_elems) // max(1, cols))
+    new, new_scales = quant.requantize_add(
+        data, scales, fmt, (rows, cols),
+        lambda r0, r1: delta_sum_rows(deltas, r0, r1, cols, torch.float64, data.device),
+        dtype=source_dtype, chunk_rows=chunk_rows, work_dtype=torch.float64)
+    return new, new_scales, len(quant.requantize_spans(rows, chunk_rows))

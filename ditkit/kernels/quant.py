@@ -326,28 +326,36 @@ def dequantize(data: torch.Tensor, scales: dict[str, torch.Tensor], fmt: str, sh
     return out.to(dtype)
 
 
+def requantize_spans(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """The row chunks :func:`requantize_add` works in: ``chunk_rows`` rounded up to whole 128-row scale tiles."""
+    step = max(128, _roundup(chunk_rows, 128))
+    return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+
+
 def requantize_add(data: torch.Tensor, scales: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int],
                    delta: Callable[[int, int], torch.Tensor], dtype: torch.dtype = torch.bfloat16,
-                   chunk_rows: int = 1024) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   chunk_rows: int = 1024, work_dtype: torch.dtype = torch.float32
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dequantize -> add a delta -> requantize with the same scheme, ``chunk_rows`` rows at a time.
 
     ``delta(r0, r1)`` returns rows ``r0:r1`` of the float update ``[r1-r0, in]`` (e.g. ``B[r0:r1] @ A * scale``);
-    the updated rows are formed as ``(dequantize(...) + delta).to(dtype)``. The result equals
-    ``quantize((dequantize(data, scales, fmt, shape) + full_delta).to(dtype), fmt)`` bit for bit: the per-tensor
-    scales come from a first pass over the chunks (amax of the updated rows), the block formats' rows are
-    independent. Peak extra memory: two chunks of ``[chunk_rows, in]`` float32 plus the new data."""
+    the updated rows are formed as ``(dequantize(...) + delta).to(dtype)``, the sum in ``work_dtype`` (float64:
+    the per-tensor dequantize ``data * scale`` and the add are then exact up to one float64 rounding, and ``dtype``
+    rounds once). The result equals ``quantize((dequantize(data, scales, fmt, shape) + full_delta).to(dtype), fmt)``
+    bit for bit: the per-tensor scales come from a first pass over the chunks (amax of the updated rows), the
+    block formats' rows are independent. Peak extra memory: two chunks of ``[chunk_rows, in]`` in ``work_dtype``
+    plus the new data."""
     get_format(fmt)
     rows, cols = shape
-    step = max(128, _roundup(chunk_rows, 128))   # whole 128-row scale tiles for the block formats
 
     def updated(r0: int, r1: int) -> torch.Tensor:
         if fmt in ("mxfp8", "nvfp4"):
-            base = _dequant_rows(data, scales, fmt, r0, r1, cols)
+            base = _dequant_rows(data, scales, fmt, r0, r1, cols).to(work_dtype)
         else:
-            base = data[r0:r1].float() * scales["weight_scale"].float()
-        return (base + delta(r0, r1).float()).to(dtype)
+            base = data[r0:r1].to(work_dtype) * scales["weight_scale"].to(work_dtype)
+        return (base + delta(r0, r1).to(work_dtype)).to(dtype)
 
-    spans = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    spans = requantize_spans(rows, chunk_rows)
     if fmt in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "nvfp4"):
         amax = None
         for r0, r1 in spans:

@@ -5,7 +5,7 @@ Steps, all pure functions:
 
 1. :func:`parse` groups the file's keys into modules by suffix (``lora_A``/``lora_B`` with or without PEFT's
    ``.default`` adapter infix, ``lora_down``/``lora_up``, ``alpha``; LyCORIS ``lokr_*`` (parsed by the shared
-   LoKr core, ``loaders/lokr.py``) and ``hada_*``; FastVideo ``.diff`` / ``.diff_b`` / ``.set_weight``; curve-form
+   LoKr core, ``loaders/lokr_apply.py``) and ``hada_*``; FastVideo ``.diff`` / ``.diff_b`` / ``.set_weight``; curve-form
    ``adaln_t_table`` and full ``adaln_proj.linear`` replacements). Every key ends up applied, unused (another
    component, with the reason) or refused (an error naming the key): there are no silent skips.
 2. :func:`plan` maps every module onto the ComfyUI H3 key layout (``diffusion_model.blocks.N.attn.qkv_proj`` ...),
@@ -55,7 +55,7 @@ Scale (ΔW = scale * B @ A, per module; the report says which rule gave it):
 * metadata ``alpha`` in a file without ``.alpha`` keys: alpha / rank (diffusers ``MiniMaxH3LoraLoaderMixin``).
 * other alpha-less LoRAs on original names (no prefix, ``lora_unet_``): alpha = rank -> 1.0, as diffusers'
   ``MiniMaxH3LoraLoaderMixin.lora_state_dict`` loads them (the convention larryvrh/MiniMax-H3-Turbo-Lora states).
-* LoKr: the shared LoKr core's rules (``loaders/lokr.py``). LoHa: alpha / rank (LyCORIS ``LohaModule``).
+* LoKr: the shared LoKr core's rules (``loaders/lokr_apply.py``). LoHa: alpha / rank (LyCORIS ``LohaModule``).
 * ``.diff`` / ``.diff_b``: 1.0 (full-rank deltas). ``.set_weight`` / curve-form full AdaLN weights: assigned, i.e.
   ``W = W_base + strength * (W_new - W_base)`` (ComfyUI's pruned-AdaLN merge rule, h3.md §9).
 * otherwise: refused naming what is missing, unless the node's ``scale`` input sets it.
@@ -63,20 +63,18 @@ Scale (ΔW = scale * B @ A, per module; the report says which rule gave it):
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from ..errors import AdapterError, CheckpointError
+from ..errors import AdapterError
 from ..kernels import delta_fuse
 from ..report import Report
 from . import h3 as h3core
-from . import lokr as lokr_core
+from . import lokr_apply as lokr_core
 from .lokr_math import rebuild_w1, rebuild_w2
-from .safetensors_io import SafeFile
 
 QKV_LAYOUTS = ("auto", "interleaved", "contiguous")
 FASTVIDEO_FORMAT = "fastvideo-lora-v2"
@@ -260,42 +258,12 @@ class Module:
     lokr: Optional[lokr_core.LoKrModule] = None
 
 
-@dataclass
-class AdapterFile:
-    path: str
-    tensors: dict[str, torch.Tensor]
-    metadata: dict[str, str]
-    peft_config: dict | None = None
-    config_source: str | None = None
-    notes: list[str] = field(default_factory=list)
+AdapterFile = lokr_core.AdapterFile   # one reader for both adapter paths: ``lokr_apply.read_adapter_file``
 
 
 def read_adapter_file(path: str) -> AdapterFile:
-    """Tensors + metadata of an adapter ``.safetensors`` and the PEFT config that belongs to it (diffusers
-    ``lora_adapter_metadata`` in the file, else ``adapter_config.json`` next to a PEFT-layout file)."""
-    path = os.fspath(path)
-    try:
-        with SafeFile(path) as f:
-            tensors = {k: f.get(k) for k in f.keys()}
-            metadata = dict(f.metadata)
-    except CheckpointError:
-        raise
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"adapter file '{path}' cannot be read ({type(e).__name__}: {e}); truncated or not "
-                              "safetensors?") from None
-    out = AdapterFile(path, tensors, metadata)
-    found = lokr_core.config_from_metadata(metadata)
-    side = os.path.join(os.path.dirname(path), PEFT_CONFIG_NAME)
-    if found is not None:
-        out.peft_config, out.config_source = found
-    elif any(k.startswith("base_model.model.") for k in tensors):
-        if os.path.isfile(side):
-            out.peft_config = lokr_core.read_peft_config_file(side)
-            out.config_source = f"{PEFT_CONFIG_NAME} next to the file"
-    elif os.path.isfile(side):
-        out.notes.append(f"{PEFT_CONFIG_NAME} next to the file not used: only PEFT-layout files (base_model.model.* "
-                         "keys) take their config from it")
-    return out
+    """:func:`lokr_apply.read_adapter_file` naming the file "adapter" in its errors."""
+    return lokr_core.read_adapter_file(path, what="adapter")
 
 
 def _split_key(k: str) -> tuple[str, str] | None:

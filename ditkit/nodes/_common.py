@@ -281,3 +281,11 @@ def check_memory_split(node: str, input_name: str, shape, device, device_parts: 
         preflight.check_memory(node, input_name, shape, host_parts, budget, where)
 
 
+
+
+def adapter_report_lines(plan) -> list[str]:
+    """The closing lines of an adapter loader's report (DitKitLoKrLoader, DitKitAdapterLoader): every key the
+    plan did not use and every module it refused, with why, then its notes."""
+    return ([f"unused {k}: {why}" for k, why in plan.unused.items()]
+            + [f"refused {k}: {why}" for k, why in plan.refused.items()]
+            + [f"note: {n}" for n in plan.notes])

@@ -12,7 +12,7 @@ would refuse it). Families are told apart by tensor names the loaders themselves
 * ``ltx2``: LTX-2 / LTX-Video (``adaln_single.emb.timestep_embedder.linear_1.bias``, ComfyUI's own marker).
 * ``flux2``: FLUX.2 (``double_stream_modulation_img.lin.weight``, ComfyUI's own marker).
 * ``h3_vae``: H3 video / image / audio VAEs (``vae/h3_layout.classify_vae_keys``).
-* ``lokr``: LoKr factors (``*.lokr_w1``, ``*.lokr_w1_a``, ``*.lokr_w2``, ...; ``loaders/lokr.FACTOR_KEYS``).
+* ``lokr``: LoKr factors (``*.lokr_w1``, ``*.lokr_w1_a``, ``*.lokr_w2``, ...; ``loaders/lokr_apply.FACTOR_KEYS``).
 
 A ``model.diffusion_model.`` prefix (full checkpoints) is ignored. Folders (sharded checkpoints) are listed by the
 loader itself, once.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 
-from ..loaders.lokr import FACTOR_KEYS
+from ..loaders.lokr_apply import FACTOR_KEYS
 from ..loaders.safetensors_io import read_header
 from ..vae.h3_layout import classify_vae_keys
 

@@ -19,11 +19,12 @@ from comfy_api.latest import io
 
 from ..bridge.models import is_h3
 from ..errors import AdapterError
+from ..kernels import delta_fuse
 from ..loaders import h3_adapters as core
 from . import _files
-from ._common import send_report, ui_report
+from ._common import adapter_report_lines, send_report, ui_report
 from .h3_loaders import GATE_ATTACHMENT
-from .lokr import apply_lokr, check_weight_keys
+from .lokr import apply_lokr, check_weight_keys, fuse_quantized, quantized_note
 from .lokr import report_text as lokr_report_text
 
 NODE_ID = "DitKitAdapterLoader"
@@ -58,18 +59,33 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
     def base_weight(k: str):
         if k.startswith("gate:"):
             return dict(base_gates).get(int(k[5:]))
-        return sd.get(k)
+        if k not in sd:
+            return None
+        w = model.get_model_object(k)
+        w = getattr(w, "data", w)
+        if type(w).__name__ == "QuantizedTensor":   # the state dict holds its raw codes: use the values
+            p = w._params
+            if getattr(p, "scale", None) is not None and p.scale.numel() == 1:
+                return w._qdata.double() * p.scale.double()   # per-tensor: exact
+            return w.dequantize()
+        return sd[k]
 
     af = core.read_adapter_file(path)
     plan = core.plan(af, g, base_weight, source=source, qkv_layout=qkv_layout, scale_override=scale)
     quant = check_weight_keys(model, sorted({it.target.key for it in plan.items}), "H3 adapters", NODE_ID)
-    if quant:
-        plan.notes.append(f"{len(quant)} quantized layers patched by ComfyUI as dequantize -> fp32 add -> requantize "
-                          "into the same per-tensor layout (whole layer, not chunked)")
+    qdeltas: dict[str, list] = {}
+    for it in plan.items:
+        if it.target.key in quant:
+            qdeltas.setdefault(it.target.key, []).append(
+                delta_fuse.Delta(it.kind, it.parts, float(it.scale) * float(strength), it.row_map, it.target.rows))
+    qweights, qlines = fuse_quantized(model, qdeltas, quant, NODE_ID, "H3 adapter")
+    plan.notes.extend(quantized_note(qlines, strength))
     gates = core.assigned_gates(plan, base_gates, float(strength), source) if plan.gates else None
     patches: dict = {}
     for it in plan.items:
         t = it.target
+        if t.key in quant:
+            continue
         key = t.key if t.rows is None else (t.key, (0, t.rows[0], t.rows[1] - t.rows[0]))
         prev = patches.get(key)
         items = (prev.weights if isinstance(prev.weights, tuple) else (prev.weights,)) + (it,) if prev else it
@@ -79,6 +95,8 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
     missing = [k for k in patches if k not in added]
     if missing:
         raise AdapterError(f"{NODE_ID}: ComfyUI did not accept patches for {missing[:3]} (model keys changed?)")
+    for k, w in qweights.items():
+        m.add_object_patch(k, w)
     if gates is not None:
         m.set_attachments(GATE_ATTACHMENT, gates)
     return m, plan
@@ -92,13 +110,7 @@ def report_text(plan: core.Plan, file: str, strength: float, scale: float | None
         lines.append("applied " + it.describe())
     for i in sorted(plan.gates):
         lines.append(f"assigned sparse-attention gate of block {i} (to_gate_compress.set_weight)")
-    for k, why in plan.unused.items():
-        lines.append(f"unused {k}: {why}")
-    for k, why in plan.refused.items():
-        lines.append(f"refused {k}: {why}")
-    for n in plan.notes:
-        lines.append(f"note: {n}")
-    return "\n".join(lines)
+    return "\n".join(lines + adapter_report_lines(plan))
 
 
 class DitKitAdapterLoader(io.ComfyNode):
@@ -147,7 +159,7 @@ class DitKitAdapterLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model, adapter_name: str, strength: float, qkv_layout: str = "auto",
                 scale: float = 0.0) -> io.NodeOutput:
-        from ..loaders import lokr as lokr_core
+        from ..loaders import lokr_apply as lokr_core
 
         override = None if lokr_core.check_scale_input(scale, "scale") == 0.0 else float(scale)
         lokr_core.check_scale_input(strength, "strength")

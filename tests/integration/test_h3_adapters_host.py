@@ -21,6 +21,7 @@ import torch
 from ditkit.errors import AdapterError, DitKitError
 from ditkit.loaders.safetensors_io import save_file
 from ditkit.tiny import ckpt_h3 as c
+from tests.support.quant_oracle import bits, host_requant_oracle, json_format, saved_weights
 
 CFG = c.CONFIG
 H, HD, NH = CFG["hidden_size"], CFG["attention_head_dim"], CFG["num_attention_heads"]
@@ -556,36 +557,66 @@ def _h3_comfy_quant(sd, fmt, convrot=False):
     return out
 
 
-@pytest.mark.parametrize("fmt,qmax", [("float8_e4m3fn", 448.0), ("int8_tensorwise", 127.0)])
-def test_quantized_h3_base_requantized_same_scheme(comfy, tmp_path, fmt, qmax):
-    """Per-tensor comfy_quant fp8 / int8 H3 layers: ComfyUI dequantizes, ditkit adds ΔW (DiffSynth interleave
-    mapped), ComfyUI requantizes into the same layout; every element within one quantization step of
-    dequant(base) + ΔW (float64 oracle)."""
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "int8_tensorwise"])
+def test_quantized_h3_base_requantized_bit_exact_and_saved_same_scheme(comfy, tmp_path, fmt):
+    """Per-tensor comfy_quant fp8 / int8 H3 layers: ditkit dequantizes, adds ΔW (DiffSynth interleave mapped) and
+    requantizes in row chunks into the same layout; what ModelSave writes equals, bit for bit, the host's own
+    layout quantize of (float64 dequant(base) + float64 ΔW, interleave undone here) rounded to float32."""
+    import comfy.model_management
+    import comfy.quant_ops
+    import comfy.sd
+    import comfy.utils
+
+    from ditkit.nodes.adapters import apply_h3_adapter, report_text
+
+    if fmt not in comfy.quant_ops.QUANT_ALGOS:
+        pytest.skip(f"this host's QUANT_ALGOS has no {fmt}")
+    q = comfy.sd.load_diffusion_model_state_dict(_h3_comfy_quant(c.base_state_dict(), fmt))
+    sd, meta, cfg, expect = build("diffsynth", seed=4)
+    keys = [k for k in expect if k.startswith("diffusion_model.blocks.")]
+    base = {k: comfy.utils.get_attr(q.model, k) for k in keys}
+    before = {k: w._qdata.clone() for k, w in base.items()}
+    m, plan = apply_h3_adapter(q, str(write(tmp_path, "diffsynth", sd, meta, cfg)), 0.5)
+    names = [k[len("diffusion_model."):-len(".weight")] for k in keys]
+    saved = saved_weights(m, tmp_path, names)
+    comfy.model_management.unload_all_models()   # the clone shares q's modules while it is loaded
+    assert any("qkv_proj" in k for k in keys)
+    for name, k in zip(names, keys):
+        d = torch.zeros(tuple(base[k].shape), dtype=torch.float64)
+        for rows, delta in expect[k]:
+            d[slice(*rows) if rows else slice(None)] += 0.5 * delta
+        want, want_scale = host_requant_oracle(base[k], d)
+        got = saved[name]
+        assert json_format(got["comfy_quant"]) == fmt
+        assert torch.equal(bits(got["weight"]), bits(want)), name
+        assert torch.equal(bits(got["weight_scale"].float().reshape(())), bits(want_scale.float().reshape(()))), name
+        assert torch.equal(comfy.utils.get_attr(q.model, k)._qdata, before[k])   # input model untouched
+    assert not q.patches and not q.object_patches
+    text = report_text(plan, "f", 0.5, None, "auto")
+    assert all(f"note: quantized layer {n}.weight: requantized {fmt} in 1 row chunks" in text for n in names)
+
+
+def test_assigned_weight_onto_quantized_h3_layer_uses_its_values(comfy, tmp_path):
+    """``.set_weight`` onto an fp8 layer: W_base + (W_new - W_base) with W_base the layer's VALUES (its state dict
+    holds the raw fp8 codes); the saved layer is W_new within one fp8 step (e4m3: 2^-3 relative, or the scale)."""
+    import comfy.model_management
     import comfy.sd
     import comfy.utils
 
     from ditkit.nodes.adapters import apply_h3_adapter
 
-    q = comfy.sd.load_diffusion_model_state_dict(_h3_comfy_quant(c.base_state_dict(), fmt))
-    sd, meta, cfg, expect = build("diffsynth", seed=4)
-    p = write(tmp_path, "diffsynth", sd, meta, cfg)
-    m, plan = apply_h3_adapter(q, str(p), 1.0)
-    assert any("quantized layers" in n for n in plan.notes)
-    for k, parts in expect.items():
-        if not k.startswith("diffusion_model.blocks."):
-            continue
-        w0q = comfy.utils.get_attr(q.model, k)
-        before = w0q.dequantize().clone()
-        wt = w0q.dequantize().double() + sum(d for _, d in parts)
-        out = patched(m, k)
-        assert type(out).__name__ == "QuantizedTensor" and out.storage_dtype == w0q.storage_dtype
-        s = float(out._params.scale)
-        err = (out.dequantize().double() - wt).abs()
-        if fmt == "int8_tensorwise":
-            assert err.max().item() <= s * (1 + 1e-6)
-        else:
-            assert (err / wt.abs().clamp_min(s)).max().item() <= 0.125 + 1e-6
-        assert torch.equal(comfy.utils.get_attr(q.model, k).dequantize(), before)
+    q = comfy.sd.load_diffusion_model_state_dict(_h3_comfy_quant(c.base_state_dict(), "float8_e4m3fn"))
+    k = "diffusion_model.blocks.0.attn.out_proj.weight"
+    w0 = comfy.utils.get_attr(q.model, k)
+    new = (w0._qdata.double() * w0._params.scale.double() * 0.5 + 0.01).float()
+    p = tmp_path / "assign.safetensors"
+    save_file({"transformer_blocks.0.attn.to_out.0.set_weight": new}, str(p), metadata={"format": "fastvideo-lora-v2"})
+    m, _ = apply_h3_adapter(q, str(p), 1.0)
+    got = saved_weights(m, tmp_path, ["blocks.0.attn.out_proj"])["blocks.0.attn.out_proj"]
+    comfy.model_management.unload_all_models()
+    s = got["weight_scale"].double()
+    err = (got["weight"].double() * s - new.double()).abs()
+    assert (err / new.double().abs().clamp_min(float(s))).max().item() <= 0.125 + 1e-6
 
 
 def test_convrot_h3_base_refused_by_layer(comfy, tmp_path):

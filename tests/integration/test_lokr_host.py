@@ -15,6 +15,8 @@ import torch
 from ditkit.errors import AdapterError, CheckpointError, DitKitError
 from ditkit.loaders.safetensors_io import load_file, save_file
 from ditkit.tiny import ckpt_image as ci
+from tests.support.quant_oracle import bits as _bits
+from tests.support.quant_oracle import host_requant_oracle, json_format, saved_weights
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -190,9 +192,10 @@ def _comfy_quant(sd, fmt):
     for k, v in sd.items():
         if k.endswith(".weight") and v.dim() == 2 and k.startswith(("double_blocks", "single_blocks")):
             p, w = k[: -len("weight")], v.float()
-            if fmt == "float8_e4m3fn":
-                s = w.abs().max() / 448.0
-                out[k] = (w / s).to(torch.float8_e4m3fn)
+            if fmt in ("float8_e4m3fn", "float8_e5m2"):
+                dt = getattr(torch, fmt)
+                s = w.abs().max() / torch.finfo(dt).max
+                out[k] = (w / s).to(dt)
             else:
                 s = w.abs().max() / 127.0
                 out[k] = torch.round(w / s).clamp(-127, 127).to(torch.int8)
@@ -227,42 +230,69 @@ def test_quantized_base_refused_with_layer_and_format(comfy, tiny_ckpts, fmt):
     assert all(torch.equal(before_w[k], after[k].float()) for k in before_w)
 
 
-@pytest.mark.parametrize("fmt,qmax", [("float8_e4m3fn", 448.0), ("int8_tensorwise", 127.0)])
-def test_quantized_base_requantized_same_scheme(comfy, tiny_ckpts, fmt, qmax):
-    """comfy_quant per-tensor fp8 / int8: dequantize -> fp32 add -> requantize into the SAME layout with the
-    scale recomputed. Oracle (float64): W' = dequant(base) + ΔW; scale' = amax|W'| / qmax; every element
-    within one quantization step of W' (stochastic rounding)."""
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "int8_tensorwise"])
+def test_quantized_base_requantized_bit_exact_and_saved_same_scheme(comfy, tiny_ckpts, tmp_path, fmt):
+    """comfy_quant per-tensor fp8 / int8: ditkit dequantizes, adds ΔW and requantizes in row chunks into the SAME
+    layout; what ModelSave writes equals, bit for bit, the host's own layout quantize of (float64 dequant(base) +
+    float64 ΔW) rounded to float32 (ΔW from the file's factors, math in the test). The input model is untouched."""
+    import comfy.model_management
+    import comfy.quant_ops
     import comfy.sd
     import comfy.utils
 
     from ditkit.nodes.lokr import apply_lokr, report_text
 
+    if fmt not in comfy.quant_ops.QUANT_ALGOS:
+        pytest.skip(f"this host's QUANT_ALGOS has no {fmt}")
     path = tiny_ckpts / "diffusion_models" / "flux2_tiny.safetensors"
     q = comfy.sd.load_diffusion_model_state_dict(_comfy_quant(load_file(path), fmt))
-    names = ("single_blocks.0.linear1", "double_blocks.1.txt_attn.qkv")
-    before = {n: comfy.utils.get_attr(q.model, f"diffusion_model.{n}.weight").dequantize().clone() for n in names}
-    m, plan = apply_lokr(q, str(lokr_path(tiny_ckpts, "flux2")), 1.0)
-    assert any("quantized layers" in n and fmt in n for n in plan.notes)
-    assert "requantize" in report_text(plan, "f", 1.0)
+    names = ("single_blocks.0.linear1", "double_blocks.1.txt_attn.qkv", "double_blocks.0.img_attn.proj")
+    keys = [f"diffusion_model.{n}.weight" for n in names]
+    base = {k: comfy.utils.get_attr(q.model, k) for k in keys}
+    before = {k: w._qdata.clone() for k, w in base.items()}
+    m, plan = apply_lokr(q, str(lokr_path(tiny_ckpts, "flux2")), 0.75)
     lsd = load_file(lokr_path(tiny_ckpts, "flux2"))
-    for name in names:
-        k, pre = f"diffusion_model.{name}.weight", f"diffusion_model.{name}"
-        w0q = comfy.utils.get_attr(q.model, k)
-        w0 = w0q.dequantize().double()
+    saved = saved_weights(m, tmp_path, names)
+    comfy.model_management.unload_all_models()   # the clone shares q's modules while it is loaded
+    for name, k in zip(names, keys):
+        pre = f"diffusion_model.{name}"
+        w0q = base[k]
         w2 = lsd[pre + ".lokr_w2_a"].double() @ lsd[pre + ".lokr_w2_b"].double()
-        d = kron64(lsd[pre + ".lokr_w1"], w2) * float(lsd[pre + ".alpha"]) / lsd[pre + ".lokr_w2_b"].shape[0]
-        wt = w0 + d
-        out = patched(m, k)
-        assert type(out).__name__ == "QuantizedTensor" and type(out._params) is type(w0q._params)
-        assert out.storage_dtype == w0q.storage_dtype
-        s = float(out._params.scale)
-        assert abs(s / (wt.abs().max().item() / qmax) - 1) < 1e-6
-        err = (out.dequantize().double() - wt).abs()
-        if fmt == "int8_tensorwise":
-            assert err.max().item() <= s * (1 + 1e-6)
-        else:  # e4m3: 3 mantissa bits -> one step is at most 2^-3 of the magnitude (or of the scale near 0)
-            assert (err / wt.abs().clamp_min(s)).max().item() <= 0.125 + 1e-6
-        assert torch.equal(comfy.utils.get_attr(q.model, k).dequantize(), before[name])  # input model untouched
+        d = kron64(lsd[pre + ".lokr_w1"], w2) * float(lsd[pre + ".alpha"]) / lsd[pre + ".lokr_w2_b"].shape[0] * 0.75
+        want, want_scale = host_requant_oracle(w0q, d)
+        got = saved[name]
+        assert json_format(got["comfy_quant"]) == fmt   # the same scheme on disk
+        assert got["weight"].dtype == w0q._qdata.dtype and got["weight"].shape == w0q._qdata.shape
+        assert torch.equal(_bits(got["weight"]), _bits(want)), name
+        assert torch.equal(_bits(got["weight_scale"].float().reshape(())), _bits(want_scale.float().reshape(()))), name
+        assert torch.equal(comfy.utils.get_attr(q.model, k)._qdata, before[k])   # input model untouched
+    assert not q.object_patches and not q.patches
+    text = report_text(plan, "f", 0.75)
+    assert f"single_blocks.0.linear1.weight: requantized {fmt} in 1 row chunks" in text
+    assert not any(k in m.patches for k in keys) and all(k in m.object_patches for k in keys)
+
+
+def test_quantized_base_failure_leaves_no_partial_patch(comfy, tiny_ckpts, monkeypatch):
+    """A failure on the second quantized layer: AdapterError naming it, nothing registered anywhere."""
+    import comfy.sd
+
+    from ditkit.kernels import delta_fuse
+    from ditkit.nodes.lokr import apply_lokr
+
+    path = tiny_ckpts / "diffusion_models" / "flux2_tiny.safetensors"
+    q = comfy.sd.load_diffusion_model_state_dict(_comfy_quant(load_file(path), "float8_e4m3fn"))
+    real, calls = delta_fuse.requantize_fuse, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("injected")
+        return real(*a, **k)
+
+    monkeypatch.setattr(delta_fuse, "requantize_fuse", flaky)
+    with pytest.raises(AdapterError, match=r"quantized layer 'diffusion_model\.[a-z_0-9.]+\.weight' \(float8_e4m3fn\): injected"):
+        apply_lokr(q, str(lokr_path(tiny_ckpts, "flux2")), 1.0)
+    assert len(calls) == 2 and not q.patches and not q.object_patches
 
 
 def test_node_execute_report(models, tiny_ckpts, comfy):

@@ -16,7 +16,7 @@ Consumers (in-process function / real-host node):
 * ``safetensors_header``: ``loaders.safetensors_io.read_header`` / ``DitKitH3VAELoader`` (file in ``vae/``);
 * ``vae_metadata``: ``vae.metadata.validate_image_vae_metadata`` on the file's ``__metadata__`` /
   ``DitKitH3VAELoader`` on the tiny image VAE's tensors re-saved with this metadata;
-* ``lokr``: ``loaders.lokr.parse_lokr`` + ``plan`` against the tiny FLUX.2 shapes / ``DitKitLoKrLoader`` on
+* ``lokr``: ``loaders.lokr_apply.parse_lokr`` + ``plan`` against the tiny FLUX.2 shapes / ``DitKitLoKrLoader`` on
   ``flux2_tiny.safetensors`` (file in ``loras/``);
 * ``coefficients``: ``cache.coefficients.load`` / ``DitKitTeaCache`` on ``h3_tiny_comfy.safetensors`` (file in the
   output's ``ditkit/teacache/``);

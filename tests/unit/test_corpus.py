@@ -70,7 +70,7 @@ def consume(case: dict, path: Path, flux2_shapes=None):
 
         return validate_image_vae_metadata(read_header(path).metadata, f"VAE file '{path.name}'")
     if kind == "lokr":
-        from ditkit.loaders import lokr
+        from ditkit.loaders import lokr_apply as lokr
         from ditkit.loaders.safetensors_io import load_with_metadata
 
         sd, meta = load_with_metadata(path)

@@ -143,7 +143,7 @@ scalar = st.sampled_from([torch.tensor(1.0), torch.tensor(0.0), torch.tensor(flo
 @given(keys=st.dictionaries(st.tuples(st.sampled_from(PREFIXES), st.sampled_from(SUFFIXES)), st.none(), max_size=8),
        data=st.data())
 def test_fuzz_lokr_parser(keys, data, flux2_shapes):
-    from ditkit.loaders import lokr
+    from ditkit.loaders import lokr_apply as lokr
 
     sd = {}
     for (p, s) in keys:

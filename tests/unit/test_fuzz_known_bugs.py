@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ditkit.cache import coefficients as coef
-from ditkit.loaders import lokr
+from ditkit.loaders import lokr_apply as lokr
 
 T = "diffusion_model.double_blocks.0.img_attn.proj"
 P = "base_model.model.double_blocks.0.img_attn.proj"  # PEFT naming of the same module

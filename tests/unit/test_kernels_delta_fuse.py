@@ -134,3 +134,73 @@ def test_kernel_uses_offs64_for_every_stride_product():
     body = src.split(":", 1)[1]
     assert not re.search(r"\*\s*stride_\w+", body), "raw stride product in _fuse_kernel"
     assert body.count("offs64(") >= 8
+
+
+# ------------------------------------------------------------------ quantized weights (requantize_fuse)
+def _quant_math(w32: torch.Tensor, fmt: str):
+    """Per-tensor quantize written here: fp8 scale = amax / max, codes = clamp(w * (1/scale)) cast (round to
+    nearest even); int8 scale = max(amax / 127, 1e-30), codes = clamp(round(w / scale), -128, 127)."""
+    amax = w32.abs().max()
+    if fmt == "int8_tensorwise":
+        s = (amax / 127.0).clamp(min=1e-30)
+        return torch.round(w32 / s).clamp(-128, 127).to(torch.int8), s
+    dt = getattr(torch, fmt)
+    s = amax / torch.finfo(dt).max
+    return torch.clamp(w32 * (1.0 / s), -torch.finfo(dt).max, torch.finfo(dt).max).to(dt), s
+
+
+@pytest.mark.parametrize("fmt", list(delta_fuse.PER_TENSOR_FORMATS))
+@pytest.mark.parametrize("kind", list(delta_fuse.KINDS))
+@pytest.mark.parametrize("chunk_elems", [1 << 22, 128 * 40])   # one chunk / three 128-row chunks
+def test_requantize_fuse_equals_whole_float64_update(fmt, kind, chunk_elems):
+    """Base codes + a row-mapped delta on rows 30:330 + a whole-weight low-rank delta: the chunked fuse equals
+    quantizing (codes * scale + ΣΔW, all float64, math here) rounded to float32, bit for bit."""
+    g = torch.Generator().manual_seed(sum(map(ord, fmt + kind)))
+    rows, cols = 384, 40
+    w0 = torch.randn(rows, cols, generator=g) * 0.1
+    data, s0 = _quant_math(w0, fmt)
+    parts, d64 = _case(kind, 300, cols, 4, g)
+    rmap = torch.randperm(300, generator=g)
+    up, down = torch.randn(rows, 2, generator=g) * 0.01, torch.randn(2, cols, generator=g)
+    deltas = [delta_fuse.Delta(kind, parts, 0.02, rmap, (30, 330)),
+              delta_fuse.Delta("lowrank", (up, down), -0.5)]
+    new, scales, chunks = delta_fuse.requantize_fuse(data, {"weight_scale": s0}, fmt, (rows, cols), deltas,
+                                                    max_chunk_elems=chunk_elems)
+    w64 = data.double() * s0.double()
+    w64[30:330] += 0.02 * d64[rmap]
+    w64 += -0.5 * (up.double() @ down.double())
+    want, want_s = _quant_math(w64.float(), fmt)
+    assert chunks == (1 if chunk_elems == 1 << 22 else 3)
+    assert new.dtype == data.dtype and torch.equal(new.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(scales["weight_scale"].reshape(()), want_s.reshape(()))
+
+
+def test_requantize_fuse_never_forms_more_than_a_chunk(monkeypatch):
+    seen = []
+    real = delta_fuse.delta_rows
+
+    def spy(kind, parts, idx, dtype=torch.float32):
+        seen.append(idx.numel())
+        return real(kind, parts, idx, dtype)
+
+    monkeypatch.setattr(delta_fuse, "delta_rows", spy)
+    rows, cols = 1024, 64
+    data, s0 = _quant_math(torch.randn(rows, cols), "float8_e4m3fn")
+    up, down = torch.randn(rows, 8), torch.randn(8, cols)
+    _, _, chunks = delta_fuse.requantize_fuse(data, {"weight_scale": s0}, "float8_e4m3fn", (rows, cols),
+                                              [delta_fuse.Delta("lowrank", (up, down), 1.0)], max_chunk_elems=128 * cols)
+    assert chunks == 8 and max(seen) == 128 and len(seen) == 16   # two passes (amax, codes) over 8 chunks
+
+
+@pytest.mark.parametrize("bad", ["block_format", "rows", "cols"])
+def test_requantize_fuse_refuses(bad):
+    data, s0 = _quant_math(torch.randn(64, 16), "float8_e4m3fn")
+    fmt, d = "float8_e4m3fn", delta_fuse.Delta("dense", (torch.randn(64, 16),), 1.0)
+    if bad == "block_format":
+        fmt = "nvfp4"
+    elif bad == "rows":
+        d = delta_fuse.Delta("dense", (torch.randn(10, 16),), 1.0, None, (60, 70))
+    else:
+        d = delta_fuse.Delta("dense", (torch.randn(64, 8),), 1.0)
+    with pytest.raises(ValueError):
+        delta_fuse.requantize_fuse(data, {"weight_scale": s0}, fmt, (64, 16), [d])

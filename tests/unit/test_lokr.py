@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ditkit.errors import AdapterError, UnsupportedModelError
-from ditkit.loaders import lokr as core
+from ditkit.loaders import lokr_apply as core
 from ditkit.loaders.lokr_math import factorization
 from ditkit.tiny import ckpt_image as ci
 

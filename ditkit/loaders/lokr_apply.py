@@ -268,10 +268,11 @@ def read_peft_config_file(path: str) -> dict:
     return cfg
 
 
-def read_adapter_file(path: str) -> AdapterFile:
-    """Tensors + metadata of a LoKr ``.safetensors`` file and the PEFT config that belongs to it: from the
+def read_adapter_file(path: str, what: str = "LoKr") -> AdapterFile:
+    """Tensors + metadata of an adapter ``.safetensors`` file and the PEFT config that belongs to it: from the
     file's ``lora_adapter_metadata`` (diffusers), else, for a PEFT-layout file (``base_model.model.*``),
-    from the ``adapter_config.json`` PEFT's ``save_pretrained`` writes next to it."""
+    from the ``adapter_config.json`` PEFT's ``save_pretrained`` writes next to it. ``what`` names the file
+    in the error (``"LoKr"``; DitKitAdapterLoader: ``"adapter"``). Shared by the LoKr and the H3 adapter paths."""
     path = os.fspath(path)
     try:
         with SafeFile(path) as f:
@@ -280,14 +281,14 @@ def read_adapter_file(path: str) -> AdapterFile:
     except CheckpointError:
         raise
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"LoKr file '{path}' cannot be read ({type(e).__name__}: {e}); truncated or not "
+        raise CheckpointError(f"{what} file '{path}' cannot be read ({type(e).__name__}: {e}); truncated or not "
                               "safetensors?") from None
     out = AdapterFile(path, tensors, metadata)
     found = config_from_metadata(metadata)
     side = os.path.join(os.path.dirname(path), PEFT_CONFIG_NAME)
     if found is not None:
         out.peft_config, out.config_source = found
-    elif detect_writer(tensors) == "peft":
+    elif any(k.startswith("base_model.model.") for k in tensors):
         if os.path.isfile(side):
             out.peft_config, out.config_source = read_peft_config_file(side), f"{PEFT_CONFIG_NAME} next to the file"
     elif os.path.isfile(side):

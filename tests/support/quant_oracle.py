@@ -1,0 +1,44 @@
+"""Oracle helpers for adapters on comfy_quant (quantized) bases, shared by the LoKr and H3 adapter host tests:
+what ModelSave writes, and the host's own layout quantize of the float64 update (never ditkit's code)."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ditkit.loaders.safetensors_io import load_file
+
+
+def saved_weights(m, tmp_path, names) -> dict[str, dict[str, torch.Tensor]]:
+    """What ModelSave writes for ``names`` (``comfy.sd.save_checkpoint``, the function behind ModelSave):
+    {name: {"weight", "weight_scale", "comfy_quant"}} read back from the file."""
+    import comfy.sd
+
+    out = tmp_path / f"saved_{len(list(tmp_path.iterdir()))}.safetensors"
+    comfy.sd.save_checkpoint(str(out), m)
+    sd = load_file(out)
+    got = {}
+    for n in names:
+        pre = next(p for p in ("model.diffusion_model.", "diffusion_model.", "") if f"{p}{n}.weight" in sd)
+        got[n] = {s: sd[f"{pre}{n}.{s}"] for s in ("weight", "weight_scale", "comfy_quant") if f"{pre}{n}.{s}" in sd}
+    return got
+
+
+def host_requant_oracle(qt, delta64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host's own layout quantize (``QuantizedLayout.quantize`` of the base's layout class, scale="recalculate",
+    no stochastic rounding) of (float64 dequant(base) + float64 ΔW) rounded once to float32. The float64 dequant
+    is the raw codes times the scale: exact."""
+    import comfy.quant_ops as q
+
+    w64 = qt._qdata.double() * qt._params.scale.double() + delta64
+    data, params = q.get_layout_class(qt._layout_cls).quantize(w64.float(), scale="recalculate")
+    return data, params.scale
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def json_format(t: torch.Tensor) -> str:
+    """The format name of a ``<layer>.comfy_quant`` tensor."""
+    return json.loads(bytes(t.tolist()).decode())["format"]
