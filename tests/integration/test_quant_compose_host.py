@@ -237,8 +237,12 @@ def _ordinal(codes, fmt):
 def _patched_against_oracle(env, fmt):
     """The patched layers as the sampler and ModelSave see them: the clone patched onto the CPU (weight patches
     and object patches alike, whichever way the loader installs its result), read, then unpatched."""
+    import comfy.model_management
     import comfy.utils
 
+    # a clone sampled by an earlier test stays loaded, its patches applied to the shared module (ComfyUI's way):
+    # unload first, so that the base is read as stored
+    comfy.model_management.unload_all_models()
     base = load(fmt)
     m = lora(base)
     before, want = {}, {}
