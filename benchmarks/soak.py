@@ -14,6 +14,12 @@ prompts and bad files from the corpus.
 
 Prints ``prompts ok / failed-as-expected / unexpected`` (unexpected must be 0) and ``RSS start/end``; exit status 1
 when anything unexpected happened. The ordering is a seeded shuffle, so a run is reproducible.
+
+Rows (``--rows FILE``, ``benchmarks/_harness.py``; what the smoke test reads): case ``soak`` metrics ``prompts``,
+``ok``, ``failed_as_expected``, ``unexpected``, ``server_alive`` (1/0), ``valid_workflows``,
+``deterministic_workflows``, ``invalid_cases``, ``rss_boot`` / ``rss_start`` / ``rss_end`` (MiB), ``rss_growth``
+(fraction after warm-up), ``wall`` (s); case ``warm-up <name>`` metric ``s_per_run`` (note: deterministic or not
+compared); case ``unexpected #<k>`` metric ``what`` (the description in ``note``).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the checkout: ditkit, tests.support
 
+from benchmarks._harness import Rows, add_rows_argument  # noqa: E402
 from ditkit.run import ComfyServer, WorkflowFailed, history_messages, output_files  # noqa: E402
 from tests.support import corpus  # noqa: E402
 
@@ -130,7 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-rss-growth", type=float, default=0.10)
     ap.add_argument("--python", default=None, help="interpreter of the host (default: the checkout's venv)")
     ap.add_argument("--only", nargs="*", help="valid workflow names to use (default: all)")
+    add_rows_argument(ap)
     a = ap.parse_args(argv)
+    rows = Rows(a.rows, "soak")
 
     work = Path(tempfile.mkdtemp(prefix="ditkit_soak_"))
     server = ComfyServer(a.comfyui, python=a.python, out_dir=work / "output", log_path=work / "server.log",
@@ -161,6 +170,8 @@ def main(argv=None) -> int:
             ref[name] = hs[0] if hs[0] is not None and hs[0] == hs[1] else None
             print(f"warm-up {name}: {warm_s[name]} s/run, {'deterministic' if ref[name] else 'not compared'} "
                   f"({len(hs[0] or [])} files)", flush=True)
+            rows.add(f"warm-up {name}", "s_per_run", warm_s[name], "s",
+                     note=f"{'deterministic' if ref[name] else 'not compared'}, {len(hs[0] or [])} files")
         rss_start = rss_kib(pid)
         rng = random.Random(a.seed)
         plan = []
@@ -206,9 +217,19 @@ def main(argv=None) -> int:
         print(f"RSS boot {rss_boot / 1024:.0f} MiB, start (after warm-up) {rss_start / 1024:.0f} MiB, "
               f"end {rss_end / 1024:.0f} MiB, growth {growth * 100:+.1f} %; trace MiB "
               f"{[round(r / 1024) for r in rss_trace]}")
-        print(f"server alive: {alive}; wall {time.monotonic() - t0:.0f} s")
+        wall = time.monotonic() - t0
+        print(f"server alive: {alive}; wall {wall:.0f} s")
         for u in unexpected:
             print("UNEXPECTED:", u)
+        for k, v, unit in (("prompts", a.n, ""), ("ok", ok, ""), ("failed_as_expected", failed_ok, ""),
+                           ("unexpected", len(unexpected), ""), ("server_alive", int(alive), ""),
+                           ("valid_workflows", len(valid), ""), ("deterministic_workflows", n_det, ""),
+                           ("invalid_cases", len(invalid), ""), ("rss_boot", rss_boot / 1024, "MiB"),
+                           ("rss_start", rss_start / 1024, "MiB"), ("rss_end", rss_end / 1024, "MiB"),
+                           ("rss_growth", growth, "fraction"), ("wall", wall, "s")):
+            rows.add("soak", k, v, unit)
+        for k, u in enumerate(unexpected):
+            rows.add(f"unexpected #{k}", "what", 1, note=u)
         return 0 if not unexpected and alive else 1
     finally:
         server.stop()

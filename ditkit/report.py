@@ -13,7 +13,8 @@ Every report is a dataclass deriving from :class:`Report`; the node sends it wit
   - ``VALUES``: ``{key: fn(report) -> value}`` for a key whose value is computed (rounded, truncated, ...).
 
 * ``summary()``: the one-line text (badge, log line, progress text), a short method of each class that has one
-  (the texts hold conditions, counts and unit conversions that a format template would only hide).
+  (the texts hold conditions, counts and unit conversions that a format template would only hide); the
+  ``"k: v"`` lists inside them come from :meth:`Report.kv_list`.
 
 :func:`jsonable` is what ``send_report`` applies to a payload's ``data`` (whatever ``json.dumps`` refuses becomes
 its ``str``; NaN/Infinity floats, which ``json.dumps`` accepts, are left as they are). :data:`ProgressFn` is the
@@ -71,6 +72,13 @@ class Report:
             fmt = self.VALUES.get(key)
             out[key] = plain(fmt(self) if fmt is not None else _attr(self, path or key))
         return out
+
+    @staticmethod
+    def kv_list(items, sep: str = "; ") -> str:
+        """``"k: v"`` for each pair of ``items`` (a dict or a sequence of pairs), joined by ``sep``."""
+        if isinstance(items, dict):
+            items = items.items()
+        return sep.join(f"{k}: {v}" for k, v in items)
 
     def summary(self) -> str:
         raise NotImplementedError(f"{type(self).__name__} has no summary text (it is sent inside another report)")

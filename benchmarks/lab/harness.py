@@ -36,6 +36,15 @@ Prompt adherence: colour and direction read back from the decoded pixels of the 
 every shape 4 times) x ``--adherence-seeds`` seeds, for each guidance scale in ``--adherence-cfgs``.
 
 A feature whose code is missing prints a ``not available`` row; one that raises prints ``error: ...``.
+
+Rows (``--rows FILE``, ``benchmarks/_harness.py``): every figure of the printed tables is also a data row. Case =
+the table row's label, metrics ``status`` (``measured`` / ``not available`` / ``error``, the reason in ``note``),
+``speed`` (x), ``skip`` (fraction of passes), ``video_psnr`` / ``audio_lsd`` / ``audio_snr`` (dB; ``inf`` when
+identical), ``ssim``, ``passes``, ``samples``, ``steps``, ``seconds``, ``frames``, ``gain_db`` (T=1 rows vs native),
+``offset_free_psnr``; case ``run``: ``engine``, ``prompts``, ``seeds``, ``samples``, ``steps``, ``cfg``; case
+``TeaCache calibration``: ``outcome`` (``calibrated`` / ``failed``, spec or error in ``note``); case ``adherence``
+(exact samples): ``colour``, ``direction``, ``n``; cases ``adherence <label>``: ``colour``, ``direction``,
+``both``, ``n``. The smoke tests read these rows, not the printed text.
 """
 from __future__ import annotations
 
@@ -55,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: ditkit, benchmarks.lab
 import lab_comfy as L  # noqa: E402
 
+from benchmarks._harness import Rows, add_rows_argument  # noqa: E402
 from benchmarks.lab import lab_data as D  # noqa: E402
 from benchmarks.lab.lab_metrics import (  # noqa: E402
     log_spectral_distance, paired_gain_ci, psnr, psnr_offset_free, snr, ssim)
@@ -255,8 +265,22 @@ def fmt(x, unit="", nd=2):
     return f"{x:.{nd}f}{unit}"
 
 
-def run_t1(lab, n_clips: int, rows: list):
+METRICS = ("speed", "skip", "video_psnr", "ssim", "audio_lsd", "audio_snr")
+UNITS = {"speed": "x", "skip": "fraction", "video_psnr": "dB", "audio_lsd": "dB", "audio_snr": "dB", "gain_db": "dB",
+         "offset_free_psnr": "dB", "seconds": "s"}
+
+
+def record(out: Rows, label: str, status: str = "measured", note: str = "", **values) -> None:
+    """The data rows of one table row: its ``status`` (the reason in ``note``) and each measured value."""
+    out.add(label, "status", status, note=note)
+    for k, v in values.items():
+        if v is not None:
+            out.add(label, k, v, UNITS.get(k, ""))
+
+
+def run_t1(lab, n_clips: int, rows: list, out: Rows | None = None):
     """Native single-token decode vs repeat-decode on held-out frames."""
+    out = out if out is not None else Rows(None, "lab_harness")
     V = lab.vae
     frame_ids = (0, 8, 16)
     res = {k: [] for k in ("native", "repeat", "clip", "ditkit", "native_ssim", "repeat_ssim", "ditkit_ssim",
@@ -292,6 +316,18 @@ def run_t1(lab, n_clips: int, rows: list):
     better = sum(r > nv for r, nv in zip(res["repeat"], res["native"]))
     gain, lo, hi = paired_gain_ci(res["repeat"], res["native"], res["clip_index"])
     note = f"{n} held-out frames; offset-free PSNR {fmt(mean('native_of'), ' dB')}"
+    record(out, "T=1 decode: native single token", video_psnr=mean("native"), ssim=mean("native_ssim"), frames=n,
+           offset_free_psnr=mean("native_of"))
+    record(out, "T=1 decode: repeat-decode (lab ref)", video_psnr=mean("repeat"), ssim=mean("repeat_ssim"), frames=n,
+           gain_db=gain, offset_free_psnr=mean("repeat_of"))
+    if res["ditkit"]:
+        record(out, dk_label, video_psnr=mean("ditkit"), ssim=mean("ditkit_ssim"), frames=len(res["ditkit"]),
+               gain_db=mean("ditkit") - mean("native"))
+    else:
+        why_dk = why or "not available"
+        record(out, dk_label, "error" if why_dk.startswith("error") else "not available", why_dk)
+    record(out, "(same frames decoded inside their clip)", video_psnr=mean("clip"), ssim=mean("clip_ssim"), frames=n,
+           offset_free_psnr=mean("clip_of"))
     rows.append(("T=1 decode: native single token", "-", "-", fmt(mean("native"), " dB"), fmt(mean("native_ssim"),
                  nd=3), "-", "-", note))
     rows.append(("T=1 decode: repeat-decode (lab ref)", "-", "-", fmt(mean("repeat"), " dB"),
@@ -311,20 +347,23 @@ def run_t1(lab, n_clips: int, rows: list):
     return res
 
 
-def attach_teacache_coefficients(lab, feats, calib_prompts) -> None:
+def attach_teacache_coefficients(lab, feats, calib_prompts, out: Rows | None = None) -> None:
     """Calibrate TeaCache on the lab model (the engine's ``calibrate_teacache``) and give every TeaCache row the
     coefficients; a failed calibration is printed and those rows then report their own error."""
+    out = out if out is not None else Rows(None, "lab_harness")
     if not any(f.module == "ditkit.nodes.teacache" for f in feats):
         return
     try:
         spec, where = lab.calibrate_teacache(calib_prompts)
     except Exception as e:  # noqa: BLE001
         print(f"TeaCache calibration failed: {type(e).__name__}: {e}")
+        out.add("TeaCache calibration", "outcome", "failed", note=f"{type(e).__name__}: {e}")
         return
     for f in feats:
         if f.module == "ditkit.nodes.teacache":
             f.overrides.setdefault("coefficients", spec)
     print(f"TeaCache calibrated on the lab model -> {spec} {where}")
+    out.add("TeaCache calibration", "outcome", "calibrated", note=f"{spec} {where}")
 
 
 def calibrate_teacache(lab: ComfyLab, prompts, name: str = "h3lab") -> str:
@@ -339,7 +378,8 @@ def calibrate_teacache(lab: ComfyLab, prompts, name: str = "h3lab") -> str:
     return f"{name}.json"
 
 
-def run_sampling(lab, prompts, seeds, features, rows: list, adherence: dict):
+def run_sampling(lab, prompts, seeds, features, rows: list, adherence: dict, out: Rows | None = None):
+    out = out if out is not None else Rows(None, "lab_harness")
     base = lab.dit
     exact = {}
     t_exact = 0.0
@@ -358,12 +398,15 @@ def run_sampling(lab, prompts, seeds, features, rows: list, adherence: dict):
             hits["direction"] += direction == words[2]
             hits["n"] += 1
     adherence.update(hits)
+    record(out, "exact path (reference)", speed=1.0, skip=0.0, video_psnr=math.inf, ssim=1.0, audio_lsd=0.0,
+           audio_snr=math.inf, samples=len(exact), steps=lab.steps, passes=n_exact, seconds=t_exact)
     rows.append(("exact path (reference)", "1.00x", "0.00", "inf", "1.000", "0.00 dB", "inf",
                  f"{len(exact)} samples, {lab.steps} steps, {n_exact} passes, {t_exact:.2f}s"))
     for feat in features:
         why = lab.feature_unavailable(feat)
         if why:
             rows.append((feat.name, "-", "-", "-", "-", "-", "-", why))
+            record(out, feat.name, "not available", why)
             continue
         try:
             t_feat = 0.0
@@ -385,9 +428,13 @@ def run_sampling(lab, prompts, seeds, features, rows: list, adherence: dict):
             rows.append((feat.name, f"{t_exact / t_feat:.2f}x", f"{1 - n_feat / n_exact:.2f}",
                          fmt(sum(ps) / k, " dB"), fmt(sum(ss) / k, nd=3), fmt(sum(ls) / k, " dB"),
                          fmt(sum(sn) / k, " dB"), f"{n_feat} passes"))
+            record(out, feat.name, speed=t_exact / t_feat, skip=1 - n_feat / n_exact, video_psnr=sum(ps) / k,
+                   ssim=sum(ss) / k, audio_lsd=sum(ls) / k, audio_snr=sum(sn) / k, samples=k, passes=n_feat,
+                   seconds=t_feat)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             rows.append((feat.name, "-", "-", "-", "-", "-", "-", f"error: {type(e).__name__}: {e}"[:160]))
+            record(out, feat.name, "error", f"error: {type(e).__name__}: {e}"[:160])
 
 
 def run_adherence(lab, prompts, seeds, cfgs, strip: str | None = None) -> list:
@@ -443,6 +490,13 @@ def run_adherence(lab, prompts, seeds, cfgs, strip: str | None = None) -> list:
     return out
 
 
+def record_adherence(out: Rows, rows) -> None:
+    for cfg, c, d, b, n, _ in rows:
+        label = "adherence " + (cfg if isinstance(cfg, str) else f"DiT, cfg {cfg:g}")
+        for k, v in (("colour", c), ("direction", d), ("both", b), ("n", n)):
+            out.add(label, k, v)
+
+
 def print_adherence(rows, prompts, seeds):
     print(f"prompt adherence (read back from pixels, {len(prompts)} prompts x {len(seeds)} seeds, exact path):")
     print("samples            | colour      | direction   | both")
@@ -485,7 +539,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", choices=("comfy", "ref"), default=None,
                     help="comfy: ComfyUI in-process (needs COMFYUI_PATH); ref: pure-torch lab references + ditkit "
                          "cores, no ComfyUI (default: comfy when COMFYUI_PATH is set, else ref)")
+    add_rows_argument(ap)
     a = ap.parse_args(argv)
+    out = Rows(a.rows, "lab_harness")
     engine = a.engine or ("comfy" if os.environ.get("COMFYUI_PATH") else "ref")
     torch.set_num_threads(1)
     steps = a.steps or (6 if a.smoke else 20)
@@ -512,19 +568,29 @@ def main(argv=None) -> int:
     t0 = time.time()
     lab = make_lab(engine, steps, a.dit, a.vae, a.text, a.cfg)
     print(f"engine: {lab.engine_desc}")
+    out.add("run", "engine", lab.engine, note=lab.engine_desc)
+    out.add("run", "steps", steps)
+    out.add("run", "cfg", a.cfg)
     if a.adherence_only:
         adh = run_adherence(lab, ADHERENCE_PROMPTS, adh_seeds, adh_cfgs, a.strip)
         print(f"H3 quality lab: {steps} euler steps, {FRAMES}x{H}x{W} px, CPU, torch threads 1, engine {lab.engine}")
         print_adherence(adh, ADHERENCE_PROMPTS, adh_seeds)
+        record_adherence(out, adh)
         print(f"total {time.time() - t0:.0f}s")
         lab.close()
         return 0
+    out.add("run", "prompts", len(prompts))
+    out.add("run", "seeds", len(seeds))
+    out.add("run", "samples", len(prompts) * len(seeds))
     rows: list = []
-    run_t1(lab, a.t1_clips or (1 if a.smoke else 24), rows)
-    attach_teacache_coefficients(lab, feats, CALIB_PROMPTS[:2] if a.smoke else CALIB_PROMPTS)
+    run_t1(lab, a.t1_clips or (1 if a.smoke else 24), rows, out)
+    attach_teacache_coefficients(lab, feats, CALIB_PROMPTS[:2] if a.smoke else CALIB_PROMPTS, out)
     adherence: dict = {}
-    run_sampling(lab, prompts, seeds, feats, rows, adherence)
+    run_sampling(lab, prompts, seeds, feats, rows, adherence, out)
+    for k in ("colour", "direction", "n"):
+        out.add("adherence", k, adherence[k])
     adh = run_adherence(lab, ADHERENCE_PROMPTS, adh_seeds, adh_cfgs, a.strip) if adh_cfgs else []
+    record_adherence(out, adh)
     print()
     print(f"H3 quality lab: {len(prompts)} prompt(s) x {len(seeds)} seed(s), {steps} euler steps, cfg {a.cfg:g} "
           f"(negative: null prompt), {FRAMES}x{H}x{W} px, CPU, torch threads 1, engine {lab.engine}")

@@ -184,24 +184,28 @@ def install_gate_replaces(m, dm, gates: dict) -> None:
     under ``GATE_KEY`` during sparse forwards, chaining any replace already installed."""
     from comfy.ldm.minimax.model import _mod_scale_shift
 
+    from .blocks import block_modulation, install_memo, memo_extra
+
+    install_memo(m, dm)
     dit = m.model_options.setdefault("transformer_options", {}).setdefault("patches_replace", {}).get("dit", {})
     for i, w in gates.items():
-        blk = dm.blocks[i]
         prev = dit.get(("double_block", i))
-        heads, hd = blk.attn.heads, blk.attn.head_dim
+        heads, hd = dm.blocks[i].attn.heads, dm.blocks[i].attn.head_dim
 
-        def replace(args, extra, blk=blk, w=w, prev=prev, heads=heads, hd=hd):
+        def replace(args, extra, i=i, w=w, prev=prev, heads=heads, hd=hd):
             to = args["transformer_options"]
             ctx = to.get(CTX_KEY)
             if ctx is not None and ctx.sparse:
+                blk = dm.blocks[i]  # the block that runs now (the one the memo and the block's own run use)
                 x = args["img"]
-                shift, scale = blk.adaln_proj(args["t_emb"])[:2]
+                shift, scale = block_modulation(args, blk, i)[:2]
                 h = _mod_scale_shift(blk.norm1(x), shift, scale, args["mod_segments"])
                 g = F.linear(h, w.to(device=h.device, dtype=h.dtype))
                 g = g.view(h.shape[0], heads, hd).transpose(0, 1).unsqueeze(0)
                 to = dict(to)
                 to[GATE_KEY] = g
                 args = dict(args, transformer_options=to)
+            extra = memo_extra(extra, dm, i)
             if prev is not None:
                 return prev(args, extra)
             return extra["original_block"](args)

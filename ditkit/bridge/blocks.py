@@ -45,6 +45,128 @@ from ..cache.teacache import TeaCacheState
 
 HOLDER_KEY = "ditkit_teacache"
 CALL_KEY = "ditkit_teacache_call"
+MEMO_KEY = "ditkit_h3_modulation"          # transformer_options key: this forward's ModulationMemo (H3)
+MEMO_WRAPPER_KEY = "ditkit_h3_modulation"  # key of the DIFFUSION_MODEL wrapper that creates it
+
+
+# ================================================================================================ H3 modulation memo
+
+class ModulationMemo:
+    """H3: ``blocks[i].adaln_proj(t_emb)`` of ONE DiT forward, computed once and shared by TeaCache's skip decision
+    (block 0), the FastH3 gate replace (each gated block) and the block itself (:func:`h3_block_forward`).
+
+    Created per forward by :func:`memo_wrapper` in the forward's own copy of ``transformer_options`` and cleared in
+    its ``finally``, so no state outlives a forward, a sampling run or a clone. An entry is reused only for the very
+    same block module and ``t_emb`` tensor (object identity of live objects held here, not ``id()`` numbers); the
+    block's own run takes it out (nothing reads it after the block)."""
+
+    __slots__ = ("_mods", "computed")
+
+    def __init__(self):
+        self._mods: dict[int, tuple[Any, torch.Tensor, tuple]] = {}
+        self.computed = 0
+
+    def get(self, idx: int, blk, t_emb: torch.Tensor) -> tuple:
+        hit = self._mods.get(idx)
+        if hit is not None and hit[0] is blk and hit[1] is t_emb:
+            return hit[2]
+        mods = blk.adaln_proj(t_emb)
+        self._mods[idx] = (blk, t_emb, mods)
+        self.computed += 1
+        return mods
+
+    def take(self, idx: int, blk, t_emb: torch.Tensor) -> tuple:
+        mods = self.get(idx, blk, t_emb)
+        self._mods.pop(idx, None)
+        return mods
+
+    def clear(self) -> None:
+        self._mods.clear()
+
+
+def block_modulation(args: dict, blk, idx: int) -> tuple:
+    """Block ``idx``'s ``adaln_proj(t_emb)`` for a ``("double_block", idx)`` replace: from this forward's memo when
+    there is one, else computed (the block will compute it again)."""
+    memo = (args.get("transformer_options") or {}).get(MEMO_KEY)
+    if memo is None:
+        return blk.adaln_proj(args["t_emb"])
+    return memo.get(idx, blk, args["t_emb"])
+
+
+def h3_block_forward(blk, mods: tuple, args: dict) -> torch.Tensor:
+    """ComfyUI 0.33's ``comfy.ldm.minimax.model.DiTBlock.forward`` on an already computed modulation ``mods`` (the
+    same operations in the same order: bit-identical, ``tests/integration/test_h3_modulation_memo_host.py``)."""
+    from comfy.ldm.minimax.model import _mod_gate, _mod_scale_shift
+
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
+    x, segs, to = args["img"], args["mod_segments"], args["transformer_options"]
+    h = _mod_scale_shift(blk.norm1(x), shift_msa, scale_msa, segs)
+    x = _mod_gate(x, gate_msa, blk.attn(h, rope_freqs=args["rope_freqs"], transformer_options=to), segs)
+    h = _mod_scale_shift(blk.norm2(x), shift_mlp, scale_mlp, segs)
+    return _mod_gate(x, gate_mlp, blk.mlp(h), segs)
+
+
+def _plain_block(blk) -> bool:
+    """``blk`` is ComfyUI's own ``DiTBlock`` with nothing observing its call (no module hooks on it, no global module
+    hooks; a ``torch.compile``-d or otherwise swapped block is another type): running its forward's body directly is
+    then indistinguishable from calling it."""
+    from comfy.ldm.minimax.model import DiTBlock
+
+    mm = torch.nn.modules.module
+    return (type(blk).forward is DiTBlock.forward and not blk._forward_hooks and not blk._forward_pre_hooks
+            and not mm._global_forward_hooks and not mm._global_forward_pre_hooks)
+
+
+def memo_extra(extra: dict, dm, idx: int) -> dict:
+    """``extra`` for the rest of a block-replace chain, whose ``original_block`` runs ``dm.blocks[idx]`` (looked up
+    when it runs) on this forward's memoised modulation (:func:`h3_block_forward`). Without a memo in the forward,
+    or when the block is not a plain ComfyUI ``DiTBlock`` (:func:`_plain_block`), ComfyUI's own call runs."""
+    orig = extra["original_block"]
+    if getattr(orig, "_ditkit_memo", False):
+        return extra
+
+    def original_block(args):
+        memo = (args.get("transformer_options") or {}).get(MEMO_KEY)
+        blk = dm.blocks[idx]
+        if memo is None or not _plain_block(blk):
+            return orig(args)
+        return {"img": h3_block_forward(blk, memo.take(idx, blk, args["t_emb"]), args)}
+
+    original_block._ditkit_memo = True
+    return dict(extra, original_block=original_block)
+
+
+def memo_wrapper(executor, *args, **kwargs):
+    """``DIFFUSION_MODEL`` wrapper (H3): a fresh :class:`ModulationMemo` under ``MEMO_KEY`` in this forward's own
+    copy of ``transformer_options``, cleared when the forward ends. Nested installs reuse the outer one."""
+    to = args[3] if len(args) > 3 else kwargs.get("transformer_options")
+    if not isinstance(to, dict) or MEMO_KEY in to:
+        return executor(*args, **kwargs)
+    memo = ModulationMemo()
+    to = dict(to)
+    to[MEMO_KEY] = memo
+    if len(args) > 3:
+        args = args[:3] + (to,) + tuple(args[4:])
+    else:
+        kwargs["transformer_options"] = to
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        memo.clear()
+
+
+def install_memo(m, dm) -> bool:
+    """Install :func:`memo_wrapper` on the clone ``m`` (once) when every block of ``dm`` is ComfyUI's own
+    ``DiTBlock`` (whose forward :func:`h3_block_forward` repeats); returns whether it is installed. A model with
+    other block classes keeps computing the modulation in each place (same outputs, no memo)."""
+    import comfy.patcher_extension as pe
+    from comfy.ldm.minimax.model import DiTBlock
+
+    if not all(type(b).forward is DiTBlock.forward for b in dm.blocks):
+        return False
+    if not m.get_wrappers(pe.WrappersMP.DIFFUSION_MODEL, MEMO_WRAPPER_KEY):
+        m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, MEMO_WRAPPER_KEY, memo_wrapper)
+    return True
 
 
 # ================================================================================================ adapters
@@ -75,6 +197,10 @@ class Adapter:
     def identity(self, args: dict, kind: str) -> dict:
         return {"img": args["img"]}
 
+    def block_extra(self, model, pos: int, extra: dict) -> dict:
+        """``extra`` for running the block at stack position ``pos`` (H3: on this forward's memoised modulation)."""
+        return extra
+
     def stream_outputs(self, out: dict, n: int, ctx: "CallCtx") -> dict[str, list[torch.Tensor]]:
         raise NotImplementedError
 
@@ -94,7 +220,7 @@ class H3Adapter(Adapter):
     def modulated_inputs(self, model, args, n, ctx):
         blk = model.blocks[0]
         h = args["img"]
-        shift, scale = blk.adaln_proj(args["t_emb"])[:2]
+        shift, scale = block_modulation(args, blk, 0)[:2]
         (va, vb, vrow), (aa, ab, arow) = self._target_segments(args["mod_segments"])
         ctx.meta["video_rows"] = (va, vb)
         ctx.meta["audio_rows"] = (aa, ab)
@@ -107,6 +233,9 @@ class H3Adapter(Adapter):
             return x * (1.0 + scale[row].to(x.dtype)) + shift[row].to(x.dtype)
 
         return {"video": [mod(va, vb, vrow)], "audio": [mod(aa, ab, arow)]}
+
+    def block_extra(self, model, pos, extra):
+        return memo_extra(extra, model, pos)
 
     def stack_input(self, args, ctx):
         return [args["img"].unsqueeze(0).clone()]
@@ -332,7 +461,7 @@ def make_block_replace(pos: int, n: int, kind: str, adapter: Adapter, prev: Call
         holder = ctx.holder
         if pos == 0:
             holder.on_first(ctx, args)
-        out = adapter.identity(args, kind) if ctx.skip else run_block(args, extra)
+        out = adapter.identity(args, kind) if ctx.skip else run_block(args, adapter.block_extra(ctx.model, pos, extra))
         if pos == n - 1:
             out = holder.on_last(ctx, out)
         return out

@@ -33,7 +33,7 @@ from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
 from ..loaders import safe_fs
 from ..nodes._common import current_graph, send_report
 from . import fingerprint
-from .blocks import HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, make_block_replace
+from .blocks import HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, install_memo, make_block_replace
 from .models import teacache_family
 
 log = logging.getLogger("ditkit")
@@ -211,6 +211,8 @@ def install(model, holder: TeaCacheHolder, sample_wrapper) -> None:
     if n == 0:
         raise UnsupportedModelError("TeaCache: the model has no transformer blocks")
     existing = model.model_options["transformer_options"].get("patches_replace", {}).get("dit", {})
+    if holder.family == "h3":
+        install_memo(model, dm)  # block 0's modulation: computed once per forward for the decision and the block
     if holder.family == "zimage":
         reps = [make_block_replace(i, n, kind, adapter) for i, (kind, _) in enumerate(stack)]
         model.add_object_patch("diffusion_model.layers", HookedLayers(dm.layers, reps))

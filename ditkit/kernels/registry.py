@@ -86,7 +86,7 @@ class Selection(Report):
         return self.unverified is None
 
     def summary(self) -> str:
-        rej = "; ".join(f"{n}: {r}" for n, r in self.rejected) or "none"
+        rej = self.kv_list(self.rejected) or "none"
         warn = f" [chosen explicitly, UNVERIFIED: {self.unverified}]" if self.unverified else ""
         return f"{self.op} -> {self.backend}{warn} (rejected: {rej})"
 

@@ -147,6 +147,6 @@ class VSAH3Runtime(Report):
         return (f"VSA-H3 backend {used}; steps sparse {len(self.steps_sparse)} / dense {len(self.steps_dense)}"
                 + (f" / {idle} without block attention (skipped by a step cache)" if idle else "") + "; "
                 f"attention calls sparse {self.calls.get('sparse', 0)}, dense {sum(dense.values())}"
-                + (f" ({', '.join(f'{k}: {v}' for k, v in dense.items())})" if dense else "")
+                + (f" ({self.kv_list(dense, ', ')})" if dense else "")
                 + f"; measured block density {dens} (keep {self.cfg.keep:g}, k={self.k_video}); gate {self.gate_source}"
                 + (f"; kernels resolved once per forward: {'; '.join(self.kernels)}" if self.kernels else ""))

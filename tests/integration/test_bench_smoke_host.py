@@ -135,3 +135,11 @@ def test_bench_vae_t1_smoke(comfyui_path, tmp_path):
     else:
         assert rows.value("lab", "present") is False
     assert "PSNR vs source image" in out
+
+
+def test_bench_h3_modulation_memo_smoke(comfyui_path, tmp_path):
+    _, rows = _run(comfyui_path, tmp_path, "bench_h3_modulation_memo.py", "--rounds", "2", "--steps", "2")
+    rows.positive("tiny_fasth3", "memo_s_per_step")
+    rows.positive("tiny_fasth3", "no_memo_s_per_step")
+    _ratio_row(rows, "tiny_fasth3", "no_memo_over_memo")
+    assert rows.value("tiny_fasth3", "max_abs_diff") == 0.0, "the memo changed the sampling output"

@@ -133,3 +133,30 @@ def test_send_report_takes_a_report(comfy):
     assert payload["data"] == {"rounded": 1.0, "hits": 2, "total": 1.0, "frames": 4, "file": "f"}
     plain_payload = send_report("7", "DitKitX", "kind", "text", {"frames": 4})
     assert plain_payload["summary"] == "text" and plain_payload["data"] == {"frames": 4}
+
+
+def test_kv_list_joins_key_value_pairs():
+    assert Report.kv_list({"a": 1, "b": "x"}) == "a: 1; b: x"
+    assert Report.kv_list([("masked call", 2), ("refiner", 1)], ", ") == "masked call: 2, refiner: 1"
+    assert Report.kv_list({}) == ""
+
+
+def test_summaries_built_on_kv_list_keep_their_text():
+    """The full texts of the two summaries whose "k: v" lists come from Report.kv_list (pinned as on main)."""
+    from ditkit.kernels.registry import Query, Selection
+    from ditkit.kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
+
+    q = Query(op="block_sparse_attn", device_type="cpu", device_index=None, capability=None, dtype=torch.float32,
+              head_dim=64)
+    sel = Selection("block_sparse_attn", "cpu", len, True, (("triton", "needs CUDA"), ("flex", "torch < 2.5")), q)
+    assert sel.summary() == "block_sparse_attn -> cpu (rejected: triton: needs CUDA; flex: torch < 2.5)"
+    none = Selection("block_sparse_attn", "cpu", len, True, (), q, unverified="never run")
+    assert none.summary() == "block_sparse_attn -> cpu [chosen explicitly, UNVERIFIED: never run] (rejected: none)"
+    rt = VSAH3Runtime(VSAH3Config(keep=0.25), gate_source="none")
+    ctx = rt.begin_forward((10, 74), (7, 8, 8), 0.5)
+    rt.dense_call("masked call", ctx)
+    rt.dense_call("token refiner / non-packed")
+    rt.dense_call("token refiner / non-packed")
+    assert rt.summary() == ("VSA-H3 backend none (no sparse call); steps sparse 0 / dense 1; attention calls sparse 0, "
+                            "dense 3 (masked call: 1, token refiner / non-packed: 2); measured block density n/a "
+                            "(keep 0.25, k=None); gate none")
