@@ -257,7 +257,7 @@ def mode_name(m: str) -> str:
 
 
 def rss_table(label: str, case: str, official: Path, comfy_file: Path, comfyui: str, python: str, repeats: int,
-              warm: Path, rows) -> list[str]:
+              warm: Path, rows, jobs: int = 1) -> list[str]:
     from benchmarks._harness import ratio_stats, stats
     from ditkit.loaders.safetensors_io import read_header
 
@@ -266,13 +266,25 @@ def rss_table(label: str, case: str, official: Path, comfy_file: Path, comfyui: 
     src_bytes = sum(ti.nbytes for ti in hdr.tensors.values())
     modes = ["stock"] + list(FORMATS) + [CONVERT]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for _ in range(repeats):                      # interleaved: stock, fmt1, ..., stock, fmt1, ...
-        for m in modes:
-            runs[m].append(run_child(m, comfy_file if m == "stock" else official, comfyui, python, warm))
+    for rnd in range(repeats):                    # interleaved: stock, fmt1, ..., stock, fmt1, ...
+        def one(m):
+            return run_child(m, comfy_file if m == "stock" else official, comfyui, python, warm)
+
+        if jobs > 1:                              # a round's children side by side (peak RSS is per process)
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(jobs) as ex:
+                got = list(ex.map(one, modes))
+        else:
+            got = [one(m) for m in modes]
+        for m, r in zip(modes, got):
+            runs[m].append(r)
+            print(f"  round {rnd + 1}: {json.dumps(r)}", file=sys.stderr, flush=True)
     rows.add(case, "source_bytes", src_bytes, "B")
     rows.add(case, "two_largest_bytes", sum(largest), "B")
     out = [f"### {label}: source {src_bytes / 2**20:.1f} MiB, two largest tensors {sum(largest) / 2**20:.1f} MiB, "
-           f"{repeats} interleaved run(s) per row",
+           f"{repeats} interleaved run(s) per row" + (f", {jobs} loads at a time (load times include the contention)"
+                                                     if jobs > 1 else ""),
            "| path | resident after load | peak RSS growth median (min-max) | target (resident + 2 largest) | "
            "peak / stock median (min-max) | load s median |", "|---|---|---|---|---|---|"]
     stock = [r["peak_growth"] for r in runs["stock"]]
@@ -326,6 +338,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scale-gb", type=float, default=1.5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--jobs", type=int, default=1, help="children of one round run side by side (peak RSS is per "
+                                                        "process; load times then include the contention)")
     ap.add_argument("--no-rss", action="store_true", help="skip part 1 (no host needed)")
     ap.add_argument("--skip-tiny-rss", action="store_true", help="part 1 on the scaled-up model only")
     ap.add_argument("--error-on-scaled", action="store_true",
@@ -378,7 +392,7 @@ def main(argv=None) -> int:
             return 0
         print()
         print("\n".join(rss_table(f"scaled-up H3 ({cfg['num_layers']} blocks, hidden 1024)", "scaled", b_off, b_comfy,
-                                  comfyui, python, a.repeats, t_comfy, rows)), flush=True)
+                                  comfyui, python, a.repeats, t_comfy, rows, a.jobs)), flush=True)
     return 0
 
 
