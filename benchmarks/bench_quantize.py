@@ -3,17 +3,21 @@
 Three parts, one run:
 
 1. **Peak RSS of loading** (needs a ComfyUI host: ``COMFYUI_PATH`` or ditkit's cached host), each load in a fresh
-   subprocess, runs interleaved (stock, fmt1, fmt2, ..., stock, fmt1, ...) and repeated ``--repeats`` times;
-   printed: median and min-max of the peak RSS growth during the load (``ru_maxrss`` minus the RSS after the
-   imports) for
+   subprocess, runs interleaved (stock, fmt1, fmt2, ..., converter, stock, fmt1, ...: ABAB) for ``--repeats``
+   rounds; printed: median and min-max of the peak RSS growth during the load (the peak of ``/proc/self/statm``
+   sampled every 0.5 ms, and ``ru_maxrss`` when it rose above the warm-up's mark, minus the RSS before the load),
+   the per-round ratio to the stock path, the load time, and the target ``resident after load + 2 largest
+   tensors`` (``quantized size + 2 largest tensors``, issue #20) with whether the median meets it, for
 
    * ``stock``: the ComfyUI-layout file through ``comfy.sd.load_diffusion_model`` with ``dtype=float8_e4m3fn``
      (what UNETLoader ``weight_dtype fp8_e4m3fn`` does: read bf16, then cast);
    * each format: ``DitKitH3ModelLoader``'s path (``load_h3_model(..., weight_format=fmt)``) from the
      **official shards** (interleaved qkv; the stock loader cannot read those at all);
+   * ``convert float8_e4m3fn``: ``python -m ditkit.quantize`` from the official shards to a file (nothing is
+     kept: its target is the 2 largest tensors alone);
 
-   for the tiny official H3 and a generated scaled-up H3 (``--scale-gb``, default 1.0 GB of bf16 random weights with
-   the real key layout), next to the target ``quantized size + 2 largest tensors``.
+   for the tiny official H3 and a generated scaled-up H3 (``--scale-gb``, default 1.5 GB of bf16 random weights
+   with the real key layout, hidden 1024), each figure also a row (``--rows FILE``, ``benchmarks/_harness.py``).
 2. **Weight reconstruction error per layer class** (plain torch): ``||W - deq(Q(W))|| / ||W||`` over each class,
    for every format, on the tiny H3 (``--error-on-scaled``: the scaled-up one); random weights, so this is a
    property of the format, not of training.
@@ -29,7 +33,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import Rows, add_rows_argument  # noqa: E402
 
 FORMATS = ("float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4")
 
@@ -101,19 +106,26 @@ def resident_bytes(family: str, inv, fmt: str | None) -> int:
     return total
 
 
-def real_size_table() -> list[str]:
-    rows = ["| model (real dims) | as stored (bf16 + fp32 islands) | " + " | ".join(FORMATS) + " |",
-            "|---|---|" + "---|" * len(FORMATS)]
+def real_size_table(rows=None) -> list[str]:
+    lines = ["| model (real dims) | as stored (bf16 + fp32 islands) | " + " | ".join(FORMATS) + " |",
+             "|---|---|" + "---|" * len(FORMATS)]
     for fam, label in (("h3", "MiniMax H3 DiT"), ("ltx2", "LTX-2 19B DiT"), ("zimage", "Z-Image 6B DiT"),
                        ("flux2", "FLUX.2-dev DiT")):
         inv = inventory(fam, REAL[fam])
         base = resident_bytes(fam, inv, None)
-        cells = [f"{resident_bytes(fam, inv, f) / 2**30:.2f} GiB" for f in FORMATS]
-        rows.append(f"| {label} | {base / 2**30:.2f} GiB | " + " | ".join(cells) + " |")
+        sizes = {f: resident_bytes(fam, inv, f) for f in FORMATS}
+        cells = [f"{sizes[f] / 2**30:.2f} GiB" for f in FORMATS]
+        if rows is not None:
+            rows.add(f"real/{fam}", "bytes_as_stored", base, "B")
+            for f in FORMATS:
+                rows.add(f"real/{fam}", f"bytes_{f}", sizes[f], "B")
+        lines.append(f"| {label} | {base / 2**30:.2f} GiB | " + " | ".join(cells) + " |")
     h3 = resident_bytes("h3", inventory("h3", REAL["h3"]), None)
-    rows.append(f"\nH3 inventory check: {h3:,} bytes as stored; the official index's total_size is "
-                f"{H3_OFFICIAL_BYTES:,} ({'equal' if h3 == H3_OFFICIAL_BYTES else 'DIFFERENT'})")
-    return rows
+    if rows is not None:
+        rows.add("real/h3", "official_index_total_bytes", H3_OFFICIAL_BYTES, "B")
+    lines.append(f"\nH3 inventory check: {h3:,} bytes as stored; the official index's total_size is "
+                 f"{H3_OFFICIAL_BYTES:,} ({'equal' if h3 == H3_OFFICIAL_BYTES else 'DIFFERENT'})")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
@@ -156,25 +168,36 @@ def _rss_now() -> int:
 
 def child(mode: str, path: str, comfyui: str, warm: str) -> None:
     """One load in this fresh process. A warm-up load of the tiny ComfyUI file first (ComfyUI imports model code
-    and allocates its caches on the first load), then the peak RSS during the measured load is sampled every
-    millisecond by a thread (and taken from ru_maxrss when that rose above the warm-up's mark)."""
+    and allocates its caches on the first load; the converter converts the tiny file once), then the peak RSS
+    during the measured load is sampled every 0.5 ms by a thread (and taken from ru_maxrss when that rose above
+    the warm-up's mark)."""
     import gc
     import threading
+    import time
 
-    sys.path.insert(0, comfyui)
-    from comfy.cli_args import args
-
-    args.cpu = True
     import torch
 
-    import comfy.sd  # noqa: F401
-    from ditkit.nodes import h3_loaders
-
     torch.set_num_threads(1)
-    w = comfy.sd.load_diffusion_model(warm, model_options={"dtype": torch.float8_e4m3fn})
-    del w
-    w, _ = h3_loaders.load_h3_model(warm, weight_format="float8_e4m3fn")
-    del w
+    convert = mode.startswith("convert:")
+    if convert:
+        from ditkit.quantize import convert as run_convert
+
+        out_dir = tempfile.mkdtemp(prefix="ditkit-bench-conv-")
+        run_convert(warm, os.path.join(out_dir, "warm.safetensors"), mode.split(":", 1)[1], hash_sources=False,
+                    log=lambda *a: None)
+        os.unlink(os.path.join(out_dir, "warm.safetensors"))
+    else:
+        sys.path.insert(0, comfyui)
+        from comfy.cli_args import args
+
+        args.cpu = True
+        import comfy.sd  # noqa: F401
+        from ditkit.nodes import h3_loaders
+
+        w = comfy.sd.load_diffusion_model(warm, model_options={"dtype": torch.float8_e4m3fn})
+        del w
+        w, _ = h3_loaders.load_h3_model(warm, weight_format="float8_e4m3fn")
+        del w
     gc.collect()
     mark = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     before = _rss_now()
@@ -184,23 +207,35 @@ def child(mode: str, path: str, comfyui: str, warm: str) -> None:
     def poll():
         while not stop.is_set():
             peak[0] = max(peak[0], _rss_now())
-            stop.wait(0.001)
+            stop.wait(0.0005)
 
     th = threading.Thread(target=poll, daemon=True)
     th.start()
+    t0 = time.perf_counter()
+    m = None
     if mode == "stock":
         m = comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float8_e4m3fn})
+    elif convert:
+        out = os.path.join(out_dir, "out.safetensors")
+        run_convert(path, out, mode.split(":", 1)[1], hash_sources=False, log=lambda *a: None)
     else:
         m, _ = h3_loaders.load_h3_model(path, weight_format=mode)
+    seconds = time.perf_counter() - t0
     stop.set()
     th.join()
     top = max(peak[0], _rss_now())
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if maxrss > mark:
         top = max(top, maxrss)
-    sd = m.model.diffusion_model.state_dict()
-    resident = sum(t.numel() * t.element_size() for t in sd.values())
-    print(json.dumps({"mode": mode, "peak_growth": top - before, "before": before, "resident": resident}))
+    if convert:
+        resident = 0
+        os.unlink(out)
+        os.rmdir(out_dir)
+    else:
+        sd = m.model.diffusion_model.state_dict()
+        resident = sum(t.numel() * t.element_size() for t in sd.values())
+    print(json.dumps({"mode": mode, "peak_growth": top - before, "before": before, "resident": resident,
+                      "seconds": seconds}))
 
 
 def run_child(mode: str, path: Path, comfyui: str, python: str, warm: Path) -> dict:
@@ -215,39 +250,74 @@ def run_child(mode: str, path: Path, comfyui: str, python: str, warm: Path) -> d
 
 # --------------------------------------------------------------------------------------------- parts
 
-def rss_table(label: str, official: Path, comfy_file: Path, comfyui: str, python: str, repeats: int,
-              warm: Path) -> list[str]:
+CONVERT = "convert:float8_e4m3fn"
+
+
+def mode_name(m: str) -> str:
+    if m == "stock":
+        return "stock UNETLoader fp8 cast (ComfyUI file)"
+    if m.startswith("convert:"):
+        return f"python -m ditkit.quantize {m.split(':', 1)[1]} (official shards -> file)"
+    return f"ditkit {m} (official shards)"
+
+
+def rss_table(label: str, case: str, official: Path, comfy_file: Path, comfyui: str, python: str, repeats: int,
+              warm: Path, rows, jobs: int = 1) -> list[str]:
+    from benchmarks._harness import ratio_stats, stats
     from ditkit.loaders.safetensors_io import read_header
 
     hdr = read_header(comfy_file)
     largest = sorted((ti.nbytes for ti in hdr.tensors.values()), reverse=True)[:2]
     src_bytes = sum(ti.nbytes for ti in hdr.tensors.values())
-    modes = ["stock"] + list(FORMATS)
+    modes = ["stock"] + list(FORMATS) + [CONVERT]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for _ in range(repeats):                      # interleaved: stock, fmt1, ..., stock, fmt1, ...
-        for m in modes:
-            runs[m].append(run_child(m, comfy_file if m == "stock" else official, comfyui, python, warm))
-    rows = [f"### {label}: source {src_bytes / 2**20:.1f} MiB, two largest tensors {sum(largest) / 2**20:.1f} MiB, "
-            f"{repeats} interleaved run(s) per row",
-            "| path | resident after load | peak RSS growth median (min-max) | target (resident + 2 largest) | "
-            "peak / stock |", "|---|---|---|---|---|"]
-    stock_med = statistics.median(r["peak_growth"] for r in runs["stock"])
+    for rnd in range(repeats):                    # interleaved: stock, fmt1, ..., stock, fmt1, ...
+        def one(m):
+            return run_child(m, comfy_file if m == "stock" else official, comfyui, python, warm)
+
+        if jobs > 1:                              # a round's children side by side (peak RSS is per process)
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(jobs) as ex:
+                got = list(ex.map(one, modes))
+        else:
+            got = [one(m) for m in modes]
+        for m, r in zip(modes, got):
+            runs[m].append(r)
+            print(f"  round {rnd + 1}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    rows.add(case, "source_bytes", src_bytes, "B")
+    rows.add(case, "two_largest_bytes", sum(largest), "B")
+    out = [f"### {label}: source {src_bytes / 2**20:.1f} MiB, two largest tensors {sum(largest) / 2**20:.1f} MiB, "
+           f"{repeats} interleaved run(s) per row" + (f", {jobs} loads at a time (load times include the contention)"
+                                                     if jobs > 1 else ""),
+           "| path | resident after load | peak RSS growth median (min-max) | target (resident + 2 largest) | "
+           "peak / stock median (min-max) | load s median |", "|---|---|---|---|---|---|"]
+    stock = [r["peak_growth"] for r in runs["stock"]]
     for m in modes:
         peaks = [r["peak_growth"] for r in runs[m]]
         res = runs[m][0]["resident"]
-        med = statistics.median(peaks)
+        st = stats(peaks)
+        rs = ratio_stats(peaks, stock)
+        ts = stats(r["seconds"] for r in runs[m])
         target = res + sum(largest)
-        name = "stock UNETLoader fp8 cast (ComfyUI file)" if m == "stock" else f"ditkit {m} (official shards)"
-        rows.append(f"| {name} | {res / 2**20:.1f} MiB | {med / 2**20:.1f} ({min(peaks) / 2**20:.1f}-"
-                    f"{max(peaks) / 2**20:.1f}) MiB | {target / 2**20:.1f} MiB {'ok' if med <= target else 'OVER'} | "
-                    f"{med / stock_med:.2f} |")
-    return rows
+        met = st["median"] <= target
+        key = f"{case}/{m}"
+        rows.add_stats(key, "peak_rss_growth", st, "B")
+        rows.add(key, "resident_bytes", res, "B")
+        rows.add(key, "target_bytes", target, "B", note="resident after load + 2 largest tensors")
+        rows.add(key, "target_met", met, note="median peak growth <= target")
+        rows.add_stats(key, "peak_over_stock", rs)
+        rows.add_stats(key, "load_seconds", ts, "s")
+        out.append(f"| {mode_name(m)} | {res / 2**20:.1f} MiB | {st['median'] / 2**20:.1f} ({st['min'] / 2**20:.1f}-"
+                   f"{st['max'] / 2**20:.1f}) MiB | {target / 2**20:.1f} MiB {'met' if met else 'NOT met'} | "
+                   f"{rs['median']:.2f} ({rs['min']:.2f}-{rs['max']:.2f}) | {ts['median']:.1f} |")
+    return out
 
 
-def error_table(official: Path) -> list[str]:
+def error_table(official: Path, rows=None) -> list[str]:
     from ditkit.loaders import quantize as qc
 
-    rows = ["| layer class | " + " | ".join(FORMATS) + " |", "|---|" + "---|" * len(FORMATS)]
+    lines = ["| layer class | " + " | ".join(FORMATS) + " |", "|---|" + "---|" * len(FORMATS)]
     per: dict[str, dict[str, str]] = {}
     for fmt in FORMATS:
         src = qc.open_source(str(official))
@@ -259,29 +329,36 @@ def error_table(official: Path) -> list[str]:
             d = st.as_dict()
             if "rel_rms_error" in d:
                 per.setdefault(cls, {})[fmt] = f"{d['rel_rms_error']:.3e} (max {d['max_tensor_rel_error']:.3e})"
+                if rows is not None:
+                    rows.add(f"error/{cls}", fmt, d["rel_rms_error"], max=d["max_tensor_rel_error"],
+                             n=d["quantized"], note="relative RMS over the class; max = worst tensor")
     for cls, vals in per.items():
-        rows.append(f"| {cls} | " + " | ".join(vals.get(f, "-") for f in FORMATS) + " |")
-    return rows
+        lines.append(f"| {cls} | " + " | ".join(vals.get(f, "-") for f in FORMATS) + " |")
+    return lines
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", nargs=4, metavar=("MODE", "PATH", "COMFYUI", "WARM"), help=argparse.SUPPRESS)
-    ap.add_argument("--scale-gb", type=float, default=1.0)
+    ap.add_argument("--scale-gb", type=float, default=1.5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--jobs", type=int, default=1, help="children of one round run side by side (peak RSS is per "
+                                                        "process; load times then include the contention)")
     ap.add_argument("--no-rss", action="store_true", help="skip part 1 (no host needed)")
     ap.add_argument("--skip-tiny-rss", action="store_true", help="part 1 on the scaled-up model only")
     ap.add_argument("--error-on-scaled", action="store_true",
                     help="part 2 on the scaled-up model (default: the tiny one; same random-weight statistics)")
+    add_rows_argument(ap)
     a = ap.parse_args(argv)
     if a.child:
         child(*a.child)
         return 0
     if a.quick:
         a.repeats = 1
+    rows = Rows(a.rows, "bench_quantize")
     print("## resident bytes, real-size models (computed from the key inventories)")
-    print("\n".join(real_size_table()))
+    print("\n".join(real_size_table(rows)))
     with tempfile.TemporaryDirectory(prefix="ditkit-bench-q-") as tmp:
         tiny = Path(tmp) / "tiny"
         big = Path(tmp) / "big"
@@ -297,7 +374,7 @@ def main(argv=None) -> int:
         what = f"scaled-up H3, {cfg['num_layers']} blocks" if a.error_on_scaled else "tiny H3"
         print(f"\n## weight reconstruction error per layer class ({what}, random weights): relative RMS over the "
               "class (max over its tensors)")
-        print("\n".join(error_table(err_src)), flush=True)
+        print("\n".join(error_table(err_src, rows)), flush=True)
         if a.no_rss:
             return 0
         comfyui = os.environ.get("COMFYUI_PATH")
@@ -314,12 +391,13 @@ def main(argv=None) -> int:
             python = sys.executable
         print("\n## peak RSS of loading (fresh subprocess per load)")
         if not a.skip_tiny_rss:
-            print("\n".join(rss_table("tiny H3", t_off, t_comfy, comfyui, python, a.repeats, t_comfy)), flush=True)
+            print("\n".join(rss_table("tiny H3", "tiny", t_off, t_comfy, comfyui, python, a.repeats, t_comfy, rows)),
+                  flush=True)
         if a.quick:
             return 0
         print()
-        print("\n".join(rss_table(f"scaled-up H3 ({cfg['num_layers']} blocks, hidden 1024)", b_off, b_comfy, comfyui,
-                                  python, a.repeats, t_comfy)), flush=True)
+        print("\n".join(rss_table(f"scaled-up H3 ({cfg['num_layers']} blocks, hidden 1024)", "scaled", b_off, b_comfy,
+                                  comfyui, python, a.repeats, t_comfy, rows, a.jobs)), flush=True)
     return 0
 
 

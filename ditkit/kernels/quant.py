@@ -142,12 +142,25 @@ def _check_source(w: torch.Tensor, fmt: str) -> None:
         raise ValueError(f"{fmt}: quantized weights are 2-D, got shape {list(w.shape)}")
 
 
+def _amax_abs(w: torch.Tensor) -> torch.Tensor:
+    """``torch.amax(w.abs())`` (a 0-d tensor of ``w``'s dtype) taken over row slices of about ``CHUNK_ELEMS``
+    elements, so no full-size ``abs`` copy is made; the maximum of exact values is exact, the bits are the same."""
+    if w.dim() != 2 or w.numel() <= CHUNK_ELEMS:
+        return torch.amax(w.abs())
+    step = _row_step(w.shape[1])
+    out = None
+    for r0 in range(0, w.shape[0], step):
+        m = torch.amax(w[r0:r0 + step].abs())
+        out = m if out is None else torch.maximum(out, m)
+    return out
+
+
 def per_tensor_scale(w: torch.Tensor, fmt: str) -> torch.Tensor:
     """The float32 0-d ``weight_scale`` (``weight_scale_2`` for nvfp4) the host computes with "recalculate"
     (1.0 for an all-zero fp8 / nvfp4 tensor, see the module doc)."""
     if fmt in ("float8_e4m3fn", "float8_e5m2"):
         dt = torch.float8_e4m3fn if fmt == "float8_e4m3fn" else torch.float8_e5m2
-        amax = torch.amax(w.abs()).to(torch.float32)
+        amax = _amax_abs(w).to(torch.float32)
         if amax == 0:
             return torch.ones((), dtype=torch.float32, device=w.device)
         scale = amax / torch.finfo(dt).max
@@ -156,10 +169,11 @@ def per_tensor_scale(w: torch.Tensor, fmt: str) -> torch.Tensor:
             scale = 1.0 / torch.clamp(1.0 / scale, min=fi.min, max=fi.max)
         return scale
     if fmt == "int8_tensorwise":
-        return (w.abs().max().float() / INT8_MAX).clamp(min=1e-30)
+        return (_amax_abs(w).float() / INT8_MAX).clamp(min=1e-30)
     if fmt == "nvfp4":
-        s = (torch.amax(w.abs()) / (FP8_E4M3_MAX * FP4_E2M1_MAX)).to(torch.float32)
-        return torch.ones((), dtype=torch.float32, device=w.device) if torch.amax(w.abs()) == 0 else s
+        amax = _amax_abs(w)
+        s = (amax / (FP8_E4M3_MAX * FP4_E2M1_MAX)).to(torch.float32)
+        return torch.ones((), dtype=torch.float32, device=w.device) if amax == 0 else s
     raise ValueError(f"{fmt} has no per-tensor weight scale")
 
 
@@ -231,24 +245,34 @@ def _nvfp4_rows(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.
     return packed, sbs.to(torch.float8_e4m3fn)
 
 
-CHUNK_ELEMS = 1 << 22   # rows are quantized in slices of about this many elements (whole 128-row scale tiles)
+# rows are quantized in slices of about this many elements (whole 128-row scale tiles, at least 128 rows): float32
+# working copies of about 1 MiB, so a loader's peak stays near the tensor being quantized (docs/quantize.md, "Peak
+# RSS"); per-tensor time on this CPU host within the run-to-run noise of 4 Mi-element slices
+CHUNK_ELEMS = 1 << 18
 
 
 def _row_step(cols: int) -> int:
     return max(128, (CHUNK_ELEMS // max(cols, 1)) // 128 * 128)
 
 
-def quantize(w: torch.Tensor, fmt: str, backend: str = "reference") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def quantize(w: torch.Tensor, fmt: str, backend: str = "reference",
+             empty: Callable[..., torch.Tensor] | None = None,
+             release: Callable[[], object] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A 2-D float weight -> (``weight`` data, ``{"weight_scale": ..., ["weight_scale_2": ...]}``), exactly what
     ComfyUI's layout quantize produces (see the module doc). ``backend="triton"`` runs the per-tensor formats'
     elementwise step in the Triton kernel (same bits); the block formats are reference-only.
 
     Rows are processed in slices of about ``CHUNK_ELEMS`` elements (the per-tensor scale is taken over the whole
-    weight first; every later step is per element or per row block), so the float32 working copies stay a few
-    slices big whatever the weight; the bits are those of the one-shot computation."""
+    weight first, itself in slices; every later step is per element or per row block) and written into the
+    output, so the working copies stay a few slices big whatever the weight; the bits are those of the one-shot
+    computation. ``empty(shape, dtype)`` makes the outputs (the weight data and the block scales; default
+    ``torch.empty`` on ``w``'s device): a loader that keeps them passes an allocator of its own
+    (``loaders/host_memory.empty``); ``release()`` is called after each slice, once its working copies are freed
+    (the loaders return the freed heap pages there, ``loaders/host_memory.release_free_heap``)."""
     _check_source(w, fmt)
     if backend not in ("reference", "triton"):
         raise ValueError(f"unknown backend {backend!r}")
+    make = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=w.device))
     rows, cols = w.shape
     step = _row_step(cols)
     spans = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
@@ -256,9 +280,11 @@ def quantize(w: torch.Tensor, fmt: str, backend: str = "reference") -> tuple[tor
         scale = per_tensor_scale(w, fmt)
         if backend == "triton":
             return quantize_per_tensor_triton(w, scale, fmt), {"weight_scale": scale}
-        out = torch.empty((rows, cols), dtype=get_format(fmt).storage, device=w.device)
+        out = make((rows, cols), get_format(fmt).storage)
         for r0, r1 in spans:
             out[r0:r1] = _int8_ref(w[r0:r1], scale) if fmt == "int8_tensorwise" else _fp8_ref(w[r0:r1], scale, fmt)
+            if release:
+                release()
         return out, {"weight_scale": scale}
     if backend == "triton":
         raise ValueError(f"{fmt}: no Triton kernel (block formats run the reference)")
@@ -267,35 +293,45 @@ def quantize(w: torch.Tensor, fmt: str, backend: str = "reference") -> tuple[tor
     pad = get_format(fmt).pad
     pr, pc = _roundup(rows, pad), _roundup(cols, pad)
     s2 = per_tensor_scale(w, fmt) if fmt == "nvfp4" else None
-    parts, sparts = [], []
+    data = make((pr, pc if fmt == "mxfp8" else pc // 2), get_format(fmt).storage)
+    sparts = []
     for r0, r1 in spans:
         x = w[r0:r1]
         x = torch.nn.functional.pad(x, (0, pc - cols, 0, (pr - rows) if r1 == rows else 0))
         d, sc = _mxfp8_rows(x) if fmt == "mxfp8" else _nvfp4_rows(x, s2)
-        parts.append(d)
+        data[r0:r0 + d.shape[0]] = d
         sparts.append(sc)
-        del x
-    data = parts[0] if len(parts) == 1 else torch.cat(parts)
-    blocked = to_blocked(sparts[0] if len(sparts) == 1 else torch.cat(sparts))
+        del x, d
+        if release:
+            release()
+    b = to_blocked(sparts[0] if len(sparts) == 1 else torch.cat(sparts))
+    del sparts
+    blocked = make(tuple(b.shape), b.dtype)
+    blocked.copy_(b)
+    del b
     if fmt == "mxfp8":
         return data, {"weight_scale": blocked.view(torch.float8_e8m0fnu)}
     return data, {"weight_scale": blocked, "weight_scale_2": s2}
 
 
 def reconstruction_error(w: torch.Tensor, data: torch.Tensor, scales: dict[str, torch.Tensor],
-                         fmt: str) -> tuple[float, float]:
-    """(sum of squared errors, sum of squares of ``w``) of ``dequantize`` vs ``w``, in row slices."""
+                         fmt: str, release: Callable[[], object] | None = None) -> tuple[float, float]:
+    """(sum of squared errors, sum of squares of ``w``) of ``dequantize`` vs ``w``, in row slices
+    (``release()`` after each, as in :func:`quantize`)."""
     rows, cols = w.shape
     e2 = r2 = 0.0
     for r0 in range(0, rows, _row_step(cols)):
         r1 = min(rows, r0 + _row_step(cols))
-        ref = w[r0:r1].float()
+        ref = w[r0:r1].to(torch.float32, copy=True)      # a copy even for float32 weights: squared in place below
         if fmt in ("mxfp8", "nvfp4"):
             rec = _dequant_rows(data, scales, fmt, r0, r1, cols)
         else:
             rec = data[r0:r1].float() * scales["weight_scale"].float()
-        e2 += float(((rec - ref) ** 2).sum())
-        r2 += float((ref ** 2).sum())
+        e2 += float(rec.sub_(ref).pow_(2).sum())    # in place: the same values as ((rec - ref) ** 2).sum()
+        r2 += float(ref.pow_(2).sum())
+        del ref, rec
+        if release:
+            release()
     return e2, r2
 
 

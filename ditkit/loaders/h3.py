@@ -40,6 +40,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..report import ProgressFn, Report
+from . import host_memory
 from .safetensors_io import SafeFile, TensorInfo, read_header, strict_json_loads
 
 OFFICIAL_INDEX = "model.safetensors.index.json"
@@ -608,22 +609,41 @@ def plan_h3(path: str | os.PathLike) -> H3Plan:
     return H3Plan(src, ops, cfg, passthrough, bulk, quantized, inventory)
 
 
+def _row_blocks(op: _Op, rows: tuple[int, ...]) -> list[list[tuple[int, int, int]]]:
+    """Per source of a row-permuting op: ``[(src_row, rows, dst_row), ...]`` of the converted tensor (the qkv
+    de-interleave ``reshape(heads, 3, hd, ...).transpose(0, 1)``, the qkv merge ``cat(q, k, v)``, the fc1 halves
+    swap ``cat(x[n:], x[:n])``)."""
+    if op.kind == "deinterleave":
+        heads, hd = op.arg
+        return [[((h * 3 + j) * hd, hd, (j * heads + h) * hd) for j in range(3) for h in range(heads)]]
+    if op.kind == "merge_qkv":
+        return [[(0, r, sum(rows[:i]))] for i, r in enumerate(rows)]
+    if op.kind == "swap_halves":
+        n = rows[0] // 2
+        return [[(n, n, 0), (0, n, n)]]
+    raise AssertionError(op.kind)  # pragma: no cover - plan kinds are closed
+
+
 def iter_h3_tensors(plan: H3Plan, progress: ProgressFn | None = None,
-                    on_file: Callable[[str, int, int], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    on_file: Callable[[str, int, int], None] | None = None,
+                    alloc: Callable[..., torch.Tensor] | None = host_memory.empty) -> Iterator[tuple[str, torch.Tensor]]:
     """Read + convert one tensor at a time, in plan order: yields ``(ComfyUI key, tensor)``; nothing is kept.
 
-    ``progress(done, total)`` is called after each output tensor; ``on_file(path, i, n)`` when a new file is
-    opened. Counters (conversions, bytes read) accumulate on ``plan``."""
+    The bytes go from the file straight into the output tensor, rows in their converted order (the qkv
+    de-interleave, the diffusers qkv merge and fc1 swap are row permutations read in place, no second copy);
+    ``alloc(shape, dtype)`` makes each output (default :func:`host_memory.empty`: a tensor the caller keeps does
+    not fragment the heap). ``progress(done, total)`` is called after each output tensor; ``on_file(path, i, n)``
+    when a new file is opened. Counters (conversions, bytes read) accumulate on ``plan``."""
     src, ops = plan.src, plan.ops
     order = {f: i for i, f in enumerate(src.files)}
     last_use = {src.locations[s][0]: i for i, o in enumerate(ops) for s in o.srcs}
     conv = plan.converted
     handles: dict[str, SafeFile] = {}
-    tensors: list[torch.Tensor] = []
     t = None
+    make = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
     try:
         for done, op in enumerate(ops, start=1):
-            tensors = []
+            fhs = []
             for s in op.srcs:
                 fpath, ti = src.locations[s]
                 fh = handles.get(fpath)
@@ -631,23 +651,21 @@ def iter_h3_tensors(plan: H3Plan, progress: ProgressFn | None = None,
                     fh = handles[fpath] = SafeFile(fpath).__enter__()
                     if on_file:
                         on_file(fpath, order[fpath] + 1, len(src.files))
-                tensors.append(fh.get(src.prefix + s))
+                fhs.append((fh, ti))
                 plan.tensors_read += 1
                 plan.bytes_read += ti.nbytes
             if op.kind == "copy":
-                t = tensors[0]
+                t = fhs[0][0].get(src.prefix + op.srcs[0], alloc=alloc)
                 if op.out.endswith(".comfy_quant"):
                     _validate_marker(src, op.out, t)
-            elif op.kind == "deinterleave":
-                t = _deinterleave(tensors[0], *op.arg)
-                conv["qkv de-interleaved"] += 1
-            elif op.kind == "merge_qkv":
-                t = torch.cat(tensors, dim=0)
-                conv["qkv merged"] += 1
-            elif op.kind == "swap_halves":
-                n = tensors[0].shape[0] // 2
-                t = torch.cat([tensors[0][n:], tensors[0][:n]], dim=0)
-                conv["fc1 halves swapped"] += 1
+            elif op.kind in ("deinterleave", "merge_qkv", "swap_halves"):
+                infos = [ti for _, ti in fhs]
+                rows = tuple(ti.shape[0] for ti in infos)
+                t = make((sum(rows),) + tuple(infos[0].shape[1:]), infos[0].torch_dtype)
+                for (fh, _), name, blocks in zip(fhs, op.srcs, _row_blocks(op, rows)):
+                    fh.read_rows_into(src.prefix + name, t, blocks)
+                conv[{"deinterleave": "qkv de-interleaved", "merge_qkv": "qkv merged",
+                      "swap_halves": "fc1 halves swapped"}[op.kind]] += 1
             elif op.kind == "inv_freq":
                 t = rope_inv_freq(*op.arg)
                 conv["rope.inv_freq rebuilt"] += 1
@@ -655,7 +673,7 @@ def iter_h3_tensors(plan: H3Plan, progress: ProgressFn | None = None,
                 raise AssertionError(op.kind)
             if op.kind == "copy" and op.out != op.srcs[0]:
                 conv["renamed"] += 1
-            tensors.clear()
+            fhs.clear()
             for f in [f for f in handles if last_use[f] == done - 1]:   # close a shard after its last tensor
                 handles.pop(f).close()
             yield op.out, t
@@ -663,8 +681,7 @@ def iter_h3_tensors(plan: H3Plan, progress: ProgressFn | None = None,
             if progress:
                 progress(done, len(ops))
     except BaseException:
-        tensors.clear()         # a traceback that keeps this frame must not keep tensors alive
-        t = None  # noqa: F841
+        t = None  # noqa: F841 - a traceback that keeps this frame must not keep the tensor alive
         raise
     finally:
         for fh in handles.values():

@@ -56,6 +56,7 @@ import torch
 from ..errors import CheckpointError
 from ..kernels import quant as Q
 from . import h3 as h3core
+from . import host_memory
 from .safetensors_io import DTYPES, SafeFile, read_header
 
 QUANT_SUFFIXES = h3core.QUANT_SIDECARS
@@ -278,16 +279,24 @@ class QuantReport:
 
 
 def _check_finite(key: str, t: torch.Tensor, where: str) -> None:
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        n_nan = int(torch.isnan(t).sum())
-        n_inf = int(torch.isinf(t).sum())
-        raise CheckpointError(f"'{where}': tensor {key!r} holds {n_nan} NaN and {n_inf} Inf values; it cannot be "
-                              "quantized (nor used); re-download or re-export the checkpoint")
+    if not t.is_floating_point():
+        return
+    flat = t.reshape(-1)
+    step = Q.CHUNK_ELEMS
+    if all(bool(torch.isfinite(flat[i:i + step]).all()) for i in range(0, flat.numel(), step)):
+        return
+    n_nan = sum(int(torch.isnan(flat[i:i + step]).sum()) for i in range(0, flat.numel(), step))
+    n_inf = sum(int(torch.isinf(flat[i:i + step]).sum()) for i in range(0, flat.numel(), step))
+    raise CheckpointError(f"'{where}': tensor {key!r} holds {n_nan} NaN and {n_inf} Inf values; it cannot be "
+                          "quantized (nor used); re-download or re-export the checkpoint")
 
 
 def quantize_stream(items: Iterator[tuple[str, torch.Tensor]], plan: QuantPlan, report: QuantReport,
                     where: str, measure_error: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(key, tensor)`` in source order -> ``(key, tensor)`` in :meth:`QuantPlan.output_inventory` order."""
+    """``(key, tensor)`` in source order -> ``(key, tensor)`` in :meth:`QuantPlan.output_inventory` order.
+
+    Each quantized weight (and its block scales) is made by :func:`host_memory.empty`, so the outputs a loader
+    keeps do not fragment the heap the per-tensor working copies come from (docs/quantize.md, "Peak RSS")."""
     for key, t in items:
         cls, q, why = plan.decisions[key]
         st = report.classes.setdefault(cls, ClassStats())
@@ -301,10 +310,10 @@ def quantize_stream(items: Iterator[tuple[str, torch.Tensor]], plan: QuantPlan, 
             st.bytes_out += t.numel() * t.element_size()
             yield key, t
             continue
-        data, scales = Q.quantize(t, plan.fmt)
+        data, scales = Q.quantize(t, plan.fmt, empty=host_memory.empty, release=host_memory.release_free_heap)
         st.quantized += 1
         if measure_error:
-            e2, r2 = Q.reconstruction_error(t, data, scales, plan.fmt)
+            e2, r2 = Q.reconstruction_error(t, data, scales, plan.fmt, release=host_memory.release_free_heap)
             st.err_sq += e2
             st.ref_sq += r2
             if r2 > 0:
@@ -313,6 +322,7 @@ def quantize_stream(items: Iterator[tuple[str, torch.Tensor]], plan: QuantPlan, 
         marker = marker_tensor(plan.fmt)
         st.bytes_out += sum(x.numel() * x.element_size() for x in (data, *scales.values(), marker))
         del t
+        host_memory.release_free_heap()    # the working copies of this tensor are gone: return their pages
         yield f"{layer}.weight", data
         for suffix in ("weight_scale", "weight_scale_2"):
             if suffix in scales:
@@ -366,7 +376,7 @@ def open_source(path: str) -> Source:
                 on_file(p, 1, 1)
             n = len(inv)
             for i, k in enumerate(inv, start=1):
-                yield k, f.get(k)
+                yield k, f.get(k, alloc=host_memory.empty)
                 if progress:
                     progress(i, n)
 

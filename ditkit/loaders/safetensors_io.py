@@ -118,15 +118,21 @@ def _open_regular(path: str, where: str):
 
 def _read_exact(f, n: int) -> bytearray:
     """Up to ``n`` bytes from the current position (fewer only at end of file: an unbuffered read may return
-    less than asked, so read until ``n`` or EOF)."""
-    chunks, got = [], 0
+    less than asked, so read until ``n`` or EOF). Read into one buffer of ``n`` bytes (no second copy)."""
+    buf = bytearray(n)
+    got = _readinto_exact(f, memoryview(buf))
+    return buf if got == n else buf[:got]
+
+
+def _readinto_exact(f, view: memoryview) -> int:
+    """Fill ``view`` from the current position; -> bytes read (fewer than ``len(view)`` only at end of file)."""
+    got, n = 0, len(view)
     while got < n:
-        b = f.read(n - got)
-        if not b:
+        k = f.readinto(view[got:])
+        if not k:
             break
-        chunks.append(b)
-        got += len(b)
-    return bytearray(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        got += k
+    return got
 
 
 def read_header(path: str | os.PathLike) -> Header:
@@ -267,8 +273,14 @@ class SafeFile:
         except KeyError:
             raise CheckpointError(f"safetensors file '{self.path}': no tensor named {name!r}") from None
 
-    def get(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
+    def get(self, name: str, device: str | torch.device = "cpu", alloc=None) -> torch.Tensor:
+        """Read one tensor. ``alloc(shape, dtype)``: where its bytes go (e.g. ``host_memory.empty``, for a tensor
+        that is kept); default a buffer of exactly its size."""
         ti = self.info(name)
+        if alloc is not None and ti.nbytes:
+            t = alloc(ti.shape, ti.torch_dtype)
+            self._read_rows_into(name, t, [(0, ti.shape[0] if ti.shape else 1, 0)])
+            return t.to(device) if str(device) != "cpu" else t
         fh = self._fh or self._reopen()
         try:
             fh.seek(self.header.data_start + ti.begin)
@@ -283,6 +295,37 @@ class SafeFile:
         else:
             t = torch.frombuffer(buf, dtype=ti.torch_dtype).reshape(ti.shape)
         return t.to(device) if str(device) != "cpu" else t
+
+    def read_rows_into(self, name: str, out: torch.Tensor, blocks) -> None:
+        """Copy rows of tensor ``name`` (first dimension; a 0-d tensor is one row) straight from the file into the
+        contiguous CPU tensor ``out`` (same dtype, same row size): ``blocks`` = ``[(src_row, rows, dst_row), ...]``.
+        A row permutation (H3's qkv de-interleave, fc1 halves, qkv merges) costs no copy beyond ``out``."""
+        self._read_rows_into(name, out, blocks)
+
+    def _read_rows_into(self, name: str, out: torch.Tensor, blocks) -> None:
+        ti = self.info(name)
+        where = f"safetensors file '{self.path}', tensor {name!r}"
+        row = ti.nbytes // max(1, ti.shape[0] if ti.shape else 1)
+        if out.dtype != ti.torch_dtype or not out.is_contiguous() or out.device.type != "cpu" \
+                or out.numel() * out.element_size() % max(row, 1):
+            raise ValueError(f"{where}: output must be a contiguous CPU {ti.torch_dtype} tensor of whole rows")
+        dst_rows = out.numel() * out.element_size() // max(row, 1)
+        src_rows = ti.shape[0] if ti.shape else 1
+        mv = memoryview(out.view(-1).view(torch.uint8).numpy()) if row else None
+        fh = self._fh or self._reopen()
+        try:
+            for s0, n, d0 in blocks:
+                if s0 < 0 or n < 0 or d0 < 0 or s0 + n > src_rows or d0 + n > dst_rows:
+                    raise ValueError(f"{where}: row block {(s0, n, d0)} outside {src_rows} source / {dst_rows} "
+                                     "output rows")
+                if not n or not row:
+                    continue
+                fh.seek(self.header.data_start + ti.begin + s0 * row)
+                if _readinto_exact(fh, mv[d0 * row:(d0 + n) * row]) != n * row:
+                    raise CheckpointError(f"{where}: short read (file changed or truncated)")
+        finally:
+            if self._fh is None:
+                fh.close()
 
     def items(self, device="cpu") -> Iterator[tuple[str, torch.Tensor]]:
         for k in self.keys():

@@ -143,3 +143,24 @@ def test_bench_h3_modulation_memo_smoke(comfyui_path, tmp_path):
     rows.positive("tiny_fasth3", "no_memo_s_per_step")
     _ratio_row(rows, "tiny_fasth3", "no_memo_over_memo")
     assert rows.value("tiny_fasth3", "max_abs_diff") == 0.0, "the memo changed the sampling output"
+
+
+def test_bench_quantize_rss_smoke(comfyui_path, tmp_path):
+    """Peak-RSS rows of the quantize-while-loading paths on the tiny H3 (one round): every path has its peak,
+    resident bytes, target and ratio to the stock path as rows; at this size (0.6 MiB) page-level noise decides
+    whether a target is met, so only the row types are checked (the figures come from the scaled-up run)."""
+    out, rows = _run(comfyui_path, tmp_path, "bench_quantize.py", "--quick", timeout=1200)
+    modes = ["stock", "float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4", "convert:float8_e4m3fn"]
+    assert rows.cases("peak_rss_growth") == [f"tiny/{m}" for m in modes]
+    assert rows.positive("tiny", "source_bytes") > rows.positive("tiny", "two_largest_bytes")
+    for m in modes:
+        key = f"tiny/{m}"
+        rows.positive(key, "peak_rss_growth")
+        assert rows.value(key, "target_bytes") == rows.value(key, "resident_bytes") + rows.value("tiny",
+                                                                                                   "two_largest_bytes")
+        assert isinstance(rows.value(key, "target_met"), bool)
+        _ratio_row(rows, key, "peak_over_stock")
+        assert rows.row(key, "load_seconds")["n"] == 1
+    assert rows.value("tiny/convert:float8_e4m3fn", "resident_bytes") == 0
+    assert rows.value("tiny/stock", "resident_bytes") > 0
+    assert "## peak RSS of loading" in out

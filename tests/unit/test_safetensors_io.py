@@ -311,6 +311,11 @@ class CountingFile:
         self.reads.append(len(b))
         return b
 
+    def readinto(self, view):
+        n = self.fh.readinto(view)
+        self.reads.append(n)
+        return n
+
     def close(self):
         self.fh.close()
 
