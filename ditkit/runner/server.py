@@ -164,7 +164,7 @@ class ComfyServer:
             self.models_dir.mkdir(exist_ok=True)
             if self.generate_models:
                 t0 = time.monotonic()
-                from .tiny.checkpoints import generate_all  # torch needed only here
+                from ..tiny.checkpoints import generate_all  # torch needed only here
 
                 written = generate_all(self.models_dir)
                 n = sum(len(v) for v in written.values())

@@ -552,3 +552,24 @@ def test_killed_runner_leaves_no_server_behind(tmp_path, sig):
         for tok in out.split():  # a SIGKILLed runner cannot remove its temp dir
             if "/ditkit_run_" in tok and Path(tok).name.startswith("ditkit_run_"):
                 shutil.rmtree(tok, ignore_errors=True)
+
+
+def test_server_prepare_generates_the_tiny_checkpoints(tmp_path, monkeypatch):
+    """Without --models the runner generates the tiny checkpoints into its work dir (the README's one command):
+    the generator registry it imports is ditkit.tiny.checkpoints (a wrong relative import failed here)."""
+    import sys
+
+    import ditkit.tiny.checkpoints as ck
+    from ditkit.runner.server import ComfyServer
+
+    calls = []
+    monkeypatch.setattr(ck, "generate_all", lambda out: calls.append(out) or {"x": []})
+    (tmp_path / "main.py").write_text("")
+    srv = ComfyServer(tmp_path, python=sys.executable, out_dir=tmp_path / "out", quiet=True)
+    try:
+        srv.prepare()
+        assert calls == [srv.work / "models"]
+    finally:
+        import shutil
+
+        shutil.rmtree(srv.work, ignore_errors=True)
