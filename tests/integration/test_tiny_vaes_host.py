@@ -1,4 +1,5 @@
-"""The tiny Z-Image / FLUX.2 VAEs (``ditkit/tiny/ckpt_image_vae.py``) load through ComfyUI's stock VAE code.
+"""The tiny Z-Image / FLUX.2 VAEs (``ditkit/tiny/ckpt_image_vae.py``) and the tiny LTX-2 video VAE
+(``ditkit/tiny/ckpt_ltx_vae.py``) load through ComfyUI's stock VAE code.
 
 Oracle: ComfyUI itself (``comfy.sd.VAE`` = what the stock VAELoader builds): its config detection from the state
 dict, its ``load_state_dict`` (a shape that does not fit the module it derived raises), the keys it reports
@@ -61,3 +62,27 @@ def test_byte_identical_across_runs(files, tmp_path):
     for gen in CASES:
         assert hashlib.sha256(files[gen][0].read_bytes()).digest() == \
             hashlib.sha256(again[gen][0].read_bytes()).digest(), gen
+
+
+def test_ltx_video_vae_is_the_stock_module_layout(comfy, tmp_path):
+    """Every tensor of the tiny LTX-2 VAE has the name and shape of ComfyUI's own ``VideoVAE`` built from the config
+    the file declares, none is missing; the stock wrapper derives 128 channels, 32x spatial, 8x temporal."""
+    import json
+
+    import comfy.sd
+    from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+
+    from ditkit.loaders.safetensors_io import load_file, read_header
+
+    path = generate_all(tmp_path, only=["ltx_vae"])["ltx_vae"][0]
+    assert path.as_posix().endswith("vae/ltx2_video_vae_tiny.safetensors")
+    meta = read_header(path).metadata
+    cfg = json.loads(meta["config"])["vae"]
+    ref = {k: tuple(v.shape) for k, v in VideoVAE(config=cfg).state_dict().items()}
+    sd = load_file(path)
+    assert {k: tuple(v.shape) for k, v in sd.items()} == ref
+    vae = comfy.sd.VAE(sd=sd, metadata=meta)
+    assert type(vae.first_stage_model).__name__ == "VideoVAE" and vae.latent_channels == 128
+    assert vae.upscale_ratio[1:] == (32, 32) and vae.upscale_ratio[0](3) == 17
+    img = vae.decode(torch.randn((1, 128, 3, 2, 2), generator=torch.Generator().manual_seed(0)))
+    assert img.shape == (1, 17, 64, 64, 3) and torch.isfinite(img).all() and float(img.std()) > 0.01
