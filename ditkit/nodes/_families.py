@@ -13,13 +13,22 @@ would refuse it). Families are told apart by tensor names the loaders themselves
 * ``flux2``: FLUX.2 (``double_stream_modulation_img.lin.weight``, ComfyUI's own marker).
 * ``h3_vae``: H3 video / image / audio VAEs (``vae/h3_layout.classify_vae_keys``).
 * ``lokr``: LoKr factors (``*.lokr_w1``, ``*.lokr_w1_a``, ``*.lokr_w2``, ...; ``loaders/lokr_apply.FACTOR_KEYS``).
+* ``h3_te``: the MiniMax H3 Qwen3-VL-32B text encoder: the keys ``DitKitH3TextEncoderLoader`` requires and
+  ComfyUI's ``detect_te_model`` keys QWEN3VL_32B on (``visual.deepstack_merger_list.0.norm.weight``,
+  ``model.layers.49.self_attn.q_proj.weight``, ``model.embed_tokens.weight``).
+* ``ltx_te``: a Gemma decoder (``model.layers.0.post_feedforward_layernorm.weight``, ``model.embed_tokens.weight``)
+  that ``DitKitLTXTextEncoderLoader`` builds: a Gemma 4 variant (ComfyUI's ``detect_te_model`` key rules, which
+  test key presence only), or a 48-layer Gemma 3 with the ``spiece_model`` tokenizer and the LTX
+  ``text_embedding_projection.*`` in the file.
 
 A ``model.diffusion_model.`` prefix (full checkpoints) is ignored. Folders (sharded checkpoints) are listed by the
-loader itself, once.
+loader itself, once. The text-encoder loaders read single files only: a shard of an indexed folder is not listed
+(:func:`family_files` with ``skip_shards``), and the folder is not either (they cannot load it).
 """
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 from ..loaders.lokr_apply import FACTOR_KEYS
@@ -58,7 +67,25 @@ def header_keys(path: str) -> frozenset[str] | None:
     return keys
 
 
+def _gemma_ltx(ks) -> bool:
+    """The Gemma files DitKitLTXTextEncoderLoader builds, by key presence (its shape checks come at load)."""
+    if not {"model.layers.0.post_feedforward_layernorm.weight", "model.embed_tokens.weight"} <= ks:
+        return False
+    qn = {i for i in (34, 41, 47, 48, 59) if f"model.layers.{i}.self_attn.q_norm.weight" in ks}
+    gemma4 = (59 in qn or (47 in qn and "model.layers.5.self_attn.v_proj.weight" not in ks)
+              or (41 in qn and 47 not in qn) or (34 in qn and 41 not in qn))
+    gemma3_12b = 47 in qn and 48 not in qn and "spiece_model" in ks and any(
+        k.startswith("text_embedding_projection.") for k in ks)
+    return gemma4 or gemma3_12b
+
+
 def family_of_keys(keys) -> set[str]:
+    raw = set(keys)
+    if {"visual.deepstack_merger_list.0.norm.weight", "model.layers.49.self_attn.q_proj.weight",
+            "model.embed_tokens.weight"} <= raw:
+        return {"h3_te"}
+    if _gemma_ltx(raw):
+        return {"ltx_te"}
     ks = {_strip(k) for k in keys}
     tops = {k.split(".", 1)[0] for k in ks}
     out = set()
@@ -84,8 +111,22 @@ def is_family(path: str, family: str) -> bool:
     return keys is None or family in family_of_keys(keys)
 
 
-def family_files(folder: str, family: str) -> list[str]:
-    """``_files.safetensors_files(folder)`` restricted to the files whose header says ``family``."""
+_SHARD = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
+
+
+def is_shard(path: str) -> bool:
+    """``path`` is named like a shard (``*-00001-of-00004.safetensors``) and sits next to a ``*.index.json``."""
+    if not _SHARD.search(os.path.basename(path)):
+        return False
+    try:
+        return any(n.endswith(".safetensors.index.json") for n in os.listdir(os.path.dirname(path) or "."))
+    except OSError:
+        return False
+
+
+def family_files(folder: str, family: str, skip_shards: bool = False) -> list[str]:
+    """``_files.safetensors_files(folder)`` restricted to the files whose header says ``family`` (and, with
+    ``skip_shards``, that are not a shard of an indexed folder: a loader that reads single files only)."""
     import folder_paths
 
     from . import _files
@@ -94,6 +135,8 @@ def family_files(folder: str, family: str) -> list[str]:
     out = []
     for name in _files.safetensors_files(folder):
         path = next((os.path.join(r, name) for r in roots if _files.is_regular_file(os.path.join(r, name))), None)
+        if path is not None and skip_shards and is_shard(path):
+            continue
         if path is not None and is_family(path, family):
             out.append(name)
     return out

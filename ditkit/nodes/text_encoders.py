@@ -293,15 +293,17 @@ def _pass_reporter(state: _StreamState, st: LayerwiseStreamer):
 
 
 # -- nodes ------------------------------------------------------------------------------------------------------
-def _te_files():
-    from . import _files
+def _te_files(family: str):
+    """The text-encoder files of ``family`` ("h3_te" / "ltx_te"), decided from the header (``_families``); a file
+    whose header cannot be read stays listed so that picking it gets this loader's error naming the problem."""
+    from . import _families
 
-    return _files.safetensors_files("text_encoders")
+    return _families.family_files("text_encoders", family, skip_shards=True)
 
 
-def _inputs(default_hint: str):
+def _inputs(default_hint: str, family: str):
     return [
-        io.Combo.Input("text_encoder", options=_te_files(), tooltip=default_hint),
+        io.Combo.Input("text_encoder", options=_te_files(family), tooltip=default_hint),
         io.Combo.Input("streaming", options=["off", "layerwise"], default="off",
                        tooltip="layerwise: keep the decoder layers in pinned host memory and copy each to the GPU "
                                "just before use (embedding table stays on the host). Peak GPU weight memory is "
@@ -359,7 +361,8 @@ class DitKitH3TextEncoderLoader(_TextEncoderLoader):
             description="Loads the MiniMax H3 Qwen3-VL text encoder as a stock ComfyUI CLIP (widths read from the "
                         "file), optionally streaming its layers to the GPU one at a time.",
             search_aliases=["minimax h3 clip", "qwen3vl", "h3 text encoder", "te streaming", "clip offload"],
-            inputs=_inputs("Qwen3-VL-32B MiniMax H3 text encoder (text_encoders folder)."),
+            inputs=_inputs("Qwen3-VL-32B MiniMax H3 text encoder (text_encoders folder; only H3 text-encoder "
+                           "files are listed).", "h3_te"),
             **_schema_common("minimax"),
         )
 
@@ -376,7 +379,8 @@ class DitKitLTXTextEncoderLoader(_TextEncoderLoader):
             description="Loads an LTX-2 Gemma 3 (+ LTX projection) or LTX-2.5 Gemma 4 text encoder as a stock "
                         "ComfyUI CLIP (type ltxv), optionally streaming its layers to the GPU one at a time.",
             search_aliases=["ltx clip", "gemma", "ltx text encoder", "te streaming", "clip offload"],
-            inputs=_inputs("Gemma text encoder for LTX-2/2.5 with the LTX text projection in the same file."),
+            inputs=_inputs("Gemma text encoder for LTX-2/2.5 with the LTX text projection in the same file "
+                           "(only such files are listed).", "ltx_te"),
             **_schema_common("ltxv"),
         )
 

@@ -139,6 +139,24 @@ def test_readme_main_command_makes_an_mp4_with_its_audio_track(comfyui_path, tmp
     assert a.codec_context.name == "aac" and samples > 0, (a.codec_context.name, samples)
 
 
+def test_ltx2_example_ends_in_a_playable_mp4(comfy_server, tmp_path):
+    """The LTX-2 example (stock UNETLoader + tiny LTX-2 DiT, ditkit's LTX text encoder, the tiny LTX-2 video VAE
+    through the stock VAELoader, DitKitSaveVideo) queued by the runner: one MP4 whose video stream decodes to the
+    17 frames of the 17-frame latent request, 64 x 64 (PyAV)."""
+    import av
+
+    r = _runner(REPO / "example_workflows" / "api" / "ltx2_t2v_tiny.json", "--server", comfy_server.url,
+                "--out", tmp_path / "dl", timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    mp4s = [Path(p) for p in r.stdout.split("output files:", 1)[1].split() if p.endswith(".mp4")]
+    assert len(mp4s) == 1 and mp4s[0].is_file(), r.stdout
+    with av.open(str(mp4s[0])) as c:
+        assert len(c.streams.video) == 1 and not c.streams.audio, (c.streams.video, c.streams.audio)
+        v = c.streams.video[0]
+        assert (v.codec_context.width, v.codec_context.height) == (64, 64)
+        assert sum(1 for _ in c.decode(v)) == 17
+
+
 def test_template_browser_lists_the_examples_with_previews(comfy_server):
     """ComfyUI serves the pack's example_workflows/*.json to its template browser (/workflow_templates lists the
     names per pack folder) and the preview the frontend asks for (<name>.jpg under /api/workflow_templates/)."""

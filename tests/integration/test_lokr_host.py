@@ -502,6 +502,13 @@ def test_example_workflow_report_on_real_server(comfy_server, name, fam):
     assert rep["data"]["unused"] == {} and rep["data"]["refused"] == {}
     n_mods = len({k.rsplit(".", 1)[0] for k in load_file(comfy_server.models_dir / "loras" / f"{name}.safetensors")})
     assert len(rep["data"]["applied"]) == n_mods
+    # the example ends in a PNG (the tiny VAE through the stock VAELoader / VAEDecode / SaveImage)
+    images = [im for out in entry["outputs"].values() for im in out.get("images", []) if im.get("type") == "output"]
+    assert [im["filename"].endswith(".png") for im in images] == [True], images
+    from PIL import Image
+
+    with Image.open(comfy_server.output_dir / images[0]["subfolder"] / images[0]["filename"]) as im:
+        assert im.size == (64, 64) and im.mode == "RGB"
 
 
 def test_lowvram_prefetch_path(models, tiny_ckpts):

@@ -160,9 +160,19 @@ FAMILY = {  # node -> (folder, files of its family, files of other families)
     "DitKitFlux2ModelLoader": ("diffusion_models", {"flux2_tiny.safetensors"},
                                {"ltx2_tiny.safetensors", "zimage_tiny.safetensors", "h3_tiny_comfy.safetensors"}),
     "DitKitH3VAELoader": ("vae", {"h3_video_vae_tiny.safetensors", "h3_image_vae_tiny.safetensors",
-                                  "h3_audio_vae_tiny.safetensors"}, set()),
+                                  "h3_audio_vae_tiny.safetensors"},
+                          {"zimage_vae_tiny.safetensors", "flux2_vae_tiny.safetensors",
+                           "ltx2_video_vae_tiny.safetensors"}),
     "DitKitLoKrLoader": ("loras", {"zimage_lokr_tiny.safetensors", "flux2_lokr_tiny.safetensors"}, set()),
+    "DitKitH3TextEncoderLoader": ("text_encoders", {"qwen3vl_tiny_minimax_h3.safetensors"},
+                                  {"gemma_tiny_ltx.safetensors"}),
+    "DitKitLTXTextEncoderLoader": ("text_encoders", {"gemma_tiny_ltx.safetensors"},
+                                   {"qwen3vl_tiny_minimax_h3.safetensors"}),
 }
+# the file of another family copied in under a name that looks right (None: a diffusion model)
+WRONG = {"DitKitZImageLoader": ("diffusion_models", "ltx2_tiny.safetensors"),
+         "DitKitH3TextEncoderLoader": ("text_encoders", "gemma_tiny_ltx.safetensors"),
+         "DitKitLTXTextEncoderLoader": ("text_encoders", "qwen3vl_tiny_minimax_h3.safetensors")}
 MODULES = {row[1]: (row[0], row[2]) for row in LOADERS}
 
 
@@ -174,12 +184,16 @@ def test_listing_offers_only_the_loaders_family(comfy, tiny_ckpts, tmp_path, cls
     d = tmp_path / kind
     d.mkdir()
     # a file of another family under a name that looks right, and one of the right family under a neutral name
-    wrong = {"diffusion_models": "flux2_tiny.safetensors" if cls == "DitKitLTX2ModelLoader" else "ltx2_tiny.safetensors",
-             "vae": None, "loras": None}[kind]
-    src_wrong = tiny_ckpts / ("diffusion_models" if kind != "diffusion_models" else kind) / (
-        wrong or "zimage_tiny.safetensors")
-    shutil.copyfile(src_wrong, d / "zz_looks_like_ours.safetensors")
+    wrong_kind, wrong = WRONG.get(cls, ("diffusion_models", "zimage_tiny.safetensors"))
+    shutil.copyfile(tiny_ckpts / wrong_kind / wrong, d / "zz_looks_like_ours.safetensors")
     (d / "zz_unreadable_header.safetensors").write_bytes(b"\xff" * 64)
+    if kind == "text_encoders":
+        # a sharded folder whose single shard holds a whole file of the family: the text-encoder loaders read
+        # single files only, so neither the shard nor the folder is a choice
+        sh = d / "zz_sharded"
+        sh.mkdir()
+        shutil.copyfile(tiny_ckpts / kind / sorted(ours)[0], sh / "model-00001-of-00001.safetensors")
+        (sh / "model.safetensors.index.json").write_text('{"weight_map": {}}')
     folder_paths.add_model_folder_path(kind, str(tiny_ckpts / kind))
     folder_paths.add_model_folder_path(kind, str(d))
     try:
