@@ -54,6 +54,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import CheckpointError
+from ..report import Report
 from ..kernels import quant as Q
 from . import h3 as h3core
 from . import host_memory
@@ -190,7 +191,9 @@ def refuse_quantized_source(path: str, keys_dtypes: dict[str, str], metadata: di
 # ------------------------------------------------------------------------------------------------- plan
 
 @dataclass
-class ClassStats:
+class ClassStats(Report):
+    KEYS = ("tensors", "params", "bytes_in", "bytes_out", "quantized", "kept_small", "**errors")
+
     tensors: int = 0
     params: int = 0
     bytes_in: int = 0
@@ -201,13 +204,12 @@ class ClassStats:
     err_sq: float = 0.0
     ref_sq: float = 0.0
 
-    def as_dict(self) -> dict:
-        d = {"tensors": self.tensors, "params": self.params, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-             "quantized": self.quantized, "kept_small": self.kept_small}
-        if self.quantized and self.ref_sq > 0:
-            d["rel_rms_error"] = math.sqrt(self.err_sq / self.ref_sq)
-            d["max_tensor_rel_error"] = self.max_rel_err
-        return d
+    @property
+    def errors(self) -> dict:
+        """The reconstruction errors, for a class with quantized tensors (none otherwise)."""
+        if not (self.quantized and self.ref_sq > 0):
+            return {}
+        return {"rel_rms_error": math.sqrt(self.err_sq / self.ref_sq), "max_tensor_rel_error": self.max_rel_err}
 
 
 @dataclass
@@ -256,7 +258,10 @@ def make_plan(family: str, fmt: str, inventory: "OrderedDict[str, tuple[tuple[in
 
 
 @dataclass
-class QuantReport:
+class QuantReport(Report):
+    KEYS = ("format=fmt", "family", "recipe", "activation_scales", "bytes_in", "bytes_out", "classes")
+    VALUES = {"activation_scales": lambda r: "none"}   # weight-only: no input_scale is ever written
+
     family: str
     fmt: str
     recipe: str
@@ -265,17 +270,20 @@ class QuantReport:
     def totals(self) -> tuple[int, int]:
         return (sum(c.bytes_in for c in self.classes.values()), sum(c.bytes_out for c in self.classes.values()))
 
+    @property
+    def bytes_in(self) -> int:
+        return self.totals()[0]
+
+    @property
+    def bytes_out(self) -> int:
+        return self.totals()[1]
+
     def summary(self) -> str:
         bi, bo = self.totals()
         q = [f"{name} {c.quantized}/{c.tensors}" for name, c in self.classes.items() if c.quantized]
         kept = [name for name, c in self.classes.items() if not c.quantized]
         return (f"{self.fmt} (weight-only): quantized {', '.join(q) or 'nothing'}; kept in stored precision: "
                 f"{', '.join(kept) or 'nothing'}; {bi / 2**20:.1f} MiB -> {bo / 2**20:.1f} MiB")
-
-    def as_dict(self) -> dict:
-        bi, bo = self.totals()
-        return {"format": self.fmt, "family": self.family, "recipe": self.recipe, "activation_scales": "none",
-                "bytes_in": bi, "bytes_out": bo, "classes": {k: v.as_dict() for k, v in self.classes.items()}}
 
 
 def _check_finite(key: str, t: torch.Tensor, where: str) -> None:

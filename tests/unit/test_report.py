@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ditkit.report import Report, jsonable, plain
+from tests.support.pack_scan import PACK_ROOT, pack_python_files
 
 
 @dataclass
@@ -160,3 +161,36 @@ def test_summaries_built_on_kv_list_keep_their_text():
     assert rt.summary() == ("VSA-H3 backend none (no sparse call); steps sparse 0 / dense 1; attention calls sparse 0, "
                             "dense 3 (masked call: 1, token refiner / non-packed: 2); measured block density n/a "
                             "(keep 0.25, k=None); gate none")
+
+
+def test_no_report_writes_its_own_as_dict():
+    """Every report's dict comes from the base (KEYS / VALUES), so the rules of plain() hold for all of them."""
+    import ast
+
+    own = []
+    for path in pack_python_files():
+        if path == PACK_ROOT / "report.py":
+            continue
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(n, ast.FunctionDef) and n.name == "as_dict":
+                own.append(f"{path.relative_to(PACK_ROOT)}:{n.lineno}")
+    assert not own, own
+
+
+def test_quantization_report_dict():
+    from ditkit.loaders.quantize import ClassStats, QuantReport
+
+    attn = ClassStats(tensors=4, params=400, bytes_in=800, bytes_out=432, quantized=4, max_rel_err=0.03,
+                      err_sq=0.0009, ref_sq=1.0)
+    norms = ClassStats(tensors=2, params=20, bytes_in=40, bytes_out=40, kept_small=2)
+    r = QuantReport("h3", "float8_e4m3fn", "h3 recipe", {"block attention": attn, "norms": norms})
+    assert r.as_dict() == {
+        "format": "float8_e4m3fn", "family": "h3", "recipe": "h3 recipe", "activation_scales": "none",
+        "bytes_in": 840, "bytes_out": 472,
+        "classes": {"block attention": {"tensors": 4, "params": 400, "bytes_in": 800, "bytes_out": 432,
+                                        "quantized": 4, "kept_small": 0, "rel_rms_error": math.sqrt(0.0009),
+                                        "max_tensor_rel_error": 0.03},
+                    "norms": {"tensors": 2, "params": 20, "bytes_in": 40, "bytes_out": 40, "quantized": 0,
+                              "kept_small": 2}}}
+    assert r.summary() == ("float8_e4m3fn (weight-only): quantized block attention 4/4; kept in stored precision: "
+                           "norms; 0.0 MiB -> 0.0 MiB")
