@@ -254,8 +254,8 @@ def delta_sum_rows(deltas, r0: int, r1: int, cols: int, dtype=torch.float64, dev
 
 
 def requantize_fuse(data: torch.Tensor, scales: dict, fmt: str, shape: tuple[int, int], deltas,
-                    max_chunk_elems: int = DEFAULT_CHUNK_ELEMS, source_dtype=torch.float32
-                    ) -> tuple[torch.Tensor, dict, int]:
+                    max_chunk_elems: int = DEFAULT_CHUNK_ELEMS, source_dtype=torch.float32, backend: str = "auto"
+                    ) -> tuple[torch.Tensor, dict, int, str]:
     """A per-tensor quantized weight ``(data, scales)`` plus ``deltas`` -> ``(new data, new scales, chunks)``: the
     weight is dequantized, the deltas added and the result requantized with the same scheme, one row chunk at a
     time (two passes: the new per-tensor amax first, then the codes), with ``kernels/quant.requantize_add``.
@@ -263,9 +263,15 @@ def requantize_fuse(data: torch.Tensor, scales: dict, fmt: str, shape: tuple[int
     Each chunk is formed in float64 (``data * scale`` is exact there, ΔW rows are float64 products) and rounded
     once to ``source_dtype`` before the deterministic round-to-nearest quantize, so the result equals quantizing
     ``(float64 dequantize + float64 ΔW).to(source_dtype)`` whole, bit for bit, without the whole ΔW or the whole
-    float weight ever existing. Block formats (mxfp8, nvfp4) are refused (``ValueError``)."""
+    float weight ever existing. Block formats (mxfp8, nvfp4) are refused (``ValueError``). The codes pass runs the
+    Triton quantize kernel where :func:`fuse` would run its kernel (``backend="auto"``: triton installed and the
+    weight on CUDA), else the reference; returns ``(new data, new scales, chunks, backend that ran)``."""
     from . import quant
 
+    if backend not in ("auto", "reference", "triton"):
+        raise ValueError(f"backend {backend!r}: 'auto', 'reference' or 'triton'")
+    if backend == "auto":
+        backend = "triton" if HAS_TRITON and data.is_cuda else "reference"
     if fmt not in PER_TENSOR_FORMATS:
         raise ValueError(f"{fmt}: the chunked requantize covers the per-tensor formats {PER_TENSOR_FORMATS} only")
     rows, cols = shape
@@ -281,5 +287,5 @@ def requantize_fuse(data: torch.Tensor, scales: dict, fmt: str, shape: tuple[int
     new, new_scales = quant.requantize_add(
         data, scales, fmt, (rows, cols),
         lambda r0, r1: delta_sum_rows(deltas, r0, r1, cols, torch.float64, data.device),
-        dtype=source_dtype, chunk_rows=chunk_rows, work_dtype=torch.float64)
-    return new, new_scales, len(quant.requantize_spans(rows, chunk_rows))
+        dtype=source_dtype, chunk_rows=chunk_rows, work_dtype=torch.float64, backend=backend)
+    return new, new_scales, len(quant.requantize_spans(rows, chunk_rows)), backend

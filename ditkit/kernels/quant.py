@@ -370,7 +370,7 @@ def requantize_spans(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
 
 def requantize_add(data: torch.Tensor, scales: dict[str, torch.Tensor], fmt: str, shape: tuple[int, int],
                    delta: Callable[[int, int], torch.Tensor], dtype: torch.dtype = torch.bfloat16,
-                   chunk_rows: int = 1024, work_dtype: torch.dtype = torch.float32
+                   chunk_rows: int = 1024, work_dtype: torch.dtype = torch.float32, backend: str = "reference"
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dequantize -> add a delta -> requantize with the same scheme, ``chunk_rows`` rows at a time.
 
@@ -380,8 +380,13 @@ def requantize_add(data: torch.Tensor, scales: dict[str, torch.Tensor], fmt: str
     rounds once). The result equals ``quantize((dequantize(data, scales, fmt, shape) + full_delta).to(dtype), fmt)``
     bit for bit: the per-tensor scales come from a first pass over the chunks (amax of the updated rows), the
     block formats' rows are independent. Peak extra memory: two chunks of ``[chunk_rows, in]`` in ``work_dtype``
-    plus the new data."""
+    plus the new data. ``backend="triton"`` quantizes each chunk of the per-tensor formats with the Triton kernel
+    (:func:`quantize_per_tensor_triton`, the same codes); the block formats have the reference only."""
     get_format(fmt)
+    if backend not in ("reference", "triton"):
+        raise ValueError(f"backend {backend!r}: 'reference' or 'triton'")
+    if backend == "triton" and fmt not in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise"):
+        raise ValueError(f"{fmt}: the Triton requantize covers the per-tensor formats only")
     rows, cols = shape
 
     def updated(r0: int, r1: int) -> torch.Tensor:
@@ -403,7 +408,10 @@ def requantize_add(data: torch.Tensor, scales: dict[str, torch.Tensor], fmt: str
         out = torch.empty((rows, cols), dtype=get_format(fmt).storage, device=data.device)
         for r0, r1 in spans:
             u = updated(r0, r1)
-            out[r0:r1] = _int8_ref(u, scale) if fmt == "int8_tensorwise" else _fp8_ref(u, scale, fmt)
+            if backend == "triton":
+                out[r0:r1] = quantize_per_tensor_triton(u, scale, fmt)
+            else:
+                out[r0:r1] = _int8_ref(u, scale) if fmt == "int8_tensorwise" else _fp8_ref(u, scale, fmt)
         return out, {"weight_scale": scale}
     pad = get_format(fmt).pad
     pc = _roundup(cols, pad)

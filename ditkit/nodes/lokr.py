@@ -119,8 +119,8 @@ def fuse_quantized(model, deltas: dict[str, list], handled: dict[str, str], node
             raise AdapterError(f"{node_id}: quantized layer '{wk}' has shape {list(shape)}; only 2-D weights are "
                                "requantized")
         try:
-            new, scales, chunks = delta_fuse.requantize_fuse(data, {"weight_scale": params.scale.float()}, fmt,
-                                                             shape, ds)
+            new, scales, chunks, backend = delta_fuse.requantize_fuse(data, {"weight_scale": params.scale.float()},
+                                                                      fmt, shape, ds)
         except ValueError as e:
             raise AdapterError(f"{node_id}: {what} onto quantized layer '{wk}' ({fmt}): {e}") from None
         scale = scales["weight_scale"].to(device=params.scale.device, dtype=params.scale.dtype)
@@ -128,7 +128,7 @@ def fuse_quantized(model, deltas: dict[str, list], handled: dict[str, str], node
                                  dataclasses.replace(params, scale=scale.reshape(params.scale.shape)))
         out[wk] = torch.nn.Parameter(new_qt, requires_grad=False)
         lines.append(f"{wk[len('diffusion_model.'):] if wk.startswith('diffusion_model.') else wk}: requantized {fmt} "
-                     f"in {chunks} row chunks ({len(ds)} delta{'s' if len(ds) != 1 else ''}; scale "
+                     f"in {chunks} row chunks, {backend} quantize ({len(ds)} delta{'s' if len(ds) != 1 else ''}; scale "
                      f"{float(params.scale):.6g} -> {float(scale):.6g})")
         earlier = len(model.patches.get(wk, ()))
         if earlier:

@@ -593,7 +593,7 @@ def test_quantized_h3_base_requantized_bit_exact_and_saved_same_scheme(comfy, tm
         assert torch.equal(comfy.utils.get_attr(q.model, k)._qdata, before[k])   # input model untouched
     assert not q.patches and not q.object_patches
     text = report_text(plan, "f", 0.5, None, "auto")
-    assert all(f"note: quantized layer {n}.weight: requantized {fmt} in 1 row chunks" in text for n in names)
+    assert all(f"note: quantized layer {n}.weight: requantized {fmt} in 1 row chunks, reference quantize" in text for n in names)
 
 
 def test_assigned_weight_onto_quantized_h3_layer_uses_its_values(comfy, tmp_path):

@@ -268,7 +268,7 @@ def test_quantized_base_requantized_bit_exact_and_saved_same_scheme(comfy, tiny_
         assert torch.equal(comfy.utils.get_attr(q.model, k)._qdata, before[k])   # input model untouched
     assert not q.object_patches and not q.patches
     text = report_text(plan, "f", 0.75)
-    assert f"single_blocks.0.linear1.weight: requantized {fmt} in 1 row chunks" in text
+    assert f"single_blocks.0.linear1.weight: requantized {fmt} in 1 row chunks, reference quantize" in text
     assert not any(k in m.patches for k in keys) and all(k in m.object_patches for k in keys)
 
 

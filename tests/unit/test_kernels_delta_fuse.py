@@ -149,10 +149,11 @@ def _quant_math(w32: torch.Tensor, fmt: str):
     return torch.clamp(w32 * (1.0 / s), -torch.finfo(dt).max, torch.finfo(dt).max).to(dt), s
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("fmt", list(delta_fuse.PER_TENSOR_FORMATS))
 @pytest.mark.parametrize("kind", list(delta_fuse.KINDS))
 @pytest.mark.parametrize("chunk_elems", [1 << 22, 128 * 40])   # one chunk / three 128-row chunks
-def test_requantize_fuse_equals_whole_float64_update(fmt, kind, chunk_elems):
+def test_requantize_fuse_equals_whole_float64_update(fmt, kind, chunk_elems, backend):
     """Base codes + a row-mapped delta on rows 30:330 + a whole-weight low-rank delta: the chunked fuse equals
     quantizing (codes * scale + ΣΔW, all float64, math here) rounded to float32, bit for bit."""
     g = torch.Generator().manual_seed(sum(map(ord, fmt + kind)))
@@ -162,10 +163,15 @@ def test_requantize_fuse_equals_whole_float64_update(fmt, kind, chunk_elems):
     parts, d64 = _case(kind, 300, cols, 4, g)
     rmap = torch.randperm(300, generator=g)
     up, down = torch.randn(rows, 2, generator=g) * 0.01, torch.randn(2, cols, generator=g)
-    deltas = [delta_fuse.Delta(kind, parts, 0.02, rmap, (30, 330)),
-              delta_fuse.Delta("lowrank", (up, down), -0.5)]
-    new, scales, chunks = delta_fuse.requantize_fuse(data, {"weight_scale": s0}, fmt, (rows, cols), deltas,
-                                                    max_chunk_elems=chunk_elems)
+    need_triton(backend)
+    dev = DEVICE if backend == "triton" else "cpu"
+    deltas = [delta_fuse.Delta(kind, tuple(p.to(dev) for p in parts), 0.02, rmap.to(dev), (30, 330)),
+              delta_fuse.Delta("lowrank", (up.to(dev), down.to(dev)), -0.5)]
+    new, scales, chunks, ran = delta_fuse.requantize_fuse(data.to(dev), {"weight_scale": s0.to(dev)}, fmt,
+                                                         (rows, cols), deltas, max_chunk_elems=chunk_elems,
+                                                         backend=backend)
+    assert ran == backend
+    new, scales = new.cpu(), {k: v.cpu() for k, v in scales.items()}
     w64 = data.double() * s0.double()
     w64[30:330] += 0.02 * d64[rmap]
     w64 += -0.5 * (up.double() @ down.double())
@@ -187,9 +193,10 @@ def test_requantize_fuse_never_forms_more_than_a_chunk(monkeypatch):
     rows, cols = 1024, 64
     data, s0 = _quant_math(torch.randn(rows, cols), "float8_e4m3fn")
     up, down = torch.randn(rows, 8), torch.randn(8, cols)
-    _, _, chunks = delta_fuse.requantize_fuse(data, {"weight_scale": s0}, "float8_e4m3fn", (rows, cols),
+    _, _, chunks, ran = delta_fuse.requantize_fuse(data, {"weight_scale": s0}, "float8_e4m3fn", (rows, cols),
                                               [delta_fuse.Delta("lowrank", (up, down), 1.0)], max_chunk_elems=128 * cols)
     assert chunks == 8 and max(seen) == 128 and len(seen) == 16   # two passes (amax, codes) over 8 chunks
+    assert ran == "reference"                                       # auto: a CPU weight
 
 
 @pytest.mark.parametrize("bad", ["block_format", "rows", "cols"])
