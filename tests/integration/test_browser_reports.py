@@ -122,6 +122,22 @@ def _click_badge(page, node: str, prefix: str) -> str:
         c.setDirty(true, true);
     }""", node)
     page.wait_for_timeout(500)
+    # then bring the badge itself to the middle of the canvas: a node with many badges draws them far to the left
+    # of its body (the TeaCache node: 600 px of badges), where, near the window's edge, the click landed on the
+    # sidebar (its Assets button opened the Media Assets panel instead of the toast)
+    page.evaluate("""([id, prefix]) => {
+        const n = window.app.graph.getNodeById(Number(id));
+        const c = window.app.canvas;
+        const b = n.badges.map((f) => (typeof f === 'function' ? f() : f))
+                          .find((x) => x && x.onClick && (x.text || '').startsWith(prefix));
+        if (!b || !(b.boundingRect[2] > 0)) return;
+        const [x, y, w, h] = b.boundingRect;
+        const r = c.canvas.getBoundingClientRect();
+        const k = c.canvas.width / r.width;
+        c.ds.offset = [(r.width / 2) * k - (n.pos[0] + x + w / 2), (r.height / 3) * k - (n.pos[1] + y + h / 2)];
+        c.setDirty(true, true);
+    }""", [node, prefix])
+    page.wait_for_timeout(500)
     pos = page.evaluate("""([id, prefix]) => {
         const n = window.app.graph.getNodeById(Number(id));
         const c = window.app.canvas;
