@@ -28,6 +28,16 @@ def register(name: str):
     return deco
 
 
+def write_one(out: Path, rel: str, sd: dict) -> list[Path]:
+    """Save one generated state dict as ``out/rel`` (folders made) -> ``[path]``, a generator's return value."""
+    from ..loaders.safetensors_io import save_file   # torch needed only here
+
+    path = Path(out) / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, path)
+    return [path]
+
+
 def _load_families() -> None:
     for mod in FAMILY_MODULES:
         try:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..loaders.safetensors_io import save_file
 from .checkpoints import register
+from .checkpoints import write_one as _write
 
 ZIMAGE_VAE_FILE = "vae/zimage_vae_tiny.safetensors"
 FLUX2_VAE_FILE = "vae/flux2_vae_tiny.safetensors"
@@ -112,13 +112,6 @@ def flux2_vae_state_dict(seed: int = SEED_FLUX2) -> dict[str, torch.Tensor]:
     sd["bn.running_var"] = (1.0 + 0.1 * torch.rand(n, generator=g)).to(torch.bfloat16)
     sd["bn.num_batches_tracked"] = torch.tensor(0, dtype=torch.int64)
     return sd
-
-
-def _write(out: Path, rel: str, sd: dict) -> list[Path]:
-    path = Path(out) / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(sd, path)
-    return [path]
 
 
 @register("zimage_vae")

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from ..loaders.safetensors_io import save_file
 from .checkpoints import register
+from .checkpoints import write_one as _write
 
 H3_TE_FILE = "text_encoders/qwen3vl_tiny_minimax_h3.safetensors"
 LTX_TE_FILE = "text_encoders/gemma_tiny_ltx.safetensors"
@@ -125,13 +125,6 @@ def ltx_te_state_dict(cfg=LTX_TE_CONFIG, seed: int = SEED_LTX) -> dict[str, torc
         g, (LTX_CAPTION_CHANNELS, h * (cfg["num_hidden_layers"] + 1)), (h * (cfg["num_hidden_layers"] + 1)) ** -0.5)
     sd["spiece_model"] = torch.frombuffer(bytearray(spiece_model_bytes(cfg["vocab_size"])), dtype=torch.uint8)
     return sd
-
-
-def _write(out: Path, rel: str, sd: dict) -> list[Path]:
-    path = Path(out) / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(sd, path)
-    return [path]
 
 
 @register("h3_te")
