@@ -10,7 +10,8 @@ cache, near-instant).
 After each run, wait for ``execution_success`` and click one ditkit badge: the toast it opens holds the server's own
 summary for that node (oracle: the server log line, not the JS). After the cached run the node must be one that
 ComfyUI reported cached (``execution_cached``) and its badge must say so (``· cached``): a node served from cache
-shows the last report for that output. Screenshots: ``$DITKIT_ARTEFACTS`` (default ``_out/browser``).
+shows the last report for that output. A ditkit loader that quantized while loading (``weight_format``) must name the
+format and the MiB in -> out the server logged in its first badge. Screenshots: ``$DITKIT_ARTEFACTS`` (default ``_out/browser``).
 
 Slow (every example runs once on CPU); needs what tests/integration/test_browser_reports.py needs.
 """
@@ -145,6 +146,26 @@ def _a_reporting_node(page, cached: bool) -> tuple[str, str, str] | None:
     }""", cached)
 
 
+def _check_quantizing_loaders(page, server, path: Path) -> None:
+    """A ditkit loader that quantized while loading (``weight_format`` set in the API twin) says so in its first
+    badge: the format it was asked for and the MiB in -> out that the server logged for that load (its report
+    line rounds to 0.1 MiB)."""
+    api = json.loads((path.parent / "api" / path.name).read_text(encoding="utf-8"))
+    log = server.log_text()
+    for nid, node in api.items():
+        fmt = node["inputs"].get("weight_format")
+        if not node["class_type"].startswith("DitKit") or fmt in (None, "as stored"):
+            continue
+        texts = page.evaluate("(id) => window.ditkit.badgeTexts(id)", nid)
+        m = re.fullmatch(rf"{re.escape(fmt)} weights ([\d.]+) MiB → ([\d.]+) MiB( · cached)?", texts[0] if texts else "")
+        assert m, f"{path.stem}: node {nid} ({node['class_type']}) badges {texts} do not name {fmt} and its bytes"
+        logged = re.findall(rf"\[ditkit\] {node['class_type']} #\S+ load: .*quantized {re.escape(fmt)} "
+                            r"\(weight-only\).*; ([\d.]+) MiB -> ([\d.]+) MiB", log)
+        assert logged, f"the server logged no {fmt} load for {node['class_type']}"
+        for shown, said in zip(m.groups()[:2], logged[-1]):
+            assert abs(float(shown) - float(said)) <= 0.0505, (texts[0], logged[-1])
+
+
 def _check(page, server, path: Path, vue: bool, run: bool, cached: bool = False) -> None:
     """Load, measure, screenshot; with ``run`` also queue it and click a badge. ``cached``: the same prompt already
     ran on this server, so ComfyUI serves it from its cache and the clicked badge must be a cached node's."""
@@ -197,6 +218,7 @@ def _check(page, server, path: Path, vue: bool, run: bool, cached: bool = False)
     if node in from_cache:
         assert "cached output" in toast_text, toast_text
     page.screenshot(path=str(ARTEFACTS / f"example_{path.stem}_{tag}_badge.png"))
+    _check_quantizing_loaders(page, server, path)
 
 
 @pytest.fixture(scope="module")

@@ -140,14 +140,17 @@ def test_readme_main_command_makes_an_mp4_with_its_audio_track(comfyui_path, tmp
 
 
 def test_ltx2_example_ends_in_a_playable_mp4(comfy_server, tmp_path):
-    """The LTX-2 example (stock UNETLoader + tiny LTX-2 DiT, ditkit's LTX text encoder, the tiny LTX-2 video VAE
-    through the stock VAELoader, DitKitSaveVideo) queued by the runner: one MP4 whose video stream decodes to the
-    17 frames of the 17-frame latent request, 64 x 64 (PyAV)."""
+    """The LTX-2 example (the tiny LTX-2 DiT quantized to float8_e4m3fn while loading by DitKitLTX2ModelLoader,
+    ditkit's LTX text encoder, the tiny LTX-2 video VAE through the stock VAELoader, DitKitSaveVideo) queued by the
+    runner: the loader reports the fp8 load of the LTX-2 config, and one MP4 whose video stream decodes to the 17
+    frames of the 17-frame latent request, 64 x 64 (PyAV)."""
     import av
 
     r = _runner(REPO / "example_workflows" / "api" / "ltx2_t2v_tiny.json", "--server", comfy_server.url,
                 "--out", tmp_path / "dl", timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
+    loads = [ln for ln in (r.stdout + r.stderr).splitlines() if "DitKitLTX2ModelLoader" in ln and "LTX-2 (ltxav)" in ln]
+    assert loads and "quantized float8_e4m3fn (weight-only): quantized block attention" in loads[-1], r.stdout
     mp4s = [Path(p) for p in r.stdout.split("output files:", 1)[1].split() if p.endswith(".mp4")]
     assert len(mp4s) == 1 and mp4s[0].is_file(), r.stdout
     with av.open(str(mp4s[0])) as c:

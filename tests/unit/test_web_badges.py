@@ -82,7 +82,27 @@ PAYLOADS = {
         "recipe": "fasth3_preview_4step", "label": "FastH3 Preview v1 (4-step)", "video_shift": 12.0,
         "audio_shift": 3.0, "forwards": 4, "contract": None}},
     "load": {"node": "1", "kind": "load", "summary": "H3 official layout, 2 shards " + "x" * 80, "data": {}},
+    # a loader that quantized while loading: data["quantization"] is QuantReport.as_dict() (built in the test below)
+    "load_quant": {"node": "1", "kind": "load", "summary": "FLUX.2 (flux2): hidden_size 128, " + "x" * 80,
+                   "data": {"weight_format": "float8_e4m3fn"}},
+    "load_quant_small": {"node": "1", "kind": "load", "summary": "LTX-2 (ltxav): num_layers 2", "data": {}},
 }
+
+
+def _quant_report(fmt: str, classes: dict[str, tuple[int, int]]) -> dict:
+    """What the loaders put in data["quantization"]: the core QuantReport's own as_dict()."""
+    from ditkit.loaders.quantize import ClassStats, QuantReport
+
+    r = QuantReport("flux2", fmt, "recipe")
+    for name, (bi, bo) in classes.items():
+        r.classes[name] = ClassStats(tensors=1, bytes_in=bi, bytes_out=bo, quantized=int(bo < bi))
+    return r.as_dict()
+
+
+# 3.5 MiB -> 2.0 MiB over two classes (one kept); 300 KiB -> 0.25 MiB (below 1 MiB: three decimals)
+PAYLOADS["load_quant"]["data"]["quantization"] = _quant_report(
+    "float8_e4m3fn", {"block MLP": (3 * 2 ** 20, int(1.5 * 2 ** 20)), "norms": (2 ** 19, 2 ** 19)})
+PAYLOADS["load_quant_small"]["data"]["quantization"] = _quant_report("int8_tensorwise", {"a": (300 * 1024, 2 ** 18)})
 EXPECTED = {
     "sparse_run": ["VSA reference ρ=0.67", "steps sparse 5 / dense 1"],
     "sparse_none": ["VSA: no sparse call (dense 4)"],
@@ -101,6 +121,8 @@ EXPECTED = {
     "sparse_unverified": ["VSA flashinfer (unverified) ρ=0.50", "steps sparse 2 / dense 0"],
     "install_unverified": ["VSA keep 10% · flashinfer (unverified)"],
     "install": ["VSA keep 25% · auto"],
+    "load_quant": ["float8_e4m3fn weights 3.5 MiB → 2.0 MiB", "FLUX.2 (flux2): hidden_size 128, " + "x" * 14 + "…"],
+    "load_quant_small": ["int8_tensorwise weights 0.293 MiB → 0.250 MiB", "LTX-2 (ltxav): num_layers 2"],
 }
 
 
@@ -132,6 +154,8 @@ def test_badge_texts_under_node(tmp_path):
     assert out["install_unverified"][0]["color"] != out["install"][0]["color"]
     load = out["load"][0]["text"]
     assert load.startswith("H3 official layout, 2 shards") and len(load) <= 48 and load.endswith("…")
+    assert len(out["load"]) == 1   # as stored: the summary only
+    assert out["load_quant"][0]["color"] != out["load_quant"][1]["color"]
 
 
 # The extension itself under Node.js: the frontend's app/api replaced by stubs that record the registered extension

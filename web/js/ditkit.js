@@ -46,7 +46,7 @@ const shorten = (s, n = 48) => (s && s.length > n ? s.slice(0, n - 1) + "…" : 
 const sum = (o) => Object.values(o || {}).reduce((a, v) => a + (typeof v === "number" ? v : 0), 0);
 
 // Kinds shown as their (shortened) summary: load-time facts with no counters.
-export const SUMMARY_KINDS = ["load", "vae_load", "latent", "te_loader"];
+export const SUMMARY_KINDS = ["vae_load", "latent", "te_loader"];
 
 // One payload -> [{text, color}] (compact: a badge is one line on the node).
 export function badgeSpecs(p) {
@@ -133,6 +133,12 @@ export function badgeSpecs(p) {
       const c = d.contract ? "contract ok" : "no contract";
       return [{ text: shorten(`${d.label || d.recipe} · shifts ${d.video_shift}/${d.audio_shift}`), color: OK },
               { text: `${d.forwards} forwards · ${c}`, color: d.contract ? OK : INFO }];
+    }
+    case "load": {  // model loaders; quantized while loading (weight_format): the format and bytes first
+      const q = d.quantization;
+      const out = [{ text: shorten(p.summary), color: INFO }];
+      if (q && q.format) out.unshift({ text: `${q.format} weights ${mib(q.bytes_in)} → ${mib(q.bytes_out)}`, color: OK });
+      return out;
     }
     case "video_save":
       return [{ text: shorten(`saved ${d.frames} frames, ${d.chunks} chunks`), color: OK }];
