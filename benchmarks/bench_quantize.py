@@ -26,6 +26,10 @@ Three parts, one run:
    public configs, listed in ``REAL``); no weights are made.
 
 ``--quick`` (the smoke test): the tiny model only, 1 repeat.
+
+``--child "<family>:<format>" FILE COMFYUI WARM`` (family zimage / ltx2 / flux2) measures one load of a single
+ComfyUI-layout file through that family's loader node function the same way (used by
+``tests/integration/test_quantize_peak_host.py``); its JSON line adds ``host_recast`` (:func:`host_recast`).
 """
 from __future__ import annotations
 
@@ -166,38 +170,19 @@ def _rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def child(mode: str, path: str, comfyui: str, warm: str) -> None:
-    """One load in this fresh process. A warm-up load of the tiny ComfyUI file first (ComfyUI imports model code
-    and allocates its caches on the first load; the converter converts the tiny file once), then the peak RSS
-    during the measured load is sampled every 0.5 ms by a thread (and taken from ru_maxrss when that rose above
-    the warm-up's mark)."""
+# the DiT loaders other than H3's, by family: ``"<family>:<format>"`` modes of :func:`child` (each loads a
+# ComfyUI-layout single file through the node's own load function, read by ``loaders/quantize.py`` ``open_source``)
+FAMILY_MODES = ("zimage", "ltx2", "flux2")
+
+
+def peak_during(load):
+    """-> (what ``load()`` returned, peak RSS growth in bytes, RSS before, seconds). The RSS is sampled from
+    ``/proc/self/statm`` every 0.5 ms by a thread during the call, and ``ru_maxrss`` counts when it rose above its
+    mark at the start (call it after a warm-up load, in a fresh process)."""
     import gc
     import threading
     import time
 
-    import torch
-
-    torch.set_num_threads(1)
-    convert = mode.startswith("convert:")
-    if convert:
-        from ditkit.quantize import convert as run_convert
-
-        out_dir = tempfile.mkdtemp(prefix="ditkit-bench-conv-")
-        run_convert(warm, os.path.join(out_dir, "warm.safetensors"), mode.split(":", 1)[1], hash_sources=False,
-                    log=lambda *a: None)
-        os.unlink(os.path.join(out_dir, "warm.safetensors"))
-    else:
-        sys.path.insert(0, comfyui)
-        from comfy.cli_args import args
-
-        args.cpu = True
-        import comfy.sd  # noqa: F401
-        from ditkit.nodes import h3_loaders
-
-        w = comfy.sd.load_diffusion_model(warm, model_options={"dtype": torch.float8_e4m3fn})
-        del w
-        w, _ = h3_loaders.load_h3_model(warm, weight_format="float8_e4m3fn")
-        del w
     gc.collect()
     mark = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     before = _rss_now()
@@ -212,30 +197,109 @@ def child(mode: str, path: str, comfyui: str, warm: str) -> None:
     th = threading.Thread(target=poll, daemon=True)
     th.start()
     t0 = time.perf_counter()
-    m = None
-    if mode == "stock":
-        m = comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float8_e4m3fn})
-    elif convert:
-        out = os.path.join(out_dir, "out.safetensors")
-        run_convert(path, out, mode.split(":", 1)[1], hash_sources=False, log=lambda *a: None)
-    else:
-        m, _ = h3_loaders.load_h3_model(path, weight_format=mode)
-    seconds = time.perf_counter() - t0
-    stop.set()
-    th.join()
+    try:
+        out = load()
+    finally:
+        seconds = time.perf_counter() - t0
+        stop.set()
+        th.join()
     top = max(peak[0], _rss_now())
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if maxrss > mark:
         top = max(top, maxrss)
+    return out, top - before, before, seconds
+
+
+def _family_load(family: str, path: str, fmt: str):
+    """The loader node's own load function for ``family`` -> the ModelPatcher."""
+    if family == "zimage":
+        from ditkit.nodes import image_loaders
+
+        return image_loaders.load_zimage(path, weight_format=fmt)[0]
+    from ditkit.nodes import dit_loaders
+
+    node_id = dit_loaders.LTX2_NODE_ID if family == "ltx2" else dit_loaders.FLUX2_NODE_ID
+    return dit_loaders.load_dit(node_id, family, path, os.path.basename(path), fmt)[0]
+
+
+def child(mode: str, path: str, comfyui: str, warm: str) -> None:
+    """One load in this fresh process. A warm-up load first (ComfyUI imports model code and allocates its caches
+    on the first load; the converter converts the tiny file once): the tiny ComfyUI H3 file for the H3 modes,
+    ``warm`` through the same loader and format for a ``"<family>:<format>"`` mode (``warm``: a tiny file of that
+    family); then the peak RSS during the measured load (:func:`peak_during`)."""
+    import torch
+
+    torch.set_num_threads(1)
+    convert = mode.startswith("convert:")
+    family, _, fam_fmt = mode.partition(":")
+    if family not in FAMILY_MODES:
+        family = None
+    if convert:
+        from ditkit.quantize import convert as run_convert
+
+        out_dir = tempfile.mkdtemp(prefix="ditkit-bench-conv-")
+        run_convert(warm, os.path.join(out_dir, "warm.safetensors"), mode.split(":", 1)[1], hash_sources=False,
+                    log=lambda *a: None)
+        os.unlink(os.path.join(out_dir, "warm.safetensors"))
+    else:
+        sys.path.insert(0, comfyui)
+        from comfy.cli_args import args
+
+        args.cpu = True
+        import comfy.sd  # noqa: F401
+
+        if family:
+            w = _family_load(family, warm, fam_fmt)
+            del w
+        else:
+            from ditkit.nodes import h3_loaders
+
+            w = comfy.sd.load_diffusion_model(warm, model_options={"dtype": torch.float8_e4m3fn})
+            del w
+            w, _ = h3_loaders.load_h3_model(warm, weight_format="float8_e4m3fn")
+            del w
+
+    def load():
+        if mode == "stock":
+            return comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float8_e4m3fn})
+        if convert:
+            run_convert(path, os.path.join(out_dir, "out.safetensors"), mode.split(":", 1)[1], hash_sources=False,
+                        log=lambda *a: None)
+            return None
+        if family:
+            return _family_load(family, path, fam_fmt)
+        return h3_loaders.load_h3_model(path, weight_format=mode)[0]
+
+    m, growth, before, seconds = peak_during(load)
     if convert:
         resident = 0
-        os.unlink(out)
+        os.unlink(os.path.join(out_dir, "out.safetensors"))
         os.rmdir(out_dir)
     else:
         sd = m.model.diffusion_model.state_dict()
         resident = sum(t.numel() * t.element_size() for t in sd.values())
-    print(json.dumps({"mode": mode, "peak_growth": top - before, "before": before, "resident": resident,
-                      "seconds": seconds}))
+    out = {"mode": mode, "peak_growth": growth, "before": before, "resident": resident, "seconds": seconds}
+    if family:
+        out["host_recast"] = host_recast(sd, path)
+    print(json.dumps(out))
+
+
+def host_recast(sd, path: str) -> int:
+    """Bytes, as stored in the single file ``path``, of the tensors the loaded model ``sd`` holds in another dtype.
+
+    ComfyUI casts each layer it does not quantize to its compute dtype (``comfy/ops.py`` ``_load_quantized_module``:
+    ``weight.to(dtype=compute_dtype)``; float32 on a CPU host, where bf16 is not used) while the state dict it was
+    given still holds the originals until ``load_state_dict`` returns: the host's own copy, counted at the peak on
+    top of the resident size. 0 where every unquantized layer is stored in the compute dtype."""
+    from ditkit.loaders.quantize import PREFIXES
+    from ditkit.loaders.safetensors_io import read_header
+
+    hdr = read_header(path)
+    pre = next((pf for pf in PREFIXES if all(k.startswith(pf) for k in hdr.tensors)), "")
+    stored = {k[len(pre):]: ti for k, ti in hdr.tensors.items()}
+    quantized = {k[: -len("comfy_quant")] for k in sd if k.endswith(".comfy_quant")}
+    return sum(stored[k].nbytes for k, t in sd.items()
+               if k in stored and t.dtype != stored[k].torch_dtype and k[: k.rfind(".") + 1] not in quantized)
 
 
 def run_child(mode: str, path: Path, comfyui: str, python: str, warm: Path) -> dict:

@@ -15,6 +15,9 @@ import pytest
 import torch
 
 from ditkit.errors import CheckpointError, DitKitError, UnsupportedModelError
+from tests.support.quant_oracle import bits as _bits
+from tests.support.quant_oracle import host_formats as _host_formats
+from tests.support.quant_oracle import host_quantize as _host_quantize
 
 FILES = {"ltx2": "ltx2_tiny.safetensors", "flux2": "flux2_tiny.safetensors"}
 NODES = {"ltx2": "DitKitLTX2ModelLoader", "flux2": "DitKitFlux2ModelLoader"}
@@ -47,27 +50,6 @@ def _node(family):
     from ditkit.nodes import dit_loaders
 
     return getattr(dit_loaders, NODES[family])
-
-
-def _host_formats():
-    import comfy.quant_ops as q
-
-    from ditkit.kernels.quant import FORMATS
-
-    return [f for f in FORMATS if f in q.QUANT_ALGOS]
-
-
-def _host_quantize(w, fmt):
-    import comfy.quant_ops as q
-
-    conf = q.QUANT_ALGOS[fmt]
-    cls = q.get_layout_class(conf["comfy_tensor_layout"])
-    qd, params = cls.quantize(w.clone(), scale="recalculate")
-    return q.QuantizedTensor(qd, conf["comfy_tensor_layout"], params).state_dict("")
-
-
-def _bits(t):
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _inputs(model, family):

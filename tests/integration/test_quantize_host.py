@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from ditkit.errors import DitKitError
+from tests.support.quant_oracle import bits as _bits
+from tests.support.quant_oracle import host_formats as _host_formats
+from tests.support.quant_oracle import host_quantize as _host_quantize
 
 SEED = 1234
 
@@ -18,27 +21,6 @@ SEED = 1234
 @pytest.fixture(scope="module")
 def dm(comfy, tiny_ckpts):
     return tiny_ckpts / "diffusion_models"
-
-
-def _host_formats():
-    import comfy.quant_ops as q
-
-    from ditkit.kernels.quant import FORMATS
-
-    return [f for f in FORMATS if f in q.QUANT_ALGOS]
-
-
-def _host_quantize(w, fmt):
-    import comfy.quant_ops as q
-
-    conf = q.QUANT_ALGOS[fmt]
-    cls = q.get_layout_class(conf["comfy_tensor_layout"])
-    qd, params = cls.quantize(w.clone(), scale="recalculate")
-    return q.QuantizedTensor(qd, conf["comfy_tensor_layout"], params).state_dict("")
-
-
-def _bits(t):
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _cond():

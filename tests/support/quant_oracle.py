@@ -1,5 +1,6 @@
-"""Oracle helpers for adapters on comfy_quant (quantized) bases, shared by the LoKr and H3 adapter host tests:
-what ModelSave writes, and the host's own layout quantize of the float64 update (never ditkit's code)."""
+"""Oracle helpers for comfy_quant (quantized) weights, shared by the host tests: what ModelSave writes, the host's
+own layout quantize of a weight (the loader / converter tests) and of the float64 update (the LoKr and H3 adapter
+tests), never ditkit's code."""
 from __future__ import annotations
 
 import json
@@ -33,6 +34,26 @@ def host_requant_oracle(qt, delta64: torch.Tensor) -> tuple[torch.Tensor, torch.
     w64 = qt._qdata.double() * qt._params.scale.double() + delta64
     data, params = q.get_layout_class(qt._layout_cls).quantize(w64.float(), scale="recalculate")
     return data, params.scale
+
+
+def host_formats() -> list[str]:
+    """ditkit's formats that this ComfyUI's ``QUANT_ALGOS`` supports."""
+    import comfy.quant_ops as q
+
+    from ditkit.kernels.quant import FORMATS
+
+    return [f for f in FORMATS if f in q.QUANT_ALGOS]
+
+
+def host_quantize(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """The host's own layout quantize of ``w`` (``QuantizedLayout.quantize(..., scale="recalculate")`` of the
+    format's layout class) -> its state dict entries by suffix (``""``, ``"_scale"``, ...)."""
+    import comfy.quant_ops as q
+
+    conf = q.QUANT_ALGOS[fmt]
+    cls = q.get_layout_class(conf["comfy_tensor_layout"])
+    qd, params = cls.quantize(w.clone(), scale="recalculate")
+    return q.QuantizedTensor(qd, conf["comfy_tensor_layout"], params).state_dict("")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
