@@ -23,6 +23,8 @@ import dataclasses
 
 import torch
 
+from ..loaders import host_memory
+
 # the Params fields that hold a block-scale tensor (comfy_kitchen: nvfp4 "block_scale", mxfp8 "scale")
 _FIELDS = ("block_scale", "scale")
 
@@ -61,6 +63,8 @@ class ScaleSharing:
             self.shared += 1
             self.shared_bytes += orig.numel() * orig.element_size()
             self.originals.pop(qdata.data_ptr(), None)
+            del cur
+            host_memory.release_free_heap()    # the clone's heap pages (else a hole per layer stays resident)
             break
         return None
 
