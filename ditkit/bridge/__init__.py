@@ -12,6 +12,8 @@ only places that import ComfyUI or touch its internals; the core (``loaders/``, 
 * ``teacache.py``     TeaCache/calibration per-run state: sample wrappers, coefficient files in the output folder
 * ``adaln.py``        H3 AdaLN schedule cache: per-run state holder and its wrappers
 * ``attention.py``    the optimized_attention_override protocol for VSA-H3, its per-run holder, FastH3 gate replaces
+* ``quant_scales.py`` while ComfyUI builds a model from a quantized state dict: its layers keep the state dict's
+                      block scales (ComfyUI's nn.Parameter would hold a clone of each; docs/quantize.md "Peak RSS")
 
 Modules here import ComfyUI lazily (inside functions) where the unit tests use them without a host.
 """

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..bridge.quant_scales import share_block_scales
 from ..errors import CheckpointError, UnsupportedModelError
+from ..loaders import host_memory
 from ..loaders import quantize as qcore
 from ..loaders.read_progress import load_with_progress
 from ..loaders.safetensors_io import read_header
@@ -71,9 +73,11 @@ def load_dit(node_id: str, family: str, path: str, name: str, weight_format: str
         sd, quant = quantized_state_dict(family, fmt, src.inventory, src.reader(progress), path)
         meta = src.metadata
     try:
-        model = comfy.sd.load_diffusion_model_state_dict(sd, metadata=meta or None)
+        with share_block_scales(sd):       # no second copy of the block scales (bridge/quant_scales.py)
+            model = comfy.sd.load_diffusion_model_state_dict(sd, metadata=meta or None)
     finally:
         sd.clear()
+        host_memory.release_free_heap()
     detected = None if model is None else model.model.model_config.unet_config.get("image_model")
     if detected not in IMAGE_MODELS[family]:
         raise UnsupportedModelError(f"{node_id}: ComfyUI detected {detected!r} for unet_name {name!r}, expected "

@@ -15,6 +15,8 @@ from comfy_api.latest import io
 
 from ..errors import CheckpointError
 from ..loaders import h3 as core
+from ..bridge.quant_scales import share_block_scales
+from ..loaders import host_memory
 from ..loaders import quantize as qcore
 from . import _families, _files
 from ._common import progress, send_report, ui_report
@@ -182,9 +184,11 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
                                                        and k.endswith(".attn.to_gate_compress.weight")]}
     meta = core.comfy_metadata(path)
     try:
-        model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts, metadata=meta)
+        with share_block_scales(sd):       # no second copy of the block scales (bridge/quant_scales.py)
+            model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts, metadata=meta)
     finally:
         sd.clear()
+        host_memory.release_free_heap()
     if model is None:
         raise CheckpointError(f"{NODE_ID}: ComfyUI did not recognise the converted H3 state dict from '{path}' "
                               "(this ComfyUI may predate MiniMax H3 support; needs 0.33+)")

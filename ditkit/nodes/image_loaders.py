@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..bridge.quant_scales import share_block_scales
 from ..errors import UnsupportedModelError
+from ..loaders import host_memory
 from ..loaders import quantize as qcore
 from ..loaders.read_progress import load_with_progress
 from ..loaders.safetensors_io import DTYPES
@@ -75,7 +77,9 @@ def load_zimage(path: str, progress=None, weight_format: str = AS_STORED):
     else:
         sd, cfg, report = _quantized_zimage(path, fmt, progress)
     if cfg["dim"] == 3840:
-        out = comfy.sd.load_diffusion_model_state_dict(sd), cfg, "stock"
+        with share_block_scales(sd):       # no second copy of the block scales (bridge/quant_scales.py)
+            out = comfy.sd.load_diffusion_model_state_dict(sd), cfg, "stock"
+        host_memory.release_free_heap()
         return out if report is None else out + (report,)
     model_config = comfy.supported_models.ZImage(cfg)
     # what comfy.sd.load_diffusion_model_state_dict does for a comfy_quant state dict (mixed-precision ops)
@@ -92,7 +96,9 @@ def load_zimage(path: str, progress=None, weight_format: str = AS_STORED):
     model = model_config.get_model(sd, "")
     patcher = comfy.model_patcher.CoreModelPatcher(model, load_device=load_device,
                                                    offload_device=mm.unet_offload_device())
-    model.load_model_weights(sd, "", assign=patcher.is_dynamic())
+    with share_block_scales(sd):
+        model.load_model_weights(sd, "", assign=patcher.is_dynamic())
+    host_memory.release_free_heap()
     return (patcher, cfg, "ditkit-config") if report is None else (patcher, cfg, "ditkit-config", report)
 
 

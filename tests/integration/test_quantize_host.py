@@ -264,3 +264,60 @@ def test_converter_file_through_the_unetloader_node(dm_registered, tmp_path):
     folder_paths.add_model_folder_path("diffusion_models", str(d))
     (model,) = nodes.UNETLoader().load_unet("h3_q_nvfp4.safetensors", "default")
     _check_against_host(model, dm_registered / "h3_tiny_comfy.safetensors", "nvfp4", _expected_h3_layers())
+
+
+def _capture_scales(monkeypatch, module):
+    """Wrap ``module.quantized_state_dict``: -> dict layer -> the block-scale tensor the loader handed ComfyUI
+    (references kept, so a clone can never reuse the original's address)."""
+    got = {}
+    orig = module.quantized_state_dict
+
+    def spy(*a, **k):
+        sd, rep = orig(*a, **k)
+        got.update({key[: -len(".weight_scale")]: t for key, t in sd.items()
+                    if key.endswith(".weight_scale") and t.dim() >= 1})
+        return sd, rep
+
+    monkeypatch.setattr(module, "quantized_state_dict", spy)
+    return got
+
+
+def _model_block_scales(model):
+    out = {}
+    for name, mod in model.model.diffusion_model.named_modules():
+        params = getattr(getattr(mod, "weight", None), "_params", None)
+        if params is None:
+            continue
+        t = getattr(params, "block_scale", None)
+        t = getattr(params, "scale", None) if t is None else t
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("loader", ["h3", "zimage", "ltx2"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_loaded_model_keeps_the_loaders_block_scales_not_a_copy(dm_registered, monkeypatch, fmt, loader):
+    """ComfyUI's nn.Parameter(QuantizedTensor) clones the block scales (comfy_kitchen's detach); the loaders put
+    the state dict's own tensor back (bridge/quant_scales.py), so the block scales are not held twice while the
+    model is built: every quantized layer's block scale is the very tensor the quantizer made, same bytes."""
+    from ditkit.nodes import dit_loaders, h3_loaders, image_loaders
+    from ditkit.nodes.h3_loaders import weight_formats
+
+    if fmt not in weight_formats():
+        pytest.skip(f"this host's QUANT_ALGOS has no {fmt}")
+    if loader == "h3":
+        got = _capture_scales(monkeypatch, h3_loaders)
+        model = h3_loaders.DitKitH3ModelLoader.execute(model_name="h3_tiny_official", weight_format=fmt).args[0]
+    elif loader == "zimage":
+        got = _capture_scales(monkeypatch, image_loaders)
+        model = image_loaders.DitKitZImageLoader.execute(unet_name="zimage_tiny.safetensors",
+                                                         weight_format=fmt).args[0]
+    else:
+        got = _capture_scales(monkeypatch, dit_loaders)
+        model = dit_loaders.DitKitLTX2ModelLoader.execute(unet_name="ltx2_tiny.safetensors", weight_format=fmt).args[0]
+    have = _model_block_scales(model)
+    assert got and sorted(have) == sorted(got)
+    for layer, t in have.items():
+        assert t.data_ptr() == got[layer].data_ptr(), layer
+        assert torch.equal(_bits(t), _bits(got[layer])), layer

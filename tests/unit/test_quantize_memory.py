@@ -190,3 +190,59 @@ def test_streamed_quantization_peak_rss_within_quantized_size_plus_two_tensors(f
     assert src_bytes > 24 << 20 and r["kept"] < src_bytes * 0.7
     assert r["peak"] <= r["kept"] + largest, (f"{fmt}: peak RSS growth {r['peak'] / 2**20:.1f} MiB > kept "
                                               f"{r['kept'] / 2**20:.1f} MiB + two largest {largest / 2**20:.1f} MiB")
+
+
+# ------------------------------------------------------- block scales kept by the model ComfyUI builds (no copy)
+
+def _quantized_param(data, scale, clone=True):
+    """A parameter shaped like comfy_kitchen's QuantizedTensor after nn.Parameter: ``_qdata`` shares the state
+    dict's data, ``_params`` a frozen dataclass whose block scale is a clone (what its detach does)."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        scale: torch.Tensor
+        block_scale: torch.Tensor
+
+    p = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+    p._qdata = data
+    p._params = Params(torch.ones(()), scale.clone() if clone else scale)
+    return p
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_share_block_scales_puts_the_state_dicts_tensor_back(fmt):
+    from ditkit.bridge.quant_scales import share_block_scales
+
+    w = torch.randn(256, 96, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    data, scales = Q.quantize(w, fmt)
+    sd = {"l.weight": data, "l.weight_scale": scales["weight_scale"]}
+    ref = scales["weight_scale"].view(torch.uint8).clone()
+    lin = torch.nn.Module()
+    with share_block_scales(sd) as sharing:
+        lin.register_parameter("weight", _quantized_param(data, scales["weight_scale"]))
+    got = lin.weight._params.block_scale
+    assert got.data_ptr() == scales["weight_scale"].data_ptr()           # the very tensor, not the clone
+    assert torch.equal(got.view(torch.uint8), ref)
+    assert sharing.shared == 1 and sharing.shared_bytes == ref.numel()
+    # outside the context nothing is swapped (the hook is removed)
+    other = torch.nn.Module()
+    other.register_parameter("weight", _quantized_param(data, scales["weight_scale"]))
+    assert other.weight._params.block_scale.data_ptr() != scales["weight_scale"].data_ptr()
+
+
+def test_share_block_scales_leaves_other_values_and_other_weights_alone():
+    from ditkit.bridge.quant_scales import share_block_scales
+
+    w = torch.randn(128, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    data, scales = Q.quantize(w, "nvfp4")
+    sd = {"l.weight": data, "l.weight_scale": scales["weight_scale"]}
+    changed = scales["weight_scale"].view(torch.uint8).clone()
+    changed[0, 0] ^= 1                                                  # a clone whose bytes differ: kept as is
+    m = torch.nn.Module()
+    with share_block_scales(sd) as sharing:
+        m.register_parameter("a", _quantized_param(data, changed.view(scales["weight_scale"].dtype), clone=False))
+        m.register_parameter("b", _quantized_param(data.clone(), scales["weight_scale"]))  # not the sd's data
+    assert m.a._params.block_scale.data_ptr() == changed.data_ptr()
+    assert m.b._params.block_scale.data_ptr() != scales["weight_scale"].data_ptr()
+    assert sharing.shared == 0

@@ -1,0 +1,92 @@
+"""Keep the loader's block scales in the model ComfyUI builds from a quantized state dict (no second copy).
+
+Measured (``benchmarks/bench_quantize.py``, docs/quantize.md "Peak RSS"): ComfyUI's mixed-precision ``Linear``
+(``comfy/ops.py`` ``_load_quantized_module``) wraps the state dict's weight in a ``QuantizedTensor`` and then in
+``torch.nn.Parameter``; for such a tensor subclass ``Parameter`` calls ``detach()``, and comfy_kitchen's detach
+(``QuantizedTensor._copy_with``) clones the layout params, i.e. every ``weight_scale`` block-scale tensor of the
+mxfp8 / nvfp4 layers. The state dict's originals stay referenced by ``BaseModel.load_model_weights`` until the
+whole model is loaded, so the block scales are held twice at the load's peak (9.5 MiB on a 312 MiB generated H3
+as nvfp4, growing with the model: the peak RSS margin over the loaded size grew with the model size for mxfp8 /
+nvfp4 only), and the freed originals leave holes in the heap afterwards.
+
+:func:`share_block_scales` puts the state dict's own tensor back into each layer's params as soon as the
+parameter is registered (a torch global parameter-registration hook, installed only for the duration of the
+load): the clone is freed right away, so at most one layer's block scales exist twice. The swap only happens where
+the registered weight wraps the state dict's data tensor (same storage) and the clone holds the same bytes as the
+original (checked bit for bit), so the loaded model's values are unchanged; anything else is left as ComfyUI made
+it. Duck-typed on ``_qdata`` / ``_params`` (comfy_kitchen's ``QuantizedTensor``): no ComfyUI import.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from ..loaders import host_memory
+
+# the Params fields that hold a block-scale tensor (comfy_kitchen: nvfp4 "block_scale", mxfp8 "scale")
+_FIELDS = ("block_scale", "scale")
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.element_size() != b.element_size() or a.device != b.device:
+        return False
+    if a.element_size() != 1:
+        return bool(torch.equal(a, b)) and a.dtype == b.dtype
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+class ScaleSharing:
+    """What one :func:`share_block_scales` did: layers whose clone was replaced by the state dict's tensor."""
+
+    def __init__(self, originals: dict[int, torch.Tensor]):
+        self.originals = originals          # data_ptr of a layer's quantized weight -> its block-scale tensor
+        self.shared = 0
+        self.shared_bytes = 0
+
+    def hook(self, module, name, param):
+        qdata = getattr(param, "_qdata", None)
+        params = getattr(param, "_params", None)
+        if not isinstance(qdata, torch.Tensor) or params is None or not dataclasses.is_dataclass(params):
+            return None
+        orig = self.originals.get(qdata.data_ptr())
+        if orig is None:
+            return None
+        for field in _FIELDS:
+            cur = getattr(params, field, None)
+            if not isinstance(cur, torch.Tensor) or cur.dim() == 0 or cur.data_ptr() == orig.data_ptr():
+                continue
+            if cur.element_size() != orig.element_size() or not _same_bytes(cur, orig.view(cur.dtype)):
+                continue
+            object.__setattr__(params, field, orig.view(cur.dtype))   # frozen dataclass: the clone is freed now
+            self.shared += 1
+            self.shared_bytes += orig.numel() * orig.element_size()
+            self.originals.pop(qdata.data_ptr(), None)
+            del cur
+            host_memory.release_free_heap()    # the clone's heap pages (else a hole per layer stays resident)
+            break
+        return None
+
+
+@contextlib.contextmanager
+def share_block_scales(sd: dict):
+    """Context for ``comfy.sd.load_diffusion_model_state_dict(sd)`` (or ``load_model_weights``) of a quantized
+    state dict: yields a :class:`ScaleSharing` (how many layers kept the state dict's block scales)."""
+    originals: dict[int, torch.Tensor] = {}
+    for k, t in sd.items():
+        if not (k.endswith(".weight_scale") and isinstance(t, torch.Tensor) and t.dim() >= 1):
+            continue
+        w = sd.get(k[: -len("_scale")])
+        if isinstance(w, torch.Tensor) and w.numel():
+            originals[w.data_ptr()] = t
+    sharing = ScaleSharing(originals)
+    if not originals:
+        yield sharing
+        return
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(sharing.hook)
+    try:
+        yield sharing
+    finally:
+        handle.remove()
+        sharing.originals.clear()
