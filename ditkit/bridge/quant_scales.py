@@ -38,10 +38,12 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class ScaleSharing:
-    """What one :func:`share_block_scales` did: layers whose clone was replaced by the state dict's tensor."""
+    """What one :func:`share_block_scales` did: layers whose clone was replaced by the state dict's tensor
+    (:meth:`record` puts it into the loader's QuantReport, so the node says it ran)."""
 
     def __init__(self, originals: dict[int, torch.Tensor]):
         self.originals = originals          # data_ptr of a layer's quantized weight -> its block-scale tensor
+        self.candidates = len(originals)    # layers with block scales in the state dict
         self.shared = 0
         self.shared_bytes = 0
 
@@ -67,6 +69,13 @@ class ScaleSharing:
             host_memory.release_free_heap()    # the clone's heap pages (else a hole per layer stays resident)
             break
         return None
+
+
+    def record(self, quant) -> None:
+        """Into ``quant`` (a QuantReport, or None for a load as stored): layers that kept the loader's block scales."""
+        if quant is not None and self.candidates:
+            quant.block_scales = {"layers_kept": self.shared, "layers": self.candidates,
+                                  "bytes_not_copied": self.shared_bytes}
 
 
 @contextlib.contextmanager

@@ -259,13 +259,16 @@ def make_plan(family: str, fmt: str, inventory: "OrderedDict[str, tuple[tuple[in
 
 @dataclass
 class QuantReport(Report):
-    KEYS = ("format=fmt", "family", "recipe", "activation_scales", "bytes_in", "bytes_out", "classes")
+    KEYS = ("format=fmt", "family", "recipe", "activation_scales", "bytes_in", "bytes_out", "classes", "block_scales")
     VALUES = {"activation_scales": lambda r: "none"}   # weight-only: no input_scale is ever written
 
     family: str
     fmt: str
     recipe: str
     classes: dict[str, ClassStats] = field(default_factory=dict)
+    # block formats loaded into the host: {"layers_kept", "layers", "bytes_not_copied"} (bridge/quant_scales.py:
+    # layers whose block scales are the loader's tensors, not the host's clone); empty otherwise
+    block_scales: dict = field(default_factory=dict)
 
     def totals(self) -> tuple[int, int]:
         return (sum(c.bytes_in for c in self.classes.values()), sum(c.bytes_out for c in self.classes.values()))
@@ -282,8 +285,13 @@ class QuantReport(Report):
         bi, bo = self.totals()
         q = [f"{name} {c.quantized}/{c.tensors}" for name, c in self.classes.items() if c.quantized]
         kept = [name for name, c in self.classes.items() if not c.quantized]
-        return (f"{self.fmt} (weight-only): quantized {', '.join(q) or 'nothing'}; kept in stored precision: "
-                f"{', '.join(kept) or 'nothing'}; {bi / 2**20:.1f} MiB -> {bo / 2**20:.1f} MiB")
+        out = (f"{self.fmt} (weight-only): quantized {', '.join(q) or 'nothing'}; kept in stored precision: "
+               f"{', '.join(kept) or 'nothing'}; {bi / 2**20:.1f} MiB -> {bo / 2**20:.1f} MiB")
+        b = self.block_scales
+        if b:
+            out += (f"; block scales not copied by the host: {b['layers_kept']}/{b['layers']} layers "
+                    f"({b['bytes_not_copied'] / 2**20:.1f} MiB)")
+        return out
 
 
 def _check_finite(key: str, t: torch.Tensor, where: str) -> None:

@@ -73,8 +73,9 @@ def load_dit(node_id: str, family: str, path: str, name: str, weight_format: str
         sd, quant = quantized_state_dict(family, fmt, src.inventory, src.reader(progress), path)
         meta = src.metadata
     try:
-        with share_block_scales(sd):       # no second copy of the block scales (bridge/quant_scales.py)
+        with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
             model = comfy.sd.load_diffusion_model_state_dict(sd, metadata=meta or None)
+        sharing.record(quant)
     finally:
         sd.clear()
         host_memory.release_free_heap()

@@ -184,8 +184,9 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
                                                        and k.endswith(".attn.to_gate_compress.weight")]}
     meta = core.comfy_metadata(path)
     try:
-        with share_block_scales(sd):       # no second copy of the block scales (bridge/quant_scales.py)
+        with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
             model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts, metadata=meta)
+        sharing.record(quant)
     finally:
         sd.clear()
         host_memory.release_free_heap()

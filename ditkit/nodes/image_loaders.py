@@ -77,8 +77,9 @@ def load_zimage(path: str, progress=None, weight_format: str = AS_STORED):
     else:
         sd, cfg, report = _quantized_zimage(path, fmt, progress)
     if cfg["dim"] == 3840:
-        with share_block_scales(sd):       # no second copy of the block scales (bridge/quant_scales.py)
+        with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
             out = comfy.sd.load_diffusion_model_state_dict(sd), cfg, "stock"
+        sharing.record(report)
         host_memory.release_free_heap()
         return out if report is None else out + (report,)
     model_config = comfy.supported_models.ZImage(cfg)
@@ -96,8 +97,9 @@ def load_zimage(path: str, progress=None, weight_format: str = AS_STORED):
     model = model_config.get_model(sd, "")
     patcher = comfy.model_patcher.CoreModelPatcher(model, load_device=load_device,
                                                    offload_device=mm.unet_offload_device())
-    with share_block_scales(sd):
+    with share_block_scales(sd) as sharing:
         model.load_model_weights(sd, "", assign=patcher.is_dynamic())
+    sharing.record(report)
     host_memory.release_free_heap()
     return (patcher, cfg, "ditkit-config") if report is None else (patcher, cfg, "ditkit-config", report)
 

@@ -308,16 +308,21 @@ def test_loaded_model_keeps_the_loaders_block_scales_not_a_copy(dm_registered, m
         pytest.skip(f"this host's QUANT_ALGOS has no {fmt}")
     if loader == "h3":
         got = _capture_scales(monkeypatch, h3_loaders)
-        model = h3_loaders.DitKitH3ModelLoader.execute(model_name="h3_tiny_official", weight_format=fmt).args[0]
+        res = h3_loaders.DitKitH3ModelLoader.execute(model_name="h3_tiny_official", weight_format=fmt)
     elif loader == "zimage":
         got = _capture_scales(monkeypatch, image_loaders)
-        model = image_loaders.DitKitZImageLoader.execute(unet_name="zimage_tiny.safetensors",
-                                                         weight_format=fmt).args[0]
+        res = image_loaders.DitKitZImageLoader.execute(unet_name="zimage_tiny.safetensors", weight_format=fmt)
     else:
         got = _capture_scales(monkeypatch, dit_loaders)
-        model = dit_loaders.DitKitLTX2ModelLoader.execute(unet_name="ltx2_tiny.safetensors", weight_format=fmt).args[0]
+        res = dit_loaders.DitKitLTX2ModelLoader.execute(unet_name="ltx2_tiny.safetensors", weight_format=fmt)
+    model = res.args[0]
     have = _model_block_scales(model)
     assert got and sorted(have) == sorted(got)
     for layer, t in have.items():
         assert t.data_ptr() == got[layer].data_ptr(), layer
         assert torch.equal(_bits(t), _bits(got[layer])), layer
+    # the node says it ran: every layer counted, the bytes the layers' scales hold (computed here from the model)
+    (rep,) = res.ui["ditkit_report"]
+    n, nbytes = len(have), sum(t.numel() * t.element_size() for t in have.values())
+    assert rep["data"]["quantization"]["block_scales"] == {"layers_kept": n, "layers": n, "bytes_not_copied": nbytes}
+    assert f"block scales not copied by the host: {n}/{n} layers" in rep["summary"]

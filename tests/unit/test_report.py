@@ -191,6 +191,12 @@ def test_quantization_report_dict():
                                         "quantized": 4, "kept_small": 0, "rel_rms_error": math.sqrt(0.0009),
                                         "max_tensor_rel_error": 0.03},
                     "norms": {"tensors": 2, "params": 20, "bytes_in": 40, "bytes_out": 40, "quantized": 0,
-                              "kept_small": 2}}}
+                              "kept_small": 2}},
+        "block_scales": {}}
     assert r.summary() == ("float8_e4m3fn (weight-only): quantized block attention 4/4; kept in stored precision: "
                            "norms; 0.0 MiB -> 0.0 MiB")
+    # a block format loaded into the host: the layers whose block scales were not copied are said
+    b = QuantReport("h3", "nvfp4", "h3 recipe", {"block attention": attn},
+                    block_scales={"layers_kept": 3, "layers": 4, "bytes_not_copied": 3 << 20})
+    assert b.as_dict()["block_scales"] == {"layers_kept": 3, "layers": 4, "bytes_not_copied": 3145728}
+    assert b.summary().endswith("; block scales not copied by the host: 3/4 layers (3.0 MiB)")
