@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 import shutil
 import threading
@@ -65,6 +66,23 @@ def extension_name() -> str:
     return "ditkit_tile_attn_" + h.hexdigest()[:12]
 
 
+def stable_source(name: str, cpp_extension) -> Path:
+    """The kernel source as the build sees it: a copy named after the extension in torch's extension root, not the
+    file inside this checkout. The build folder is keyed by the extension name only, and torch rewrites its build
+    file (and ninja recompiles) whenever the source path in it changes: with the checkout's own path, two
+    checkouts of the same source (worktrees, a CI clone) rebuilt the shared extension each time the other had
+    loaded it. The copy is written only when missing or different (its mtime is what ninja compares)."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    dst = root / "ditkit_sources" / f"{name}.cpp"
+    src = SOURCE.read_bytes()
+    if not dst.is_file() or dst.read_bytes() != src:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(src)
+        os.replace(tmp, dst)                  # atomic: a concurrent loader sees the old or the new file, whole
+    return dst
+
+
 # Called as ``hook(event, message)`` with event "start" (before the first build/load of the process), "done" or
 # "failed": the host layer (nodes/_native_build.py) shows the message on the node that is waiting.
 BUILD_HOOKS: list = []
@@ -94,7 +112,8 @@ def load_extension():
             log.info("[ditkit] building/loading the cpu_native tile-attention extension (first build takes about "
                      "a minute; cached afterwards)")
             _tell("start", "cpu_native: building the CPU kernel, about a minute, once (cached afterwards)")
-            mod = cpp_extension.load(name=extension_name(), sources=[str(SOURCE)],
+            name = extension_name()
+            mod = cpp_extension.load(name=name, sources=[str(stable_source(name, cpp_extension))],
                                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                      verbose=False)
         except Exception as e:  # noqa: BLE001 - any build/load failure is a capability verdict, stated once

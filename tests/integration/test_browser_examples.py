@@ -30,6 +30,9 @@ from tests.integration.test_browser_reports import ARTEFACTS, _click_badge, _ope
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "example_workflows").glob("*.json"))
 TITLE, BADGE = 30, 2 + 20   # LiteGraph.NODE_TITLE_HEIGHT; drawBadges gap + the 20 px badge of web/js/ditkit.js
+# a loaded workflow is measured once its layout held still for QUIET_MS (sampled every POLL_MS), at most SETTLE_MS
+# (the fixed wait it replaces: a page's first load always waits that long)
+SETTLE_MS, QUIET_MS, POLL_MS = 1500, 400, 100
 
 pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 
@@ -64,17 +67,41 @@ def _overlaps(rects: dict) -> list[str]:
     return out
 
 
-def _load(page, wf: dict) -> None:
-    """Load ``wf`` and wait until the page shows exactly its nodes: a fresh page may still be restoring its default
-    workflow, which would otherwise replace ours after loadGraphData returned (seen once)."""
+def _frames(page, n: int = 2) -> None:
+    """Wait until the page has drawn ``n`` more animation frames (the canvas redraws on the next frame); at most
+    800 ms, the fixed wait this replaces (a page that draws no frames is no slower than before)."""
+    page.evaluate("""(n) => new Promise((done) => { setTimeout(done, 800);
+        const step = (k) => k ? requestAnimationFrame(() => step(k - 1)) : done(); step(n); })""", n)
+
+
+def _settled(page, want: list[str], vue: bool, first: bool) -> bool:
+    """True once the page shows exactly the workflow's nodes and their laid-out rectangles (what ``_rects``
+    measures: Nodes 2.0 mounts and measures its node elements after loadGraphData returned) stayed the same
+    for ``QUIET_MS`` on consecutive samples; False when that did not happen within ``SETTLE_MS``. A page's
+    first load waits the whole ``SETTLE_MS``: a fresh page may still be restoring its default workflow, which
+    would otherwise replace ours after loadGraphData returned (seen once)."""
+    t0, last, since = time.monotonic(), None, None
+    while (now := time.monotonic()) - t0 < SETTLE_MS / 1000:
+        have = page.evaluate("() => window.app.graph.nodes.map((n) => String(n.id)).sort()")
+        cur = (have, _rects(page, vue)) if have == want else None
+        if cur is None or not all(cur[1].values()) or cur != last:
+            last, since = cur, now
+        elif (now - since) * 1000 >= QUIET_MS and not first:
+            return True
+        page.wait_for_timeout(POLL_MS)
+    return last is not None and all(last[1].values())
+
+
+def _load(page, wf: dict, vue: bool) -> None:
+    """Load ``wf`` and wait until the page shows exactly its nodes, laid out (:func:`_settled`)."""
     want = sorted(str(n["id"]) for n in wf["nodes"])
     for _ in range(5):
-        page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", wf)
-        page.wait_for_timeout(1500)   # Nodes 2.0 mounts and measures its node elements
-        have = page.evaluate("() => window.app.graph.nodes.map((n) => String(n.id)).sort()")
-        if have == want:
+        first = not page.evaluate("() => !!window.__ditkitLoaded")
+        page.evaluate("async (wf) => { await window.app.loadGraphData(wf); window.__ditkitLoaded = true; }", wf)
+        if _settled(page, want, vue, first):
             return
-    pytest.fail(f"the page shows nodes {have}, not the workflow's {want}")
+    have = page.evaluate("() => window.app.graph.nodes.map((n) => String(n.id)).sort()")
+    pytest.fail(f"the page shows nodes {have}, not the workflow's {want} (or their layout did not settle)")
 
 
 def _fit(page) -> None:
@@ -91,7 +118,7 @@ def _fit(page) -> None:
         c.ds.offset[1] = (H / s - (y1 - y0)) / 2 - y0;
         c.setDirty(true, true);
     }""")
-    page.wait_for_timeout(800)
+    _frames(page)
 
 
 def _thumbnail(page, path: Path) -> None:
@@ -127,7 +154,7 @@ def _queue_and_wait(page, server) -> None:
             assert done == "success", f"{done}\n--- server log ---\n{server.log_tail(40)}"
             return
         assert server.alive(), server.log_tail(40)
-        time.sleep(1.0)
+        time.sleep(0.1)
     pytest.fail(f"workflow did not finish\n{server.log_tail(40)}")
 
 
@@ -170,7 +197,7 @@ def _check(page, server, path: Path, vue: bool, run: bool, cached: bool = False)
     """Load, measure, screenshot; with ``run`` also queue it and click a badge. ``cached``: the same prompt already
     ran on this server, so ComfyUI serves it from its cache and the clicked badge must be a cached node's."""
     wf = json.loads(path.read_text(encoding="utf-8"))
-    _load(page, wf)
+    _load(page, wf, vue)
     rects = _rects(page, vue)
     assert all(rects.values()), f"{path.stem}: nodes without an element: {[k for k, v in rects.items() if not v]}"
     _fit(page)
@@ -183,7 +210,7 @@ def _check(page, server, path: Path, vue: bool, run: bool, cached: bool = False)
     if not run:
         return
     _queue_and_wait(page, server)
-    page.wait_for_timeout(800)
+    _frames(page)       # the reports came over the websocket before execution_success; the canvas draws them next
     page.screenshot(path=str(ARTEFACTS / f"example_{path.stem}_{tag}_ran.png"))
     from_cache = page.evaluate("() => window.__ditkitCached")
     if cached:

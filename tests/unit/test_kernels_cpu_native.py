@@ -7,6 +7,8 @@ build is a stated rejection). Tests skip, with the reason, where the extension c
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -117,3 +119,32 @@ def test_explicit_cpu_native_resolves(ext):
         assert sel.backend == "cpu_native" and sel.exact
     finally:
         REGISTRY.clear_cache()
+
+
+def test_two_checkouts_give_the_build_the_same_source_path(tmp_path, monkeypatch):
+    """The build folder is keyed by the extension name only and torch recompiles when the source path in its build
+    file changes: two checkouts of the same kernel (worktrees, a CI clone) must hand the build the same file, or
+    each rebuilds the shared extension after the other loaded it. The compiler is a stub here; the file handed
+    over holds the kernel's bytes and is not rewritten (its mtime is what the build compares) on a later load."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(N.shutil, "which", lambda name: "/usr/bin/" + name)
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(kw) or object())
+    sources, stamps = [], []
+    for checkout in ("a", "b", "a"):
+        src = tmp_path / checkout / "csrc" / "tile_attn.cpp"
+        src.parent.mkdir(parents=True, exist_ok=True)
+        src.write_bytes(N.SOURCE.read_bytes())
+        monkeypatch.setattr(N, "SOURCE", src)
+        monkeypatch.setattr(N, "_state", {})
+        N.load_extension()
+        (path,) = seen[-1]["sources"]
+        sources.append(path)
+        stamps.append(Path(path).stat().st_mtime_ns)
+        assert Path(path).read_bytes() == src.read_bytes()
+    assert len(set(sources)) == 1, sources
+    assert not Path(sources[0]).is_relative_to(tmp_path / "a") and not Path(sources[0]).is_relative_to(tmp_path / "b")
+    assert len(set(stamps)) == 1, stamps
+    assert {kw["name"] for kw in seen} == {N.extension_name()}
