@@ -71,16 +71,28 @@ def stable_source(name: str, cpp_extension) -> Path:
     file inside this checkout. The build folder is keyed by the extension name only, and torch rewrites its build
     file (and ninja recompiles) whenever the source path in it changes: with the checkout's own path, two
     checkouts of the same source (worktrees, a CI clone) rebuilt the shared extension each time the other had
-    loaded it. The copy is written only when missing or different (its mtime is what ninja compares)."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-    dst = root / "ditkit_sources" / f"{name}.cpp"
+    loaded it. The copy is written only when missing or different (its mtime is what ninja compares), through
+    ``loaders/safe_fs`` (no symlink followed, temp file + atomic publish); an existing different file is replaced
+    only when it is one of these kernel sources (its first line is the source's)."""
+    from ..errors import DitKitError
+    from ..loaders import safe_fs
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    fname = f"{name}.cpp"
     src = SOURCE.read_bytes()
-    if not dst.is_file() or dst.read_bytes() != src:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(src)
-        os.replace(tmp, dst)                  # atomic: a concurrent loader sees the old or the new file, whole
-    return dst
+    head = src.split(b"\n", 1)[0]
+    what = "cpu_native kernel source copy"
+    try:
+        old, _ = safe_fs.read_inside(root, ("ditkit_sources", fname), max_bytes=4 * len(src) + 4096, what=what)
+    except DitKitError:
+        old = None                           # missing (or not a readable regular file: write_file says which)
+    if old != src:
+        d = safe_fs.SafeDir.open_root(root, ("ditkit_sources",), create=True, what="torch extensions folder")
+        try:
+            safe_fs.write_file(d, fname, src, replace_if=lambda blob: blob.split(b"\n", 1)[0] == head)
+        finally:
+            d.close()
+    return Path(os.path.realpath(root)) / "ditkit_sources" / fname
 
 
 # Called as ``hook(event, message)`` with event "start" (before the first build/load of the process), "done" or

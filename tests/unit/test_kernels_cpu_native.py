@@ -148,3 +148,32 @@ def test_two_checkouts_give_the_build_the_same_source_path(tmp_path, monkeypatch
     assert not Path(sources[0]).is_relative_to(tmp_path / "a") and not Path(sources[0]).is_relative_to(tmp_path / "b")
     assert len(set(stamps)) == 1, stamps
     assert {kw["name"] for kw in seen} == {N.extension_name()}
+
+
+def test_source_copy_never_follows_a_symlink_nor_replaces_a_foreign_file(tmp_path, monkeypatch):
+    """The source copy is a write of the server side: a symlink planted at its name is not followed (the file it
+    points to is untouched) and a file that is not a kernel source is not replaced; both are refused by name."""
+    from torch.utils import cpp_extension
+
+    from ditkit.errors import DitKitError
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    name = N.extension_name()
+    d = tmp_path / "ext" / "ditkit_sources"
+    d.mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"not yours\n")
+    (d / f"{name}.cpp").symlink_to(victim)
+    with pytest.raises(DitKitError, match="not a regular file"):
+        N.stable_source(name, cpp_extension)
+    assert victim.read_bytes() == b"not yours\n"
+    (d / f"{name}.cpp").unlink()
+    (d / f"{name}.cpp").write_bytes(b"someone else's file\n")
+    with pytest.raises(DitKitError, match="never replaces"):
+        N.stable_source(name, cpp_extension)
+    assert (d / f"{name}.cpp").read_bytes() == b"someone else's file\n"
+    # a stale copy of a kernel source (same first line, other bytes) is replaced atomically by the current one
+    stale = N.SOURCE.read_bytes().split(b"\n", 1)[0] + b"\n// older kernel\n"
+    (d / f"{name}.cpp").write_bytes(stale)
+    path = N.stable_source(name, cpp_extension)
+    assert path == d / f"{name}.cpp" and path.read_bytes() == N.SOURCE.read_bytes()
