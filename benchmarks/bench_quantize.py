@@ -291,11 +291,11 @@ def host_recast(sd, path: str) -> int:
     ``weight.to(dtype=compute_dtype)``; float32 on a CPU host, where bf16 is not used) while the state dict it was
     given still holds the originals until ``load_state_dict`` returns: the host's own copy, counted at the peak on
     top of the resident size. 0 where every unquantized layer is stored in the compute dtype."""
-    from ditkit.loaders.quantize import PREFIXES
+    from ditkit.loaders.quantize import model_prefix
     from ditkit.loaders.safetensors_io import read_header
 
     hdr = read_header(path)
-    pre = next((pf for pf in PREFIXES if all(k.startswith(pf) for k in hdr.tensors)), "")
+    pre = model_prefix(hdr.tensors)
     stored = {k[len(pre):]: ti for k, ti in hdr.tensors.items()}
     quantized = {k[: -len("comfy_quant")] for k in sd if k.endswith(".comfy_quant")}
     return sum(stored[k].nbytes for k, t in sd.items()

@@ -137,6 +137,12 @@ _MARKERS = (("adaln_single.emb.timestep_embedder.linear_1.bias", "ltx2"),
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 
+def model_prefix(keys) -> str:
+    """The model prefix every key of a single file carries (one of :data:`PREFIXES`), else ``""``."""
+    keys = list(keys)
+    return next((pf for pf in PREFIXES if all(k.startswith(pf) for k in keys)), "")
+
+
 def classify(family: str, key: str, shape: tuple[int, ...]) -> tuple[str, bool, str]:
     """-> (layer class, quantize?, why) for one tensor of ``family`` (key without the model prefix)."""
     rules = RECIPES[family]["rules"]
@@ -382,7 +388,7 @@ def open_source(path: str) -> Source:
         raise CheckpointError(f"'{p}': not a MiniMax H3, LTX-2, Z-Image or FLUX.2 diffusion model (first tensors: "
                               f"{sample})")
     refuse_quantized_source(p, {k: ti.dtype for k, ti in hdr.tensors.items()}, hdr.metadata)
-    prefix = next((pf for pf in PREFIXES if all(k.startswith(pf) for k in hdr.tensors)), "")
+    prefix = model_prefix(hdr.tensors)
     inv = OrderedDict((k, (tuple(ti.shape), ti.dtype)) for k, ti in sorted(hdr.tensors.items(),
                                                                            key=lambda kv: kv[1].begin))
 
