@@ -1,23 +1,24 @@
-"""ComfyUI entry point of the ditkit pack.
+"""ditkit — a ComfyUI node pack for MiniMax H3, LTX-2/2.5, Z-Image and FLUX.2.
 
-ComfyUI imports this folder under whatever name it was cloned to; the package itself is the inner folder
-``ditkit/`` (imported here relatively, so any folder name works). After ``pip install -e .`` the same inner
-folder imports as ``ditkit`` (CLI, tests). Keeping the code one level down means that Python run from this
-folder sees only ``ditkit``, ``tests`` and ``benchmarks`` as top-level names, never ``nodes`` (ComfyUI's own
-module name), ``kernels`` or ``cache``.
+The repository root is the package (the design card's layout: ``nodes/``, ``kernels/``, ``vae/``, ``loaders/``,
+``offload/``, ``web/`` at the top). ComfyUI loads this folder under whatever name it was cloned to; after
+``pip install -e .`` it imports as ``ditkit`` (``package-dir = {ditkit = "."}``: the only name installed). Every
+import inside the package is relative, and every subpackage refuses to be imported as a top-level module
+(the two lines after each docstring), so ``nodes`` (ComfyUI's own module), ``kernels`` or ``vae`` can never shadow or be
+shadowed, whichever folder Python is started from.
 
-Importing this module never imports ComfyUI: the node classes are built only when ComfyUI calls
-:func:`comfy_entrypoint`.
+Importing this module never imports ComfyUI or torch: the node classes are built only when ComfyUI calls
+:func:`comfy_entrypoint`, so ``import ditkit`` works in plain Python.
 """
+__version__ = "0.1.0"
 WEB_DIRECTORY = "./web"
 
-if __package__:  # ComfyUI (and any package import) always gives the folder a package name
-    from .ditkit import __version__, comfy_entrypoint
 
-    __all__ = ["WEB_DIRECTORY", "comfy_entrypoint", "__version__"]
-else:
-    # pytest collects this folder as a Python package and imports this file for its setup; under a folder name
-    # that is not an identifier (``ComfyUI-ditkit``, the usual name of a cloned pack) it imports it as a lone
-    # module, where a relative import cannot work and every test would error at setup. There is nothing to
-    # export there: the tests import the inner package ``ditkit`` themselves.
-    __all__ = ["WEB_DIRECTORY"]
+async def comfy_entrypoint():
+    """ComfyUI V3 entry point: returns the extension that lists every ditkit node."""
+    from .nodes import DitKitExtension
+
+    return DitKitExtension()
+
+
+__all__ = ["WEB_DIRECTORY", "comfy_entrypoint", "__version__"]

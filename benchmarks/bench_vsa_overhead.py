@@ -4,7 +4,7 @@ in one process, interleaved ABAB.
     nice -n 10 python benchmarks/bench_vsa_overhead.py [--old-ref main] [--reps 15] [--calls 40] [--threads 1]
         [--rows FILE]
 
-The old revision's ``ditkit/kernels/`` (and ``errors.py``) are read with ``git show`` into a temporary package
+The old revision's ``kernels/`` (and ``errors.py``) are read with ``git show`` into a temporary package
 ``ditkit_old`` and imported next to this checkout's ``ditkit``; each keeps its own kernel registry. Both sides run the
 same small packed H3 sequence (text 10 + audio 74 prefix, video grid 7x8x8: S=532, 2 heads, head_dim 16, fp32,
 keep 25 %, ``cpu_batched`` fine stage) through the override ComfyUI would call, ``--calls`` attention calls per DiT
@@ -40,8 +40,12 @@ PREFIX, GRID, HEADS, HEAD_DIM, KEEP = (10, 74), (7, 8, 8), 2, 16, 0.25
 def load_old(ref: str, into: Path):
     """Import ``ref``'s kernels (and its host layer ``bridge/`` when it has one) as the package ``ditkit_old`` (a temp
     copy: nothing in the checkout changes). Returns the module holding that revision's attention override."""
+    # revisions before the layout move kept the package in an inner ditkit/ folder; later ones at the root
+    base = "ditkit/" if subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{ref}:ditkit/kernels"],
+                                       capture_output=True).returncode == 0 else ""
+
     def ls(folder):
-        r = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{ref}:ditkit/{folder}"],
+        r = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{ref}:{base}{folder}"],
                            capture_output=True, text=True)
         return [f"{folder}/{f}" for f in r.stdout.split() if f.endswith(".py")] if r.returncode == 0 else []
 
@@ -49,13 +53,13 @@ def load_old(ref: str, into: Path):
     (pkg / "kernels" / "csrc").mkdir(parents=True)
     (pkg / "bridge").mkdir()
     (pkg / "__init__.py").write_text('"""old revision (benchmark copy)"""\n', encoding="utf-8")
-    top = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{ref}:ditkit"], capture_output=True,
+    top = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{ref}:{base}"], capture_output=True,
                          text=True).stdout.split()
     # the kernels' own top-level imports (errors; report / strict_json where that revision has them)
     files = ([f for f in ("errors.py", "report.py", "strict_json.py") if f in top] + ls("kernels") + ls("bridge")
              + ["kernels/csrc/tile_attn.cpp"])
     for rel in files:
-        blob = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:ditkit/{rel}"], check=True,
+        blob = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:{base}{rel}"], check=True,
                               capture_output=True).stdout
         (pkg / rel).write_bytes(blob)
     sys.path.insert(0, str(into))

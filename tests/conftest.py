@@ -20,29 +20,61 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _import_this_checkout_as_ditkit() -> None:
-    """Make ``import ditkit`` mean *this* checkout, in this process and in every subprocess a test starts.
+    """Make ``import ditkit`` mean *this* checkout, in this process and in every subprocess a test starts, without
+    ever putting the checkout's own folder on ``sys.path``.
 
-    The package is the inner folder ``ditkit/``, so the checkout's root first on ``sys.path`` and ``PYTHONPATH``
-    is enough: a ``ditkit`` installed from another checkout (a host venv's editable install, a CI clone next to a
-    developer tree) would otherwise be tested instead, silently. The same root makes ``tests.support`` and
-    ``benchmarks.lab`` importable. The session fails at once if the import still resolves elsewhere.
+    The repository root is the package, so the root on ``sys.path`` would make ``nodes`` (ComfyUI's own module
+    name), ``kernels`` or ``vae`` top-level names (``python -m pytest`` puts the current folder there: it is
+    removed). Instead a view folder holds exactly three links, ``ditkit`` -> the checkout, ``tests`` and
+    ``benchmarks``, and goes first on ``sys.path`` and ``PYTHONPATH``: a ``ditkit`` installed from another checkout
+    (a host venv's editable install, a CI clone next to a developer tree) would otherwise be tested instead,
+    silently. The session fails at once if the import still resolves elsewhere.
     """
-    sys.path.insert(0, str(REPO))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in
-                                               os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    import tempfile
+
+    view = Path(tempfile.gettempdir()) / f"ditkit-view-{os.getuid()}-{abs(hash(str(REPO))) % 10**10}"
+    view.mkdir(exist_ok=True)
+    for name, target in (("ditkit", REPO), ("tests", REPO / "tests"), ("benchmarks", REPO / "benchmarks")):
+        link = view / name
+        if not (link.is_symlink() and Path(os.readlink(link)) == target):
+            tmp = view / f".{name}.{os.getpid()}"
+            os.symlink(target, tmp, target_is_directory=True)
+            os.replace(tmp, link)
+    sys.path[:] = [str(view)] + [p for p in sys.path if Path(os.path.abspath(p or ".")) != REPO]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(view)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if p and Path(os.path.abspath(p)) != REPO])
     for name in [m for m in sys.modules if m == "ditkit" or m.startswith("ditkit.")]:
         del sys.modules[name]
     import ditkit
 
     where = Path(ditkit.__file__).resolve().parent
-    if where != REPO / "ditkit":
-        raise RuntimeError(f"`import ditkit` resolves to {where}, not the checkout under test ({REPO / 'ditkit'})")
+    if where != REPO:
+        raise RuntimeError(f"`import ditkit` resolves to {where}, not the checkout under test ({REPO})")
 
 
 _import_this_checkout_as_ditkit()
 
+
+def _drop_the_checkout_from_sys_path() -> None:
+    """pytest's default import mode puts a package's root folder on ``sys.path`` when it sets the package up (the
+    checkout itself when its folder name is not an identifier, e.g. ``ComfyUI-ditkit``): taken off again before any
+    fixture or test runs (the autouse fixtures below), so ``nodes`` is always ComfyUI's."""
+    sys.path[:] = [p for p in sys.path if Path(os.path.abspath(p or ".")) != REPO]
+
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_checkout_on_sys_path_session():
+    """Session-scoped autouse: set up before any other session fixture (``comfy`` imports ComfyUI's ``nodes``)."""
+    _drop_the_checkout_from_sys_path()
+
+
+@pytest.fixture(autouse=True)
+def _no_checkout_on_sys_path():
+    _drop_the_checkout_from_sys_path()
 
 # Without a GPU the Triton kernels are tested through the Triton interpreter. The flag must be set before
 # triton is first imported, so it is set here (pytest imports this file before any test module).

@@ -1,4 +1,4 @@
-"""Writes ditkit's shipped TeaCache coefficients for the quality-lab H3 (``ditkit/cache/defaults/h3lab_calibrated.json``).
+"""Writes ditkit's shipped TeaCache coefficients for the quality-lab H3 (``cache/defaults/h3lab_calibrated.json``).
 
 The harness's own procedure (``harness.calibrate_teacache``: the DitKitTeaCacheCalibrate node on the lab DiT, full
 compute, the 6 calibration prompts, euler / simple, the harness's default steps and CFG) in ComfyUI in-process,
@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 import harness as Hn  # noqa: E402
 import lab_comfy as L  # noqa: E402
 
-OUT = HERE.parents[1] / "ditkit" / "cache" / "defaults" / "h3lab_calibrated.json"
+OUT = HERE.parents[1] / "cache" / "defaults" / "h3lab_calibrated.json"
 
 
 def main(argv=None) -> int:

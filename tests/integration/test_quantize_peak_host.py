@@ -4,7 +4,7 @@ real host: at most ``resident after load + 2 largest source tensors`` (issue #20
 Each load runs in a fresh subprocess, measured as ``benchmarks/bench_quantize.py`` measures it (its ``--child`` mode
 ``"<family>:<format>"``: a warm-up load of the family's tiny file through the same loader and format, then the peak
 of ``/proc/self/statm`` sampled every 0.5 ms, and ``ru_maxrss``, during the node's load function). The file is
-generated here with the family's real key layout (``ditkit/tiny``) at hidden 1024, so that its two largest tensors
+generated here with the family's real key layout (``tiny``) at hidden 1024, so that its two largest tensors
 are a few MiB and the bound is tighter than the heap fragmentation the loader's host-memory handling prevents
 (``loaders/host_memory.py``): Z-Image fp8, 212 MiB as released, allowance 129.8 + 12.0 MiB, measured 130.7-130.9 MiB;
 153.3 MiB with the kept tensors on the plain heap and no ``malloc_trim``; 156.8 MiB when the reads of one block are

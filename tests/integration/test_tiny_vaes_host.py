@@ -1,5 +1,5 @@
-"""The tiny Z-Image / FLUX.2 VAEs (``ditkit/tiny/ckpt_image_vae.py``) and the tiny LTX-2 video VAE
-(``ditkit/tiny/ckpt_ltx_vae.py``) load through ComfyUI's stock VAE code.
+"""The tiny Z-Image / FLUX.2 VAEs (``tiny/ckpt_image_vae.py``) and the tiny LTX-2 video VAE
+(``tiny/ckpt_ltx_vae.py``) load through ComfyUI's stock VAE code.
 
 Oracle: ComfyUI itself (``comfy.sd.VAE`` = what the stock VAELoader builds): its config detection from the state
 dict, its ``load_state_dict`` (a shape that does not fit the module it derived raises), the keys it reports

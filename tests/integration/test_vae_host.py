@@ -252,7 +252,7 @@ def test_server_roundtrip_and_rejects(comfy_server):
 def _tiny_ltx_vae():
     """A small random LTX video VAE (ComfyUI's VideoVAE at base width 16, stock 32x/8x ratios, 128 latent channels),
     built through the stock wrapper with its config in the metadata (from ComfyUI's own module, independent of
-    ditkit/tiny/ckpt_ltx_vae.py)."""
+    tiny/ckpt_ltx_vae.py)."""
     import comfy.sd
     from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NODES_DIR = ROOT / "ditkit" / "nodes"
+NODES_DIR = ROOT / "nodes"
 DOCS = ROOT / "web" / "docs"
 
 

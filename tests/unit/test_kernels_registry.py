@@ -231,7 +231,7 @@ def _node_backend_combo() -> tuple[list[str], str]:
     import ast
     from pathlib import Path
 
-    src = (Path(__file__).resolve().parents[2] / "ditkit" / "nodes" / "sparse_attention.py").read_text(encoding="utf-8")
+    src = (Path(__file__).resolve().parents[2] / "nodes" / "sparse_attention.py").read_text(encoding="utf-8")
     tree = ast.parse(src)
     consts = {t.id: st.value for st in tree.body if isinstance(st, ast.Assign) for t in st.targets
               if isinstance(t, ast.Name)}

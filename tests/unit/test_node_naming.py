@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-NODES_DIR = ROOT / "ditkit" / "nodes"
+NODES_DIR = ROOT / "nodes"
 
 CATEGORIES = {"ditkit/loaders", "ditkit/attention", "ditkit/cache", "ditkit/vae", "ditkit/sampling", "ditkit/latent"}
 NODE_IDS = {"DitKitAdapterLoader", "DitKitFastH3Schedule", "DitKitH3AdaLNCache", "DitKitH3EmptyImageLatent", "DitKitH3EncodeImage",

@@ -20,7 +20,7 @@ NODE = shutil.which("node") or shutil.which("nodejs")
 def _kinds_sent_by_nodes() -> set[str]:
     kinds = set()
     # the nodes and the host bridge (per-run reports are sent from the wrappers installed by bridge/)
-    for path in [*(ROOT / "ditkit" / "nodes").glob("*.py"), *(ROOT / "ditkit" / "bridge").glob("*.py")]:
+    for path in [*(ROOT / "nodes").glob("*.py"), *(ROOT / "bridge").glob("*.py")]:
         for call in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "send_report":
                 arg = call.args[2] if len(call.args) > 2 else next((k.value for k in call.keywords if k.arg == "kind"), None)

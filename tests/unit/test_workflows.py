@@ -297,7 +297,7 @@ def test_sync_uses_live_schemas_and_detects_drift(tmp_path, capsys):
 
 
 def test_python_m_ditkit_workflows_still_works(tmp_path):
-    """``python -m ditkit.workflows`` is the thin entry point over ditkit/runner/workflows.py."""
+    """``python -m ditkit.workflows`` is the thin entry point over runner/workflows.py."""
     import subprocess
     import sys
 

@@ -6,7 +6,12 @@ A module that fails to import is logged loudly and listed in :data:`IMPORT_ERROR
 still load, so one broken optional dependency never takes the whole pack down. Every registered class gets the
 execute-time checks of ``guards.py`` (each FLOAT input must be finite) without code of its own.
 """
+
 from __future__ import annotations
+
+if "." not in __name__:  # the checkout's root is on sys.path: never shadow ComfyUI's `nodes` & co.
+    raise ImportError(f"{__name__!r} is a subpackage of ditkit, not a top-level module: import ditkit.{__name__} "
+                      "(remove the ditkit checkout's own folder from sys.path / PYTHONPATH)")
 
 import importlib
 import logging

@@ -39,8 +39,8 @@ TORCH_SET = ("torch==2.14.1", "torchvision==0.29.1", "torchaudio==2.11.1")
 TORCH_NAMES = ("torch", "torchvision", "torchaudio")
 MARKER = ".ditkit-host.json"
 MARKER_FORMAT = "ditkit-host-v1"
-PACKAGE_DIR = Path(__file__).resolve().parent  # the ditkit package
-PACK_ROOT = PACKAGE_DIR.parent  # the checkout (pip install -e target, ComfyUI custom-node folder)
+PACKAGE_DIR = Path(__file__).resolve().parent  # the ditkit package: the checkout itself
+PACK_ROOT = PACKAGE_DIR  # the checkout (pip install -e target, ComfyUI custom-node folder)
 # What the in-process host tests and ComfyUI's startup import; `check` imports each in the host's python.
 CHECK_IMPORTS = ("torch", "torchvision", "torchaudio", "safetensors", "aiohttp", "av", "yaml", "PIL", "einops",
                  "sentencepiece", "transformers", "comfy_kitchen")

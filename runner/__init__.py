@@ -12,3 +12,7 @@
 Each module imports only the ones listed above it (``tests/unit/test_import_cycles.py`` checks the whole package
 has no import cycle). Standard library only; no ComfyUI import.
 """
+
+if "." not in __name__:  # the checkout's root is on sys.path: never shadow ComfyUI's `nodes` & co.
+    raise ImportError(f"{__name__!r} is a subpackage of ditkit, not a top-level module: import ditkit.{__name__} "
+                      "(remove the ditkit checkout's own folder from sys.path / PYTHONPATH)")

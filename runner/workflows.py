@@ -35,7 +35,7 @@ from ..errors import WorkflowError
 from .client import ComfyClient
 from .server import ComfyServer
 
-PACK_ROOT = Path(__file__).resolve().parents[2]
+PACK_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES_DIR = PACK_ROOT / "example_workflows"
 EMBED_KEY = "ditkit_schemas"
 

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout: the folder ComfyUI loads as the custom node pack
+REPO = Path(__file__).resolve().parents[1]  # the checkout: the folder ComfyUI loads as the custom node pack
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SERVER = 0, 1, 2, 3
 

@@ -17,3 +17,7 @@ only places that import ComfyUI or touch its internals; the core (``loaders/``, 
 
 Modules here import ComfyUI lazily (inside functions) where the unit tests use them without a host.
 """
+
+if "." not in __name__:  # the checkout's root is on sys.path: never shadow ComfyUI's `nodes` & co.
+    raise ImportError(f"{__name__!r} is a subpackage of ditkit, not a top-level module: import ditkit.{__name__} "
+                      "(remove the ditkit checkout's own folder from sys.path / PYTHONPATH)")

@@ -1,1 +1,0 @@
-"""ditkit cache (plain torch; no ComfyUI imports)."""

@@ -1,1 +1,0 @@
-"""Checkpoint readers and model-layout converters (plain torch; no ComfyUI imports)."""

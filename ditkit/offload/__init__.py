@@ -1,1 +1,0 @@
-"""ditkit offload (plain torch; no ComfyUI imports)."""

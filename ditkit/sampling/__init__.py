@@ -1,1 +1,0 @@
-"""Sampling schedules (plain torch, no ComfyUI): the FastH3 distilled ladders (:mod:`.fasth3`)."""

@@ -1,1 +1,0 @@
-"""ditkit vae (plain torch; no ComfyUI imports)."""
