@@ -22,6 +22,7 @@ from typing import Hashable, Sequence
 import torch
 
 from ..errors import CoefficientError
+from ..parallel.reduce import LOCAL, Reducer
 from ..report import Report
 from . import coefficients as coef
 from .coefficients import StreamCoefficients
@@ -112,15 +113,33 @@ class TeaCacheReport(Report):
 class TeaCacheState:
     """Mutable per-sampling TeaCache state. Create one per model clone; :meth:`clone` gives a fresh copy."""
 
-    def __init__(self, config: TeaCacheConfig, coefficients_desc: str = ""):
+    def __init__(self, config: TeaCacheConfig, coefficients_desc: str = "", reducer: Reducer = LOCAL):
         self.config = config
         self.coefficients_desc = coefficients_desc
+        self.reducer = reducer  # sequence parallel: metric sums and the decision agreed over the ranks
         self.warnings: list[str] = []
         self.resets = 0
         self._reset_state([])
 
     def clone(self) -> "TeaCacheState":
-        return TeaCacheState(self.config, self.coefficients_desc)
+        return TeaCacheState(self.config, self.coefficients_desc, self.reducer)
+
+    def _reduced_changes(self, conds, mods) -> dict:
+        """Sequence parallel: the relative L1 change of every (condition, stream) that has a previous input of the
+        same shape, from the sums over every rank's valid rows (one ``Reducer.sum`` per call, whatever this rank's
+        own state, so the ranks' collectives pair up): ``Σ|cur - prev| / Σ|prev|``."""
+        where, parts = [], []
+        for ci, c in enumerate(conds):
+            for s in self.config.streams:
+                cur_list = mods.get(s)
+                prev = c.prev.get(s)
+                if cur_list is None or prev is None or prev.shape != cur_list[ci].shape:
+                    continue
+                cur, prev = self.reducer.valid(cur_list[ci].float()), self.reducer.valid(prev.float())
+                parts += [(cur - prev).abs().sum(dtype=torch.float64), prev.abs().sum(dtype=torch.float64)]
+                where.append((ci, s))
+        v = self.reducer.sum(torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64))
+        return {w: float(v[2 * i] / v[2 * i + 1].clamp_min(1e-12)) for i, w in enumerate(where)}
 
     # ------------------------------------------------------------------------------------------- schedule
     def _reset_state(self, sigmas: Sequence[float]):
@@ -200,6 +219,7 @@ class TeaCacheState:
                     break
         below_all = True
         per_stream_below: dict[str, bool] = {s: True for s in self.config.streams}
+        reduced = self._reduced_changes(conds, mods) if self.reducer.distributed else None
         for ci, c in enumerate(conds):
             for s, coeff in self.config.streams.items():
                 cur_list = mods.get(s)
@@ -208,7 +228,7 @@ class TeaCacheState:
                 cur = cur_list[ci]
                 prev = c.prev.get(s)
                 if prev is not None and prev.shape == cur.shape and reason is None:
-                    x = rel_l1(cur, prev)
+                    x = reduced[(ci, s)] if reduced is not None else rel_l1(cur, prev)
                     y, clamped = coeff.rescale(x)
                     y = max(y, 0.0)  # a predicted change is never negative (polynomials can dip below 0 near x=0)
                     st = self.stats[s]
@@ -223,6 +243,8 @@ class TeaCacheState:
                 elif reason is None:
                     reason = "no previous input"
                 c.prev[s] = cur.detach().clone()
+        if not self.reducer.agree(reason is None and below_all) and reason is None and below_all:
+            reason = "another rank computes"  # sequence parallel: every rank takes the same decision
         if reason is not None:
             self.forced[reason] = self.forced.get(reason, 0) + 1
             self._mark(conds, skip=False)

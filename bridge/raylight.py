@@ -1,0 +1,166 @@
+"""ditkit's VSA-H3 inside Raylight's sequence-parallel workers (host layer; active only when Raylight is importable).
+
+Raylight's USP replaces each block's ``attn.forward`` and calls xFuser attention directly, so ComfyUI's
+``optimized_attention_override`` (ditkit's VSA everywhere else) is never called there: sampling would run dense with
+no error. Raylight's plug-in point is its inner-attention registry (``raylight.distributed_modules.
+inner_attention``, commit 55ea37bb; ``../shared/reference/raylight.md``): a processor registered under a
+namespaced name is called by the dispatcher **after** yunchang's seq -> head all-to-all as
+``processor(dense_attention, q, k, v, *, transformer_options, **ring_kwargs)`` with ``q, k, v`` BSHD
+``[B, S_padded, H/N, D]`` and must return the same layout.
+
+:class:`VSAInnerAttention` is that processor: it reads this forward's :class:`~..kernels.vsa_h3_runtime.ForwardCtx`
+(made by ditkit's ``DIFFUSION_MODEL`` wrapper, which sees the full, unsplit inputs) and the run's holder from
+``transformer_options``, slices off the rows beyond the layout's length (Raylight's zero padding, which dense
+attention would attend: 0.107 max difference on a toy), runs VSA-H3 on this rank's heads, and restores the padding.
+The FastH3 gate made by a block replace on the rank's *sequence* shard goes through the same seq -> head
+all-to-all as q first (``gate_group``). Ring attention (ring degree > 1) is refused by name: VSA's tile selection
+needs every key tile on the rank. Calls the processor cannot take (no ditkit context, another layout, a dense
+step) run ``dense_attention`` and are counted, as the single-GPU override counts them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import BackendError
+from ..parallel.ulysses import seq_to_head
+from .attention import CTX_KEY, GATE_KEY, HOLDER_KEY
+
+PROCESSOR_NAME = "ditkit:vsa_h3"
+OPTIONS_KEY = "raylight_inner_attention"  # Raylight's transformer_options key for the processor (set_inner_attention)
+
+
+class VSAInnerAttention:
+    """Raylight inner-attention processor running ditkit's VSA-H3 on the rank's heads (Ulysses only)."""
+
+    supports_ring = False  # Raylight raises at the first call when ring degree > 1; ditkit names itself too
+
+    def __init__(self, gate_group: Optional[object] = None, ring_degree: Callable[[], int] = lambda: 1):
+        self.gate_group = gate_group      # the Ulysses group the gate is all-to-all'd over (a _LazyGroup on actors)
+        self.ring_degree = ring_degree
+
+    def __call__(self, dense_attention, q, k, v, *, transformer_options=None, **kwargs):
+        if self.ring_degree() > 1:
+            raise BackendError(f"{PROCESSOR_NAME}: Raylight ring attention (ring degree {self.ring_degree()}) cannot "
+                               "run VSA-H3 (its tile selection needs every key tile on the rank); use Ulysses only "
+                               "(ring degree 1) with DitKitSparseAttention")
+        to = transformer_options or {}
+        holder, ctx = to.get(HOLDER_KEY), to.get(CTX_KEY)
+        reason = None
+        if holder is None or ctx is None:
+            reason = "not an H3 DiT forward"
+        elif q.dim() != 4 or q.shape[1] < ctx.layout.seq_len:
+            reason = "token refiner / non-packed"
+        elif not ctx.sparse:
+            reason = ctx.reason
+        if reason is not None:
+            if holder is not None:
+                holder.runtime.dense_call(reason, ctx if reason != "token refiner / non-packed" else None)
+            return dense_attention(q, k, v, **kwargs)
+        n = ctx.layout.seq_len
+        gate = to.get(GATE_KEY)
+        if gate is not None:  # [1, H, S_shard, D] made on this rank's sequence shard -> [1, H/N, S, D] like q
+            group = self.gate_group.get() if isinstance(self.gate_group, _LazyGroup) else self.gate_group
+            gate = seq_to_head(gate.transpose(1, 2), group)[:, :n].transpose(1, 2)
+        # BSHD -> the kernels' BHSD, padding rows dropped (they are not tokens of the layout)
+        qh, kh, vh = (t[:, :n].transpose(1, 2) for t in (q, k, v))
+        out = holder.runtime.attention(qh, kh, vh, ctx, gate=gate).transpose(1, 2)
+        if q.shape[1] > n:
+            # zero rows where Raylight padded: they are sliced off after the inverse all-to-all
+            out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)
+        return out.contiguous()
+
+
+def raylight_available() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("raylight") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def register(registry=None) -> str:
+    """Register :class:`VSAInnerAttention` under ``ditkit:vsa_h3`` in Raylight's inner-attention registry (once;
+    a second call, e.g. a pack reloaded on an actor, is a no-op). ``registry``: the module holding
+    ``register_inner_attention`` (Raylight's by default). Returns what happened, for the log."""
+    if registry is None:
+        from raylight.distributed_modules.inner_attention import registry  # noqa: F811  (Raylight's own)
+    known = getattr(registry, "get_inner_attention", None) or getattr(registry, "get", None)
+    try:
+        if known is not None and known(PROCESSOR_NAME) is not None:
+            return f"{PROCESSOR_NAME} already registered"
+    except (KeyError, ValueError, LookupError):
+        pass
+    try:
+        registry.register_inner_attention(PROCESSOR_NAME)(VSAInnerAttention)
+    except (ValueError, KeyError) as e:  # Raylight raises on a second registration of the same name
+        if PROCESSOR_NAME in str(e):
+            return f"{PROCESSOR_NAME} already registered"
+        raise
+    return f"{PROCESSOR_NAME} registered"
+
+
+def set_processor(model, processor: VSAInnerAttention) -> None:
+    """Put the processor in the clone's ``transformer_options`` where Raylight's dispatcher looks for it."""
+    model.model_options.setdefault("transformer_options", {})[OPTIONS_KEY] = processor
+
+
+# ------------------------------------------------------------------------------------------- Raylight's actors
+def ulysses_group():
+    """xFuser's Ulysses process group on this actor (the group the gate's seq -> head all-to-all runs over), or a
+    named refusal: never a guess."""
+    try:
+        from xfuser.core.distributed import parallel_state as ps
+    except ImportError as e:
+        raise BackendError(f"{PROCESSOR_NAME}: xFuser is not importable on this Raylight actor ({e})") from e
+    for name in ("get_ulysses_parallel_group", "get_ulysses_group"):
+        fn = getattr(ps, name, None)
+        if fn is not None:
+            return fn()
+    sp = getattr(ps, "get_sp_group", None)
+    group = getattr(sp(), "ulysses_group", None) if sp is not None else None
+    if group is None:
+        raise BackendError(f"{PROCESSOR_NAME}: this xFuser has no Ulysses group accessor ditkit knows "
+                           "(get_ulysses_parallel_group / get_sp_group().ulysses_group); the FastH3 gate cannot be "
+                           "exchanged. Set the sparse attention's gate to 'none' or use xfuser==0.4.5")
+    return group
+
+
+def ring_degree() -> int:
+    try:
+        from xfuser.core.distributed import parallel_state as ps
+    except ImportError:
+        return 1
+    fn = getattr(ps, "get_ring_parallel_world_size", None)
+    return int(fn()) if fn is not None else 1
+
+
+class _LazyGroup:
+    """The Ulysses group, resolved on the actor at the first gated call (the groups exist only after Raylight
+    initialised xFuser there)."""
+
+    def __init__(self, resolve=ulysses_group):
+        self._resolve, self._group = resolve, None
+
+    def get(self):
+        if self._group is None:
+            self._group = self._resolve()
+        return self._group
+
+
+def make_pickle_by_value(package_module) -> None:
+    """ComfyUI imports the pack by file path (``custom_nodes.<folder>``), a name a Ray actor cannot import: the
+    patch closures Raylight ships to the actors are made to carry ditkit's code by value instead."""
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(package_module)
+
+
+def run_on_actors(ray_actors, patch, *args, **kwargs):
+    """Run ``patch(model, *args, **kwargs)`` on every Raylight actor's model (Raylight's own ``@ray_patch``, which
+    returns ``(ray_actors,)``)."""
+    from raylight.comfy_extra_dist.ray_patch_decorator import ray_patch
+
+    return ray_patch(lambda _self, model, *a, **kw: patch(model, *a, **kw))(None, ray_actors, *args, **kwargs)

@@ -1,0 +1,77 @@
+"""Rank-consistent cache decisions.
+
+A cache that decides from a tensor metric (TeaCache's relative L1 change, a first-block residual change) sees only
+its rank's sequence shard under sequence parallelism: computed per shard, the ranks can disagree on a skip (1 step
+in 9 on a toy) and the next collective deadlocks. A :class:`Reducer` turns the local figures into the global ones:
+:meth:`Reducer.sum` adds vectors of partial sums over the sequence-parallel group (the metric's numerator and
+denominator, pad rows excluded by the caller through :meth:`Reducer.valid`), and :meth:`Reducer.agree` makes a
+boolean decision identical on every rank of the world group (skip only when every rank would skip). Every cache
+calls both exactly once per decision, whatever its local state, so the collectives always pair up.
+
+:data:`LOCAL` is the single-process reducer (no communication; the figures are the rank's own).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .ulysses import valid_rows
+
+
+class Reducer:
+    """Single process: nothing to reduce."""
+
+    distributed = False
+
+    def sum(self, v: torch.Tensor) -> torch.Tensor:
+        return v
+
+    def agree(self, decision: bool) -> bool:
+        return bool(decision)
+
+    def valid(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``x`` without the rows of the sequence dimension ``dim`` that are padding (none in one process)."""
+        return x
+
+    def describe(self) -> str:
+        return "single process"
+
+
+LOCAL = Reducer()
+
+
+@dataclass
+class DistReducer(Reducer):
+    """Sums over ``sp_group`` (float64, so the order of the ranks' partial sums does not matter for a decision
+    threshold), decisions over ``world_group`` (MIN of 0/1). ``seq_len`` is the real (unpadded) length of the
+    sequence this rank holds a shard of, for :meth:`valid`; None when the shards are not padded."""
+
+    sp_group: Optional[object] = None
+    world_group: Optional[object] = None
+    seq_len: Optional[int] = None
+
+    distributed = True
+
+    def sum(self, v: torch.Tensor) -> torch.Tensor:
+        out = v.detach().to(torch.float64).clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.sp_group)
+        return out
+
+    def agree(self, decision: bool) -> bool:
+        flag = torch.tensor([1 if decision else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.world_group)
+        return bool(flag.item())
+
+    def valid(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        if self.seq_len is None:
+            return x
+        n = dist.get_world_size(self.sp_group)
+        r = dist.get_rank(self.sp_group)
+        return x.narrow(dim, 0, valid_rows(self.seq_len, r, n))
+
+    def describe(self) -> str:
+        return (f"sequence-parallel x{dist.get_world_size(self.sp_group)} (sums all-reduced, decisions MIN over "
+                f"{dist.get_world_size(self.world_group)} ranks)")

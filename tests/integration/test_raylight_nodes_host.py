@@ -1,0 +1,104 @@
+"""The Ray variants of ditkit's patches in the real ComfyUI 0.33 host, driven through Raylight's protocol.
+
+Raylight itself needs CUDA + NCCL actors and is not on PyPI, so this test stands in for exactly the three pieces of
+its protocol ditkit touches (``../shared/reference/raylight.md``, read at commit 55ea37bb): the inner-attention
+registry (``register_inner_attention(name)`` decorator, raising on a second registration), ``@ray_patch`` (the
+decorated ``patch(self, model, ...)`` runs on every actor's model and the node returns ``(ray_actors,)``) and
+``ray.cloudpickle.register_pickle_by_value``. The models on the "actors" are real tiny H3 ModelPatchers.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import pytest
+
+
+@pytest.fixture()
+def fake_raylight(monkeypatch):
+    registered, by_value = {}, []
+
+    def register_inner_attention(name):
+        def deco(cls):
+            if name in registered:
+                raise ValueError(f"inner attention {name!r} already registered")
+            registered[name] = cls
+            return cls
+        return deco
+
+    class Actors:
+        def __init__(self, models):
+            self.models = models
+
+    def ray_patch(fn):
+        def wrapper(self, ray_actors, *a, **kw):
+            ray_actors.models = [fn(self, m, *a, **kw) for m in ray_actors.models]
+            return (ray_actors,)
+        return wrapper
+
+    mods = {
+        "raylight": types.ModuleType("raylight"),
+        "raylight.distributed_modules": types.ModuleType("raylight.distributed_modules"),
+        "raylight.distributed_modules.inner_attention": types.ModuleType("raylight.distributed_modules.inner_attention"),
+        "raylight.distributed_modules.inner_attention.registry": types.SimpleNamespace(
+            register_inner_attention=register_inner_attention),
+        "raylight.comfy_extra_dist": types.ModuleType("raylight.comfy_extra_dist"),
+        "raylight.comfy_extra_dist.ray_patch_decorator": types.SimpleNamespace(ray_patch=ray_patch),
+        "ray": types.ModuleType("ray"),
+        "ray.cloudpickle": types.SimpleNamespace(register_pickle_by_value=by_value.append),
+    }
+    mods["raylight"].__spec__ = importlib.machinery.ModuleSpec("raylight", None)
+    mods["raylight.distributed_modules.inner_attention"].registry = mods[
+        "raylight.distributed_modules.inner_attention.registry"]
+    mods["ray"].cloudpickle = mods["ray.cloudpickle"]
+    for k, v in mods.items():
+        monkeypatch.setitem(sys.modules, k, v)
+    return types.SimpleNamespace(registered=registered, by_value=by_value, Actors=Actors)
+
+
+def _reload_ray_nodes():
+    import ditkit.nodes.raylight as mod
+
+    return importlib.reload(mod)
+
+
+def test_no_ray_nodes_without_raylight(comfy, monkeypatch):
+    monkeypatch.setitem(sys.modules, "raylight", None)   # find_spec -> ValueError / not importable
+    assert _reload_ray_nodes().NODES == []
+
+
+def test_ray_sparse_attention_installs_the_processor_on_every_actor(comfy, fake_raylight, tiny_ckpts):
+    import comfy.sd
+
+    from ditkit.bridge import raylight as rl
+    from ditkit.bridge.attention import HOLDER_KEY
+
+    mod = _reload_ray_nodes()
+    assert [c.GET_SCHEMA().node_id for c in mod.NODES] == ["DitKitRaySparseAttention", "DitKitRayAdaLNCache"]
+    assert fake_raylight.registered == {"ditkit:vsa_h3": rl.VSAInnerAttention}
+    assert [m.__name__ for m in fake_raylight.by_value] == [mod.__name__.rsplit(".", 2)[0]]   # the pack, by value
+    assert rl.register(sys.modules["raylight.distributed_modules.inner_attention.registry"]).endswith(
+        "already registered")                                                  # a reload on an actor: no crash
+    path = tiny_ckpts / "diffusion_models" / "h3_tiny_fasth3.safetensors"
+    base = comfy.sd.load_diffusion_model(str(path))
+    actors = fake_raylight.Actors([base, base.clone()])
+    (out,) = mod.DitKitRaySparseAttention.execute(ray_actors=actors, recipe="custom", keep_percent=25.0).result
+    assert out is actors and len(out.models) == 2
+    for m in out.models:
+        to = m.model_options["transformer_options"]
+        assert isinstance(to[rl.OPTIONS_KEY], rl.VSAInnerAttention)
+        assert to[HOLDER_KEY].runtime.cfg.keep == pytest.approx(0.25)
+        assert m is not base
+    inputs = {i.id for i in mod.DitKitRaySparseAttention.GET_SCHEMA().inputs}
+    assert "ray_actors" in inputs and "model" not in inputs and "recipe" in inputs
+
+
+def test_ray_adaln_cache_runs_the_node_on_every_actor(comfy, fake_raylight, tiny_ckpts):
+    import comfy.sd
+
+    mod = _reload_ray_nodes()
+    base = comfy.sd.load_diffusion_model(str(tiny_ckpts / "diffusion_models" / "h3_tiny_comfy.safetensors"))
+    actors = fake_raylight.Actors([base, base.clone()])
+    (out,) = mod.DitKitRayAdaLNCache.execute(ray_actors=actors).result
+    assert all(m is not base and m.model_options != base.model_options for m in out.models)
