@@ -14,11 +14,12 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .errors import DitKitError
 
 GUARD_ATTR = "_ditkit_float_guard"   # the FLOAT input names a guarded class checks
+BEFORE_ATTR = "_ditkit_guard_before"  # the check run before them (the host contract's require)
 
 
 def float_inputs(schema) -> tuple[str, ...]:
@@ -57,11 +58,13 @@ def check_finite_inputs(node_id: str, names: Iterable[str], values: dict) -> Non
                               "Infinity pass ComfyUI's min/max check, so ditkit refuses them here)")
 
 
-def guard_node(cls, node_id: str, names: Iterable[str]):
-    """Wrap ``cls.execute`` (a classmethod, sync or async) so :func:`check_finite_inputs` runs first.
-    Idempotent; returns ``cls``."""
+def guard_node(cls, node_id: str, names: Iterable[str], before: Callable[[], None] | None = None):
+    """Wrap ``cls.execute`` (a classmethod, sync or async) so :func:`check_finite_inputs` runs first, after
+    ``before()`` (if given: a check that may refuse the node outright, e.g. the host contract's
+    ``require(node_id)``, called with nothing else run yet). Idempotent; returns ``cls``."""
     names = tuple(names)
-    if getattr(cls, GUARD_ATTR, None) == names and GUARD_ATTR in cls.__dict__:
+    if getattr(cls, GUARD_ATTR, None) == names and GUARD_ATTR in cls.__dict__ \
+            and cls.__dict__.get(BEFORE_ATTR) is before:
         return cls
     raw = inspect.getattr_static(cls, "execute")
     func = raw.__func__ if isinstance(raw, classmethod) else getattr(cls.execute, "__func__", None)
@@ -80,15 +83,20 @@ def guard_node(cls, node_id: str, names: Iterable[str]):
     if inspect.iscoroutinefunction(inner):
         @functools.wraps(inner)
         async def execute(klass, *args, **kwargs):
+            if before is not None:
+                before()
             check_finite_inputs(node_id, names, values_of(klass, args, kwargs))
             return await inner(klass, *args, **kwargs)
     else:
         @functools.wraps(inner)
         def execute(klass, *args, **kwargs):
+            if before is not None:
+                before()
             check_finite_inputs(node_id, names, values_of(klass, args, kwargs))
             return inner(klass, *args, **kwargs)
 
     execute.__wrapped_by_ditkit__ = inner
     cls.execute = classmethod(execute)
     setattr(cls, GUARD_ATTR, names)
+    setattr(cls, BEFORE_ATTR, before)
     return cls

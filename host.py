@@ -3,6 +3,7 @@
     python -m ditkit.host setup [--source GIT_DIR_OR_URL] [--ref COMMIT_OR_TAG] [--dir DIR] [--python PY]
     python -m ditkit.host path      # the host ditkit would use, and why (COMFYUI_PATH, else the cached host)
     python -m ditkit.host check     # exit 0 when that host is usable, 1 when not (says what is wrong)
+    python -m ditkit.host check --contract [--comfyui PATH]   # ditkit's host contract on that ComfyUI, as a table
 
 ``setup`` extracts the pinned commit's tree from a git repository (a local git directory or bare mirror, or the
 public URL, cloned bare into the cache first), without its work-tree machinery: blobs missing from a size-capped
@@ -14,6 +15,11 @@ same host without environment variables. A second run checks and reuses; a half-
 
 The host's tree is ditkit's own (a marker file ``.ditkit-host.json`` says so): ``setup`` refuses to write into a
 folder without that marker, so a ComfyUI the user pointed at is never modified.
+
+``check --contract`` prints the host contract (``bridge/contract.py``: every ComfyUI symbol and behaviour ditkit
+relies on, and the nodes that refuse when one is broken) for any ComfyUI checkout, so a user can check theirs
+before upgrading: the probes run inside that host's python (its venv, else this interpreter), importing that
+ComfyUI with ``--cpu`` and this checkout as ``ditkit``; exit 0 when no entry is broken, 1 when one is.
 
 This module is plain standard-library Python with no imports from the rest of the pack, so ``.ci/run`` can run
 it as a script (``python host.py path``) before anything is installed.
@@ -439,6 +445,81 @@ def _ensure_pack(root: Path, h: Host, log) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the host contract, probed inside the host's python
+
+CONTRACT_MARK = "DITKIT-CONTRACT "
+# run as `python -c CONTRACT_CHILD <comfyui root> <pack dir>` with the host's python, in the ComfyUI folder: this
+# checkout imported as `ditkit` (whatever ditkit that venv has installed), ComfyUI with --cpu semantics
+CONTRACT_CHILD = """
+import importlib.util, json, sys
+root, pack = sys.argv[1], sys.argv[2]
+sys.path.insert(0, root)
+spec = importlib.util.spec_from_file_location("ditkit", pack + "/__init__.py", submodule_search_locations=[pack])
+mod = importlib.util.module_from_spec(spec)
+sys.modules["ditkit"] = mod
+spec.loader.exec_module(mod)
+from comfy.cli_args import args
+args.cpu = True
+import comfy.model_management
+from ditkit.bridge import contract
+table = contract.check_all()
+rows = table.rows()
+for row, res in zip(rows, table.results):
+    row["doc"] = res.entry.doc
+print(%r + json.dumps({"host_version": table.host_version, "rows": rows}), flush=True)
+""" % CONTRACT_MARK
+
+
+def probe_contract(root: Path, python: Path | str, pack: Path = PACK_ROOT, timeout: float = 900) -> dict:
+    """``{"host_version", "rows": [{symbol, what, state, note, nodes, doc}]}`` of the ComfyUI at ``root``, probed
+    by ``python`` (HostError when it cannot be run or prints no table)."""
+    try:
+        r = subprocess.run([str(python), "-c", CONTRACT_CHILD, str(root), str(pack)], capture_output=True, text=True,
+                           timeout=timeout, cwd=str(root))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise HostError(f"the host contract could not be probed with {python}: {e}") from None
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(CONTRACT_MARK)]
+    if r.returncode != 0 or not lines:
+        raise HostError(f"the host contract probe failed in {python} ({r.returncode}): "
+                        f"{(r.stderr or r.stdout).strip()[-600:]}")
+    return json.loads(lines[-1][len(CONTRACT_MARK):])
+
+
+def format_contract(data: dict, where: str = "") -> str:
+    """The contract as a text table: one row per entry (state, what, symbol, dependent nodes, note)."""
+    rows = data["rows"]
+    states = [r["state"] for r in rows]
+    head = (f"ditkit host contract on ComfyUI {data['host_version']}{' at ' + where if where else ''}: "
+            f"{len(rows)} entries, {states.count('holds')} hold, {states.count('adapted')} adapted, "
+            f"{states.count('broken')} broken")
+    w_sym = min(max([len(r["symbol"]) for r in rows] + [6]), 70)
+    w_what = max([len(r["what"]) for r in rows] + [4])
+    out = [head, f"{'state':8} {'what':{w_what}} {'symbol':{w_sym}} nodes / note"]
+    order = {"broken": 0, "adapted": 1, "holds": 2}
+    for r in sorted(rows, key=lambda r: (order.get(r["state"], 3), r["symbol"])):
+        nodes = ", ".join(r["nodes"])
+        out.append(f"{r['state']:8} {r['what']:{w_what}} {r['symbol']:{w_sym}} {nodes}")
+        if r["note"]:
+            out.append(f"{'':8} {'':{w_what}} {'':{w_sym}}   {r['note']}")
+    return "\n".join(out)
+
+
+def check_contract(explicit: str | None = None, *, pack: Path = PACK_ROOT) -> int:
+    """``check --contract``: print the table; 0 when nothing is broken, 1 when an entry is, 2 without a host."""
+    h = find_host(explicit)
+    if h is None:
+        print(f"no host: COMFYUI_PATH is unset and {default_dir()} does not exist (python -m ditkit.host setup, "
+              "or --comfyui PATH)")
+        return 2
+    if not (h.root / "main.py").is_file():
+        print(f"not a ComfyUI checkout: {'; '.join(h.problems)}")
+        return 2
+    data = probe_contract(h.root, h.python or sys.executable, pack)
+    print(format_contract(data, str(h.root)))
+    return 1 if any(r["state"] == "broken" for r in data["rows"]) else 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # CLI
 
 def main(argv: list[str] | None = None) -> int:
@@ -453,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--usable", action="store_true", help="print nothing and exit 1 unless that host is usable")
     c = sub.add_parser("check", help="say whether the host is usable (imports ComfyUI's requirements in its python)")
     c.add_argument("--comfyui", help="check this checkout instead")
+    c.add_argument("--contract", action="store_true",
+                   help="print ditkit's host contract on that ComfyUI (every host symbol/behaviour ditkit relies on, "
+                        "the nodes that depend on it, and whether it holds); exit 1 when an entry is broken")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "setup":
@@ -470,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
             print(h.root)
             print(h.describe() + ("" if h.usable else "; NOT usable: " + "; ".join(h.problems)), file=sys.stderr)
             return 0
+        if a.contract:
+            return check_contract(a.comfyui)
         h = find_host(a.comfyui, deep=True)
         if h is None:
             print(f"no host: COMFYUI_PATH is unset and {default_dir()} does not exist (python -m ditkit.host setup)")

@@ -2,8 +2,10 @@
 
 :func:`loads` is ``json.loads`` that refuses duplicate object keys and the NaN / Infinity / -Infinity literals,
 raising :class:`DuplicateKey` / :class:`NonFiniteConstant` (both ``ValueError``, like any other invalid JSON).
-Each reader turns them into its own error and message; the key a file repeats is carried on the exception, so a
-reader that must not echo file strings (the FastH3 contract) simply leaves it out.
+Each reader turns them into its own error: :func:`loads_as` does it for the readers that name the file and the
+kind of JSON they read (``what=``: "safetensors header", "TeaCache coefficient file", ...), so an error never
+names another kind of file. The key a file repeats is carried on the exception, so a reader that must not echo
+file strings (the FastH3 contract) calls :func:`loads` and leaves it out.
 """
 from __future__ import annotations
 
@@ -40,3 +42,17 @@ def _constant(name: str):
 def loads(text: str) -> Any:
     """``json.loads(text)`` with duplicate keys and non-finite literals refused (see the module docstring)."""
     return json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant)
+
+
+def loads_as(text: str, where: str, *, what: str, error: type[Exception] = ValueError) -> Any:
+    """:func:`loads`, every failure raised as ``error`` naming ``where`` (the file) and ``what`` (the kind of JSON
+    read there): ``"<where>: duplicate JSON key 'k' in the <what>"``, ``"... non-finite JSON constant NaN in the
+    <what>"``, ``"<where>: invalid JSON in the <what> (<parser message>)"``."""
+    try:
+        return loads(text)
+    except DuplicateKey as e:
+        raise error(f"{where}: duplicate JSON key {e.key!r} in the {what}") from None
+    except NonFiniteConstant as e:
+        raise error(f"{where}: non-finite JSON constant {e.name} in the {what}") from None
+    except (ValueError, RecursionError) as e:
+        raise error(f"{where}: invalid JSON in the {what} ({e})") from None

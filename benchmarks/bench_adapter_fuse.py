@@ -126,7 +126,8 @@ w = patch.calculate_weight(weight, "diffusion_model.blocks.0.attn.qkv_proj.weigh
 sec = time.perf_counter() - t
 peak = (hwm_kib() - h0) / 1024
 if out:
-    torch.save({"w": w[:512].clone(), "d": (b[:512].float() @ a.float())}, out)
+    from safetensors.torch import save_file
+    save_file({"w": w[:512].float().contiguous(), "d": (b[:512].float() @ a.float()).contiguous()}, out)
 print(json.dumps({"seconds": sec, "peak_extra_mib": peak}))
 """
 
@@ -161,13 +162,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_adapter_") as td:
         for i in range(a.repeat):          # ABAB: one of each per round
             for m in modes:
-                out = Path(td) / f"{m}.pt" if i == 0 and m in ("ditkit", "native") else ""
+                out = Path(td) / f"{m}.safetensors" if i == 0 and m in ("ditkit", "native") else ""
                 res[m].append(run(m, a, out))
         qual = None
         if "ditkit" in modes:
-            import torch
+            from safetensors.torch import load_file
 
-            d, n = torch.load(Path(td) / "ditkit.pt"), torch.load(Path(td) / "native.pt")
+            d, n = load_file(Path(td) / "ditkit.safetensors"), load_file(Path(td) / "native.safetensors")
             qual = (d["w"] - n["w"]).abs().max().item() / d["d"].abs().max().item()
     print(f"H3 qkv LoRA fuse: weight [{a.rows} x {a.cols}] (fp32 {a.rows * a.cols * 4 / 2**20:.0f} MiB, fp8 "
           f"{a.rows * a.cols / 2**20:.0f} MiB), rank {a.rank}, {a.repeat} rounds (interleaved)")

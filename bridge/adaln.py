@@ -14,6 +14,7 @@ import torch
 
 from ..cache.adaln import AdalnScheduleCache, check_schedule, fp32_bits
 from .fingerprint import adaln_patch_fingerprint, adaln_weight_fingerprint
+from .reports import ReportTarget
 
 WRAPPER_KEY = "ditkit_h3_adaln_cache"
 HOLDER_KEY = WRAPPER_KEY          # transformer_options key of the AdalnHolder
@@ -24,13 +25,12 @@ class AdalnHolder:
     clone; the run fields (``sigmas``, ``patch_fp``, ``variants``, ``built_for``) belong to one sampling run
     (:meth:`clone` gives a fresh holder for a run)."""
 
-    def __init__(self, cache: AdalnScheduleCache, dm, model_sampling, report_to, park_mode: str, send_report=None):
+    def __init__(self, cache: AdalnScheduleCache, dm, model_sampling, report_to, park_mode: str):
         self.cache = cache
         self.dm = dm
         self.model_sampling = model_sampling
         self.report_to = report_to
         self.park_mode = park_mode
-        self.send_report = send_report
         self.sigmas: torch.Tensor | None = None
         self.patch_fp = ""
         self.variants: set = set()
@@ -38,8 +38,7 @@ class AdalnHolder:
         self.in_run = False
 
     def clone(self) -> "AdalnHolder":
-        return AdalnHolder(self.cache, self.dm, self.model_sampling, self.report_to, self.park_mode,
-                           self.send_report)
+        return AdalnHolder(self.cache, self.dm, self.model_sampling, self.report_to, self.park_mode)
 
 
 def _variant(payload: dict | None) -> tuple:
@@ -85,7 +84,13 @@ def predict_t_embs(dm, model_sampling, sigmas, variants, device, dtype, shift_v,
     return out
 
 
-def install(m, cache: AdalnScheduleCache, dm, report_to, park: bool, send_report) -> dict:
+def wrap_projections(m, cache: AdalnScheduleCache, keys: list[str], originals: list) -> None:
+    """Object-patch each AdaLN projection ``keys[i]`` of the clone ``m`` with its cache wrapper."""
+    for k, o in zip(keys, originals):
+        m.add_object_patch(k, cache.wrap(o, k.removeprefix("diffusion_model.")))
+
+
+def install(m, cache: AdalnScheduleCache, dm, report_to, park: bool) -> dict:
     """Put the holder and the two wrappers on the clone ``m`` (object patches are the node's)."""
     import comfy.patcher_extension as pe
 
@@ -100,7 +105,7 @@ def install(m, cache: AdalnScheduleCache, dm, report_to, park: bool, send_report
         cache.park_enabled = False
         park_mode = "dynamic VRAM: not moved; never faulted in while tables hit"
     cache.stats.park_mode = park_mode
-    holder = AdalnHolder(cache, dm, m.get_model_object("model_sampling"), report_to, park_mode, send_report)
+    holder = AdalnHolder(cache, dm, m.get_model_object("model_sampling"), report_to, park_mode)
     m.model_options.setdefault("transformer_options", {})[HOLDER_KEY] = holder
     m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, outer_sample_wrapper)
     m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, diffusion_model_wrapper)
@@ -146,7 +151,8 @@ def _report_run(run: AdalnHolder, before: dict) -> None:
                     "schedule): the cache saves compute only")
     if delta["misses"]:
         summary += f"; MISSES computed uncached: {after.miss_keys[:4]}"
-    run.send_report(run.report_to, "DitKitH3AdaLNCache", "adaln_cache", summary, data)
+    # the sink the node handed over (a bridge/reports.ReportTarget); a holder made without one reports on no node
+    (run.report_to or ReportTarget(None, "DitKitH3AdaLNCache", None, None)).send("adaln_cache", summary, data)
 
 
 def diffusion_model_wrapper(executor, x, timestep, context, transformer_options, *args, **kwargs):

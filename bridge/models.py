@@ -64,3 +64,29 @@ def teacache_family(model) -> str:
             "LTX-2 audio-video (LTXAVModel), Z-Image (NextDiT with Z-Image modulation) and FLUX.2 (Flux with global "
             "modulation)")
     return family
+
+
+def model_sampling(model):
+    """The MODEL's model-sampling object as sampling will use it (object patches applied)."""
+    return model.get_model_object("model_sampling")
+
+
+def load_device(model):
+    """The device ComfyUI loads the MODEL onto for sampling."""
+    return model.load_device
+
+
+def inference_dtype(model, default):
+    """The dtype the MODEL's diffusion model computes in (``default`` when this ComfyUI does not say)."""
+    inner = getattr(model, "model", None)
+    return inner.get_dtype_inference() if hasattr(inner, "get_dtype_inference") else default
+
+
+def model_object(model, key: str):
+    """The object at ``key`` ("diffusion_model.blocks.0.adaln_proj") as the MODEL's patches leave it."""
+    return model.get_model_object(key)
+
+
+def attention_override(model):
+    """The ``optimized_attention_override`` already installed in the MODEL's ``transformer_options`` (None if none)."""
+    return model.model_options.get("transformer_options", {}).get("optimized_attention_override")

@@ -31,7 +31,7 @@ from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files
 from ..cache.teacache import TeaCacheState, state_from_coefficients
 from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
 from ..loaders import safe_fs
-from ..nodes._common import current_graph, send_report
+from .reports import ReportTarget, current_graph
 from . import fingerprint
 from .blocks import HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, install_memo, make_block_replace
 from .models import teacache_family
@@ -267,11 +267,18 @@ def teacache_sample_wrapper(executor, *args, **kwargs):
         try:
             if holder.state is not None and holder.state.calls:
                 rep = holder.state.report()
-                send_report(holder.info.get("report_to"), NODE_TEACACHE, "teacache", rep.summary(), rep.as_dict())
+                _sink(holder.info, NODE_TEACACHE).send("teacache", rep.summary(), rep.as_dict())
             if holder.state is not None:
                 holder.state.release()
         finally:
             guider.model_options = orig
+
+
+def _sink(info: dict, node_type: str) -> ReportTarget:
+    """The report sink the node handed over (``info["report_to"]``, a :class:`~ditkit.bridge.reports.ReportTarget`);
+    a holder made without one reports on no node."""
+    target = info.get("report_to")
+    return target if target is not None else ReportTarget(None, node_type, None, None)
 
 
 def deferrable(spec: str) -> str | None:
@@ -331,10 +338,10 @@ def calibrate_sample_wrapper(executor, *args, **kwargs):
         run_fp["model"] = info["model_fp"]
         holder.begin(sigmas.flatten().tolist())
         if holder.recorder is not None:
-            node_id, name = info.get("report_to"), info.get("name")
+            sink, name = _sink(info, NODE_CALIBRATE), info.get("name")
 
             def on_step(pairs: int, step: int, steps: int) -> None:
-                send_report(node_id, NODE_CALIBRATE, "teacache_calibration_progress",
+                sink.send("teacache_calibration_progress",
                             f"TeaCache calibration '{name}': recording, {pairs} pairs (step {step}/{steps})",
                             {"pairs": pairs, "step": step, "steps": steps})
 
@@ -417,7 +424,7 @@ def _finish_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
         _write_calibration(holder, run_fp)
     except CoefficientError as e:  # checked at execute; only a change made during sampling gets here: keep its output
         log.warning("[ditkit] %s '%s': nothing written: %s", NODE_CALIBRATE, name, e)
-        send_report(info.get("report_to"), NODE_CALIBRATE, "teacache_calibration",
+        _sink(info, NODE_CALIBRATE).send("teacache_calibration",
                     f"TeaCache calibration '{name}': WRITE FAILED, nothing written: {e}", {"error": str(e)})
 
 
@@ -443,7 +450,7 @@ def _write_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
         if len(prompts) < info["min_prompts"]:
             summary = (f"TeaCache calibration '{name}': recorded {rec.n_pairs()} pairs ({len(prompts)}/{info['min_prompts']} "
                        f"distinct prompts so far; run more prompts with the same model/sampler/steps to fit)")
-            send_report(info.get("report_to"), NODE_CALIBRATE, "teacache_calibration", summary, data)
+            _sink(info, NODE_CALIBRATE).send("teacache_calibration", summary, data)
             return
         try:
             cf = fit_files(objs, degree=info["degree"], min_prompts=info["min_prompts"],
@@ -451,7 +458,7 @@ def _write_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
         except CoefficientError as e:  # the sampling itself succeeded: keep its output, report the failed fit loudly
             log.warning("[ditkit] %s '%s': fit failed: %s", NODE_CALIBRATE, name, e)
             data["error"] = str(e)
-            send_report(info.get("report_to"), NODE_CALIBRATE, "teacache_calibration",
+            _sink(info, NODE_CALIBRATE).send("teacache_calibration",
                         f"TeaCache calibration '{name}': FIT FAILED, no coefficient file written: {e}", data)
             return
         out_path = os.path.join(base_path, f"{name}.json")
@@ -465,7 +472,7 @@ def _write_calibration(holder: TeaCacheHolder, run_fp: dict) -> None:
                + ", ".join(f"{s} R2 {f['r2']:.3f} (n={f['n_pairs']})"
                            + (f" degree {f['degree']} (degree {f['degree_requested']} was negative inside its x range)"
                               if f.get("degree_requested") else "") for s, f in fits.items()))
-    send_report(info.get("report_to"), NODE_CALIBRATE, "teacache_calibration", summary, data)
+    _sink(info, NODE_CALIBRATE).send("teacache_calibration", summary, data)
 
 
 # ================================================================================================ what the nodes install

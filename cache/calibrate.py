@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..errors import CheckpointError, CoefficientError
+from ..errors import CoefficientError
 from ..loaders.safe_fs import SafeDir, read_fd, read_inside, write_file
-from ..loaders.safetensors_io import strict_json_loads
+from .. import strict_json
 from .coefficients import FAMILY_STREAMS, CoefficientFile, StreamCoefficients, polynomial_negative, save
 from .teacache import rel_l1
 
@@ -157,10 +157,7 @@ def parse_pair_bytes(data: bytes, where: str, path: str) -> dict:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CoefficientError(f"{where} is not UTF-8 text ({e})") from None
-    try:
-        obj = strict_json_loads(text, where)
-    except CheckpointError as e:
-        raise CoefficientError(str(e)) from None
+    obj = strict_json.loads_as(text, where, what="TeaCache pair file", error=CoefficientError)
     if not isinstance(obj, dict) or obj.get("format") != PAIRS_FORMAT:
         raise CoefficientError(f"{where}: format is {obj.get('format') if isinstance(obj, dict) else obj!r}, expected {PAIRS_FORMAT!r}")
     if obj.get("version") != PAIRS_VERSION:

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..errors import CheckpointError, CoefficientError
+from ..errors import CoefficientError
 from ..loaders.safe_fs import SafeDir, read_inside, write_file
-from ..loaders.safetensors_io import strict_json_loads
+from .. import strict_json
 from ..report import Report
 
 FORMAT = "ditkit.teacache.coefficients"
@@ -248,10 +248,8 @@ def parse_bytes(data: bytes, where: str) -> CoefficientFile:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CoefficientError(f"TeaCache coefficient file {where} is not UTF-8 text ({e})") from None
-    try:
-        obj = strict_json_loads(text, f"TeaCache coefficient file {where}")
-    except CheckpointError as e:
-        raise CoefficientError(str(e)) from None
+    obj = strict_json.loads_as(text, f"TeaCache coefficient file {where}", what="coefficient JSON",
+                               error=CoefficientError)
     return parse(obj, where)
 
 

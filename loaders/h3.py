@@ -141,7 +141,7 @@ def _read_json(path: Path) -> dict:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"'{path}': cannot read ({e})") from None
-    obj = strict_json_loads(text, f"'{path}'")
+    obj = strict_json_loads(text, f"'{path}'", what="index/config JSON")
     if not isinstance(obj, dict):
         raise CheckpointError(f"'{path}': expected a JSON object")
     return obj
@@ -493,7 +493,8 @@ def _quant_layers(src: H3Source) -> set[str]:
     meta = (src.metadata or {}).get("_quantization_metadata")
     if meta:
         try:
-            obj = strict_json_loads(meta, f"'{src.path}' __metadata__ '_quantization_metadata'")
+            obj = strict_json_loads(meta, f"'{src.path}' __metadata__ '_quantization_metadata'",
+                                  what="safetensors metadata value")
         except CheckpointError:
             obj = None
         if not isinstance(obj, dict) or not isinstance(obj.get("layers"), dict):
@@ -553,7 +554,8 @@ def rope_inv_freq(n: int, theta: float = 10000.0) -> torch.Tensor:
 
 def _validate_marker(src: H3Source, k: str, t: torch.Tensor) -> None:
     try:
-        obj = strict_json_loads(bytes(t.to(torch.uint8).flatten().tolist()).decode("utf-8"), f"'{src.path}', tensor {k!r}")
+        obj = strict_json_loads(bytes(t.to(torch.uint8).flatten().tolist()).decode("utf-8"),
+                                f"'{src.path}', tensor {k!r}", what="JSON stored in a tensor")
     except UnicodeDecodeError:
         raise CheckpointError(f"'{src.path}': tensor {k!r} is not a UTF-8 JSON quantization marker") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("format"), str):

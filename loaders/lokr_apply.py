@@ -213,7 +213,7 @@ def config_from_metadata(metadata: dict | None) -> tuple[dict, str] | None:
     if not isinstance(raw, str):
         raise AdapterError(f"{where} must be a JSON string")
     try:
-        cfg = strict_json_loads(raw, where)
+        cfg = strict_json_loads(raw, where, what="safetensors metadata value")
     except CheckpointError as e:
         raise AdapterError(f"{e} (re-export the adapter, or remove the metadata key and put the PEFT config in "
                            f"{PEFT_CONFIG_NAME} next to the file)") from None
@@ -260,7 +260,7 @@ def read_peft_config_file(path: str) -> dict:
     except UnicodeDecodeError as e:
         raise AdapterError(f"'{path}' is not UTF-8 text ({e})") from None
     try:
-        cfg = strict_json_loads(text, f"'{path}'")
+        cfg = strict_json_loads(text, f"'{path}'", what="PEFT adapter config")
     except CheckpointError as e:
         raise AdapterError(str(e)) from None
     if not isinstance(cfg, dict):

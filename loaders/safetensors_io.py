@@ -81,16 +81,10 @@ class Header:
         return list(self.tensors)
 
 
-def strict_json_loads(text: str, where: str):
-    """``json.loads`` that rejects duplicate keys and NaN/Infinity (raises CheckpointError naming ``where``)."""
-    try:
-        return strict_json.loads(text)
-    except strict_json.DuplicateKey as e:
-        raise CheckpointError(f"{where}: duplicate JSON key {e.key!r} in the safetensors header") from None
-    except strict_json.NonFiniteConstant as e:
-        raise CheckpointError(f"{where}: non-finite JSON constant {e.name} in the safetensors header") from None
-    except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"{where}: invalid JSON ({e})") from None
+def strict_json_loads(text: str, where: str, *, what: str):
+    """:func:`ditkit.strict_json.loads_as` raising CheckpointError naming ``where`` and ``what`` (the kind of JSON:
+    "safetensors header", "index JSON", ...)."""
+    return strict_json.loads_as(text, where, what=what, error=CheckpointError)
 
 
 
@@ -165,7 +159,7 @@ def _parse_header(f, size: int, path: str, where: str) -> Header:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise CheckpointError(f"{where}: header is not UTF-8 (not a safetensors file?)") from None
-    obj = strict_json_loads(text.rstrip(" "), where)
+    obj = strict_json_loads(text.rstrip(" "), where, what="safetensors header")
     if not isinstance(obj, dict):
         raise CheckpointError(f"{where}: header is not a JSON object")
     meta_raw = obj.pop("__metadata__", None)

@@ -4,7 +4,10 @@ Every module in this package whose name does not start with ``_`` is imported an
 (``io.ComfyNode`` subclasses) is registered. A feature adds a module here and touches nothing else.
 A module that fails to import is logged loudly and listed in :data:`IMPORT_ERRORS`; the other nodes
 still load, so one broken optional dependency never takes the whole pack down. Every registered class gets the
-execute-time checks of ``guards.py`` (each FLOAT input must be finite) without code of its own.
+execute-time checks of ``guards.py`` without code of its own: first the host contract (``bridge/contract.py``:
+``require(node_id)`` refuses the node, naming the ComfyUI version, the host symbol and what differs, when an entry
+it depends on is broken; checked once when the pack loads, :meth:`DitKitExtension.on_load`), then each FLOAT input
+must be finite.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pkgutil
 
 from comfy_api.latest import ComfyExtension, io
 
+from ..bridge import contract
 from ..guards import float_inputs, guard_node
 from . import _native_build  # noqa: F401 - shows the cpu_native kernel build on the waiting node
 
@@ -48,9 +52,41 @@ def discover_nodes() -> list[type[io.ComfyNode]]:
             if node_id in seen:
                 raise RuntimeError(f"duplicate ditkit node id {node_id!r}")
             seen.add(node_id)
-            guard_node(cls, node_id, float_inputs(schema))   # every FLOAT input: finite, checked at execute
+            # at execute: the host contract of this node, then every FLOAT input finite
+            guard_node(cls, node_id, float_inputs(schema), before=_contract_check(node_id))
             found.append(cls)
     return found
+
+
+def _contract_check(node_id: str):
+    """The execute-time host-contract check of ``node_id`` (one function per node id, so guarding is idempotent)."""
+    fn = _CONTRACT_CHECKS.get(node_id)
+    if fn is None:
+        def fn():
+            contract.require(node_id)
+
+        fn.__qualname__ = f"require[{node_id}]"
+        _CONTRACT_CHECKS[node_id] = fn
+    return fn
+
+
+_CONTRACT_CHECKS: dict = {}
+
+
+def check_host_contract(refresh: bool = False) -> "contract.ContractTable":
+    """Probe every host-contract entry on this ComfyUI (once per process) and log the summary: one line, plus one
+    warning per broken entry naming the nodes that will refuse."""
+    table = contract.check_all(refresh=refresh)
+    states = [r.probe.state for r in table.results]
+    log.info("[ditkit] host contract on ComfyUI %s: %d entries, %d hold, %d adapted, %d broken", table.host_version,
+             len(states), states.count("holds"), states.count("adapted"), states.count("broken"))
+    for r in table.results:
+        if r.probe.state == "adapted":
+            log.info("[ditkit] host contract: %s adapted: %s", r.entry.symbol, r.probe.note)
+    for r in table.broken():
+        log.warning("[ditkit] host contract: %s BROKEN on ComfyUI %s: %s; these nodes refuse to run: %s",
+                    r.entry.symbol, table.host_version, r.probe.note, ", ".join(r.entry.nodes))
+    return table
 
 
 def _replay_cached_report(cls) -> None:
@@ -79,6 +115,7 @@ class DitKitExtension(ComfyExtension):
         from .._version_check import check_host
 
         check_host(log)
+        check_host_contract()
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         nodes = discover_nodes()

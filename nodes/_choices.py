@@ -15,8 +15,7 @@ from __future__ import annotations
 import os
 import stat
 
-import folder_paths
-
+from ..bridge.files import output_directory
 from ..cache import coefficients as coef
 
 TEACACHE_PARTS = ("ditkit", "teacache")
@@ -25,7 +24,7 @@ MAX_LISTED = 500
 
 
 def teacache_folder() -> str:
-    return os.path.join(folder_paths.get_output_directory(), *TEACACHE_PARTS)
+    return os.path.join(output_directory(), *TEACACHE_PARTS)
 
 
 def calibrated_files(base: str | None = None) -> list[str]:

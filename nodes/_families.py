@@ -127,11 +127,10 @@ def is_shard(path: str) -> bool:
 def family_files(folder: str, family: str, skip_shards: bool = False) -> list[str]:
     """``_files.safetensors_files(folder)`` restricted to the files whose header says ``family`` (and, with
     ``skip_shards``, that are not a shard of an indexed folder: a loader that reads single files only)."""
-    import folder_paths
-
+    from ..bridge.files import folder_roots
     from . import _files
 
-    roots = folder_paths.get_folder_paths(folder)
+    roots = folder_roots(folder)
     out = []
     for name in _files.safetensors_files(folder):
         path = next((os.path.join(r, name) for r in roots if _files.is_regular_file(os.path.join(r, name))), None)

@@ -16,8 +16,7 @@ import os
 import re
 import stat
 
-import folder_paths
-
+from ..bridge.files import filename_list, folder_roots
 from ..errors import CheckpointError
 
 SAFETENSORS_EXT = (".safetensors", ".sft")
@@ -54,9 +53,9 @@ def is_safetensors_name(name: str) -> bool:
 def safetensors_files(folder: str) -> list[str]:
     """The stock file list of ``folder`` restricted to what ditkit can load: ``.safetensors``/``.sft`` names that
     are regular files (through symlinks) in one of the folder's paths."""
-    roots = folder_paths.get_folder_paths(folder)
+    roots = folder_roots(folder)
     out = []
-    for n in folder_paths.get_filename_list(folder):
+    for n in filename_list(folder):
         if is_safetensors_name(n) and any(is_regular_file(os.path.join(r, n)) for r in roots):
             out.append(n)
     return out
@@ -65,7 +64,7 @@ def safetensors_files(folder: str) -> list[str]:
 def find(folder: str, name: str, node_id: str, accept=is_regular_file) -> str | None:
     """Real path of the first ``<root>/<name>`` that ``accept`` takes, over the folder's paths; None if none."""
     rel = relative_name(name, node_id, folder)
-    for root in folder_paths.get_folder_paths(folder):
+    for root in folder_roots(folder):
         cand = os.path.join(root, rel)
         if accept(cand):
             return os.path.realpath(cand)
@@ -81,6 +80,6 @@ def safetensors_path(folder: str, name: str, node_id: str) -> str:
     path = find(folder, rel, node_id)
     if path is None:
         raise CheckpointError(f"{node_id}: {name!r} is not a checkpoint file in models/{folder}: it was not found "
-                              f"as a regular file in {folder_paths.get_folder_paths(folder)} (a dangling link, FIFO "
+                              f"as a regular file in {folder_roots(folder)} (a dangling link, FIFO "
                               "or device is not one); refresh the list or copy the file there")
     return path

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from ..kernels import block_sparse_cpu_native as native
-from ._common import _executing
+from ..bridge.reports import _executing, send_progress_text
 
 log = logging.getLogger("ditkit")
 
@@ -17,11 +17,7 @@ def show_build(event: str, message: str) -> None:
     log.info("[ditkit] %s", message)
     if node is None:
         return
-    from server import PromptServer
-
-    inst = getattr(PromptServer, "instance", None)
-    if inst is not None:
-        inst.send_progress_text(message, str(node))
+    send_progress_text(message, str(node))
 
 
 def install() -> None:

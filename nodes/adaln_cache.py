@@ -11,7 +11,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..bridge import adaln as bridge
-from ..bridge.models import h3_diffusion_model
+from ..bridge.models import h3_diffusion_model, model_object
 from ..errors import UnsupportedModelError
 from ..cache.adaln import AdalnScheduleCache, CachedAdalnProj
 from ._common import report_target, send_report, ui_report
@@ -52,16 +52,15 @@ class DitKitH3AdaLNCache(io.ComfyNode):
         dm = _h3_model(model)
         keys = [f"diffusion_model.blocks.{i}.adaln_proj" for i in range(len(dm.blocks))]
         keys.append("diffusion_model.final_layer.adaln_proj")
-        originals = [model.get_model_object(k) for k in keys]
+        originals = [model_object(model, k) for k in keys]
         if any(isinstance(o, CachedAdalnProj) for o in originals):
             raise UnsupportedModelError(f"{NODE_ID}: this model already has AdaLN schedule tables installed "
                                         "(the node is applied twice on the same path); remove one of them.")
         m = model.clone()
         cache = AdalnScheduleCache()
-        for k, o in zip(keys, originals):
-            m.add_object_patch(k, cache.wrap(o, k.removeprefix("diffusion_model.")))
+        bridge.wrap_projections(m, cache, keys, originals)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        info = bridge.install(m, cache, dm, report_target(node_id, NODE_ID), bool(offload_weights), send_report)
+        info = bridge.install(m, cache, dm, report_target(node_id, NODE_ID), bool(offload_weights))
         wbytes = sum(p.numel() * p.element_size() for o in originals for p in o.linear.parameters())
         summary = (f"installed on {len(keys)} AdaLN projections ({wbytes / 2**20:.3f} MiB of weights, "
                    f"{'curve' if dm.use_adaln_curves else 'full'} form); tables are built when sampling starts "

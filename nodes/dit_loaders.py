@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..bridge.loaders import image_model_of, load_diffusion_model, unet_config
 from ..bridge.quant_scales import share_block_scales
 from ..errors import CheckpointError, UnsupportedModelError
 from ..loaders import host_memory
@@ -58,8 +59,6 @@ def check_family(node_id: str, family: str, path: str, name: str) -> dict[str, s
 def load_dit(node_id: str, family: str, path: str, name: str, weight_format: str = AS_STORED, progress=None):
     """-> (ModelPatcher, QuantReport or None). Bad input raises a DitKitError before the model is built (a
     NaN / Inf tensor: when it is read, before anything is handed to ComfyUI)."""
-    import comfy.sd
-
     fmt = check_weight_format(node_id, weight_format)
     meta = check_family(node_id, family, path, name)
     quant = None
@@ -74,12 +73,12 @@ def load_dit(node_id: str, family: str, path: str, name: str, weight_format: str
         meta = src.metadata
     try:
         with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
-            model = comfy.sd.load_diffusion_model_state_dict(sd, metadata=meta or None)
+            model = load_diffusion_model(sd, metadata=meta or None)
         sharing.record(quant)
     finally:
         sd.clear()
         host_memory.release_free_heap()
-    detected = None if model is None else model.model.model_config.unet_config.get("image_model")
+    detected = None if model is None else image_model_of(model)
     if detected not in IMAGE_MODELS[family]:
         raise UnsupportedModelError(f"{node_id}: ComfyUI detected {detected!r} for unet_name {name!r}, expected "
                                     f"{' or '.join(map(repr, IMAGE_MODELS[family]))} (this ComfyUI may predate it)")
@@ -87,7 +86,7 @@ def load_dit(node_id: str, family: str, path: str, name: str, weight_format: str
 
 
 def _config_text(model, family: str) -> tuple[str, dict]:
-    cfg = model.model.model_config.unet_config
+    cfg = unet_config(model)
     if family == "ltx2":
         keys = ("image_model", "num_layers", "num_attention_heads", "attention_head_dim", "cross_attention_dim",
                 "audio_num_attention_heads", "audio_attention_head_dim")

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import time
 
-import folder_paths
 from comfy_api.latest import io
 
-from ..bridge.models import h3_diffusion_model
+from ..bridge.files import folder_roots
+from ..bridge.models import h3_diffusion_model, model_sampling
+from ..bridge.schedules import install_shifts
 from ..errors import ScheduleError, UnsupportedModelError
 from ..sampling import fasth3 as core
 from ._common import send_report, ui_report
@@ -28,7 +29,7 @@ MAX_NAME_CHARS = 1024
 
 def _h3_model(model):
     dm = h3_diffusion_model(model, NODE_ID, "FastH3 schedules are for MiniMax H3 / FastH3 models; got {got}")
-    ms = model.get_model_object("model_sampling")
+    ms = model_sampling(model)
     if not hasattr(ms, "audio_shift"):
         raise UnsupportedModelError(f"{NODE_ID}: the model's sampling ({type(ms).__name__}) is not ComfyUI's "
                                     "audio-video flow sampling (ModelSamplingAV)")
@@ -36,7 +37,7 @@ def _h3_model(model):
 
 
 def _roots() -> list[tuple[str, str]]:
-    return [(r, os.path.realpath(r)) for r in folder_paths.get_folder_paths(FOLDER)]
+    return [(r, os.path.realpath(r)) for r in folder_roots(FOLDER)]
 
 
 def _inside(path: str, root: str) -> bool:
@@ -112,27 +113,6 @@ def find_sidecar(model, filename: str) -> str | None:
         if any(_inside(real, r) for r in roots) and os.path.isfile(real):
             return real
     return None
-
-
-def install_shifts(model, shift_video: float, shift_audio: float):
-    """A clone with ComfyUI's own ``MiniMaxH3SigmaShift`` patch (same classes, same keys)."""
-    import comfy.model_sampling
-
-    m = model.clone()
-
-    class ModelSamplingAdvanced(comfy.model_sampling.ModelSamplingAV, comfy.model_sampling.CONST):
-        pass
-
-    original = m.get_model_object("model_sampling")
-    ms = ModelSamplingAdvanced(model.model.model_config)
-    ms.set_parameters(shift=shift_video, audio_shift=shift_audio)
-    if hasattr(original, "noise_scale"):
-        ms.set_noise_scale(original.noise_scale)
-    m.add_object_patch("model_sampling", ms)
-    to = m.model_options["transformer_options"] = m.model_options.get("transformer_options", {}).copy()
-    to["minimax_h3_sigma_shift_video"] = shift_video
-    to["minimax_h3_sigma_shift_audio"] = shift_audio
-    return m
 
 
 class DitKitFastH3Schedule(io.ComfyNode):

@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import re
 
-import folder_paths
 from comfy_api.latest import io
 
 from ..errors import CheckpointError
 from ..loaders import h3 as core
+from ..bridge.files import folder_roots
+from ..bridge.loaders import GATE_ATTACHMENT, image_model_of, load_diffusion_model, quant_algos
 from ..bridge.quant_scales import share_block_scales
 from ..loaders import host_memory
 from ..loaders import quantize as qcore
@@ -32,10 +33,7 @@ def weight_formats() -> list[str]:
     """``as stored`` + the formats ditkit writes that this ComfyUI's ``comfy.quant_ops.QUANT_ALGOS`` has."""
     from ..kernels.quant import FORMATS
 
-    try:
-        from comfy.quant_ops import QUANT_ALGOS
-    except Exception:  # noqa: BLE001 - a ComfyUI without quant_ops has no comfy_quant formats
-        QUANT_ALGOS = {}
+    QUANT_ALGOS = quant_algos()
     return [AS_STORED] + [f for f in FORMATS if f in QUANT_ALGOS]
 
 
@@ -101,7 +99,7 @@ def list_choices() -> list[str]:
     as the stock loader does; only what :func:`resolve` accepts is listed (no dangling links, FIFOs, shards).
     """
     out: set[str] = set()
-    for root in folder_paths.get_folder_paths(FOLDER):
+    for root in folder_roots(FOLDER):
         if not os.path.isdir(root):
             continue
         for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
@@ -126,11 +124,10 @@ def resolve(name: str) -> str:
     path = _files.find(FOLDER, name, NODE_ID, accept=_resolvable)
     if path is None:
         raise CheckpointError(f"{NODE_ID}: '{name}' is not a checkpoint file or H3 folder in models/{FOLDER} "
-                              f"(folders: {folder_paths.get_folder_paths(FOLDER)})")
+                              f"(folders: {folder_roots(FOLDER)})")
     return path
 
 
-GATE_ATTACHMENT = "ditkit_h3_gate_compress"
 SOURCE_ATTACHMENT = "ditkit_h3_source"  # read by nodes/fasth3.py
 METADATA_ATTACHMENT = "ditkit_h3_metadata"  # read by nodes/_fasth3_evidence.py
 
@@ -153,8 +150,6 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
                   weight_format: str = AS_STORED):
     """-> (ModelPatcher, H3LoadReport); ``report.quant`` is the QuantReport (or None for ``as stored``).
     Raises CheckpointError before building anything on bad input."""
-    import comfy.sd
-
     opts = model_options(weight_dtype)
     fmt = check_weight_format(NODE_ID, weight_format)
     if fmt is not None and weight_dtype != "default":
@@ -185,7 +180,7 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
     meta = core.comfy_metadata(path)
     try:
         with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
-            model = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts, metadata=meta)
+            model = load_diffusion_model(sd, model_options=opts, metadata=meta)
         sharing.record(quant)
     finally:
         sd.clear()
@@ -193,7 +188,7 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
     if model is None:
         raise CheckpointError(f"{NODE_ID}: ComfyUI did not recognise the converted H3 state dict from '{path}' "
                               "(this ComfyUI may predate MiniMax H3 support; needs 0.33+)")
-    image_model = model.model.model_config.unet_config.get("image_model")
+    image_model = image_model_of(model)
     if image_model != "minimax_h3":
         raise CheckpointError(f"{NODE_ID}: ComfyUI detected {image_model!r} for '{path}', expected 'minimax_h3'")
     if gates:

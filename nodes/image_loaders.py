@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..bridge.loaders import build_zimage, load_diffusion_model, load_zimage_weights, zimage_unet_config
 from ..bridge.quant_scales import share_block_scales
 from ..errors import UnsupportedModelError
 from ..loaders import host_memory
@@ -24,9 +25,7 @@ NODE_ID = "DitKitZImageLoader"
 
 
 def _zimage_config(sd: dict, path: str) -> dict:
-    import comfy.model_detection
-
-    cfg = comfy.model_detection.detect_unet_config(sd, "")
+    cfg = zimage_unet_config(sd)
     if cfg is None or cfg.get("image_model") != "lumina2":
         raise UnsupportedModelError(f"{NODE_ID}: '{path}' is not a Z-Image/Lumina-2 DiT (detected "
                                     f"{None if cfg is None else cfg.get('image_model')!r}); use UNETLoader")
@@ -63,12 +62,6 @@ def _quantized_zimage(path: str, fmt: str, progress):
 def load_zimage(path: str, progress=None, weight_format: str = AS_STORED):
     """-> (model patcher, config, load path[, QuantReport when quantized]). ``progress(done, total)``: optional,
     after each tensor read. With a ``weight_format`` the state dict is what a comfy_quant file gives ComfyUI."""
-    import comfy.model_management as mm
-    import comfy.model_patcher
-    import comfy.sd
-    import comfy.supported_models
-    import comfy.utils
-
     fmt = check_weight_format(NODE_ID, weight_format)
     report = None
     if fmt is None:
@@ -78,27 +71,19 @@ def load_zimage(path: str, progress=None, weight_format: str = AS_STORED):
         sd, cfg, report = _quantized_zimage(path, fmt, progress)
     if cfg["dim"] == 3840:
         with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
-            out = comfy.sd.load_diffusion_model_state_dict(sd), cfg, "stock"
+            out = load_diffusion_model(sd), cfg, "stock"
         sharing.record(report)
         host_memory.release_free_heap()
         return out if report is None else out + (report,)
-    model_config = comfy.supported_models.ZImage(cfg)
-    # what comfy.sd.load_diffusion_model_state_dict does for a comfy_quant state dict (mixed-precision ops)
-    quant = comfy.utils.detect_layer_quantization(sd, "")
-    if quant:
-        model_config.quant_config = quant
-    params = comfy.utils.calculate_parameters(sd)
-    weight_dtype = None if quant else comfy.utils.weight_dtype(sd)
-    load_device = mm.get_torch_device()
-    supported = list(model_config.supported_inference_dtypes)
-    unet_dtype = mm.unet_dtype(model_params=params, supported_dtypes=supported, weight_dtype=weight_dtype)
-    manual_cast = mm.unet_manual_cast(None if quant else unet_dtype, load_device, supported)
-    model_config.set_inference_dtype(unet_dtype, manual_cast, device=load_device)
-    model = model_config.get_model(sd, "")
-    patcher = comfy.model_patcher.CoreModelPatcher(model, load_device=load_device,
-                                                   offload_device=mm.unet_offload_device())
-    with share_block_scales(sd) as sharing:
-        model.load_model_weights(sd, "", assign=patcher.is_dynamic())
+    # built as comfy.sd.load_diffusion_model_state_dict builds a comfy_quant state dict (bridge/loaders.py)
+    sharing = None
+
+    def load_weights(model, patcher):
+        nonlocal sharing
+        with share_block_scales(sd) as sharing:
+            load_zimage_weights(model, sd, patcher)
+
+    patcher = build_zimage(sd, cfg, load_weights)
     sharing.record(report)
     host_memory.release_free_heap()
     return (patcher, cfg, "ditkit-config") if report is None else (patcher, cfg, "ditkit-config", report)

@@ -20,6 +20,7 @@ import torch
 from comfy_api.latest import io
 
 from ..bridge.attention import VSAHolder, install, install_gate_replaces
+from ..bridge.models import attention_override, inference_dtype, load_device, model_sampling
 from ..errors import BackendError
 from ..kernels import REGISTRY
 from ..kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
@@ -122,16 +123,15 @@ class DitKitSparseAttention(io.ComfyNode):
                            keep_percent, f"{NODE_ID}: recipe")
         pct = rc.keep_percent
         keep = pct / 100.0
-        ms = model.get_model_object("model_sampling")
+        ms = model_sampling(model)
         cfg = VSAH3Config(keep=keep, sparsity=rc.sparsity,
                           sigma_start=float(ms.percent_to_sigma(start_percent)),
                           sigma_end=float(ms.percent_to_sigma(end_percent)),
                           backend=None if backend == "auto" else backend, min_tokens=int(min_tokens))
         if cfg.backend is not None:
             # refuse an explicit backend that cannot run on the model's device now, not mid-sampling
-            dev = model.load_device
-            REGISTRY.resolve("block_sparse_attn", dev, model.model.get_dtype_inference() if hasattr(
-                model.model, "get_dtype_inference") else torch.float32, dm.blocks[0].attn.head_dim, cfg.backend)
+            REGISTRY.resolve("block_sparse_attn", load_device(model), inference_dtype(model, torch.float32),
+                             dm.blocks[0].attn.head_dim, cfg.backend)
             if cfg.backend == "cpu_native":
                 # build (first time) / load the C++ kernel now, so a missing compiler is an error here
                 from ..kernels.block_sparse_cpu_native import load_extension
@@ -148,8 +148,7 @@ class DitKitSparseAttention(io.ComfyNode):
         m = model.clone()
         gates, gate_src = _find_gates(m, dm, gate)
         holder = VSAHolder(VSAH3Runtime(cfg, gate_source=gate_src), functools.partial(_send_run_report, target))
-        topts = m.model_options.setdefault("transformer_options", {})
-        prev = topts.get("optimized_attention_override")
+        prev = attention_override(m)
         if getattr(prev, "_ditkit_vsa", False):
             raise BackendError(f"{NODE_ID}: this model already has VSA-H3 installed by another "
                                f"{NODE_ID} node; use one (chain the node once, after other attention nodes)")
@@ -169,14 +168,14 @@ class DitKitSparseAttention(io.ComfyNode):
         data = {"keep": keep, "vsa_sparsity": cfg.sparsity, "recipe": recipe, "backend": backend,
                 "backend_unverified": unverified, "gate": gate_src, "chained_override": prev_name,
                 "recipe_choice": rc.as_dict(),
-                "backends_here": REGISTRY.explain("block_sparse_attn", model.load_device, torch.float32,
+                "backends_here": REGISTRY.explain("block_sparse_attn", load_device(model), torch.float32,
                                                   dm.blocks[0].attn.head_dim)}
         payload = send_report(node_id, NODE_ID, "install", summary, data)
         return io.NodeOutput(m, ui=ui_report(payload))
 
 
 def _send_run_report(target, rt: VSAH3Runtime) -> None:
-    send_report(target, NODE_ID, "run", *_run_report(rt))
+    target.send("run", *_run_report(rt))   # the node's sink (bridge/reports.ReportTarget), as for every feature
 
 
 def _run_report(rt: VSAH3Runtime) -> tuple[str, dict]:

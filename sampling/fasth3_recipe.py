@@ -345,7 +345,7 @@ def load_provenance(path: str | os.PathLike) -> dict:
     if len(raw) > MAX_SIDECAR_BYTES:
         raise CheckpointError(f"{where}: larger than {MAX_SIDECAR_BYTES} bytes; not a FastVideo {PROVENANCE_FILE}")
     try:
-        obj = strict_json_loads(raw.decode("utf-8"), where)
+        obj = strict_json_loads(raw.decode("utf-8"), where, what=f"FastVideo {PROVENANCE_FILE}")
     except UnicodeDecodeError:
         raise CheckpointError(f"{where}: not UTF-8 text") from None
     if not isinstance(obj, dict):

@@ -83,7 +83,7 @@ def validate_image_vae_metadata(meta: dict[str, str], where: str) -> ImageVAEInf
     if len(raw) > MAX_CONFIG_CHARS:
         raise err(key, raw, f"longer than {MAX_CONFIG_CHARS} characters")
     try:
-        cfg = strict_json_loads(raw, f"{where}: __metadata__ {key!r}")
+        cfg = strict_json_loads(raw, f"{where}: __metadata__ {key!r}", what="safetensors metadata value")
     except Exception as e:  # noqa: BLE001 - re-raised as MetadataError with the key named
         raise err(key, raw, f"not valid strict JSON ({e})") from None
     if not isinstance(cfg, dict):

@@ -69,6 +69,8 @@ def _open(browser, server, vue: bool):
                  "Comfy.NodeBadge.NodeIdBadgeMode": "Show all"}.items():
         _post_setting(server.url, k, v)
     page = browser.new_page(viewport={"width": 1800, "height": 1100})
+    # web/js/ditkit.js exposes window.ditkit only in test mode (localStorage key, set before the extension loads)
+    page.add_init_script("window.localStorage.setItem('ditkit.testMode', '1')")
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" and "ditkit" in m.text else None)

@@ -132,7 +132,7 @@ def test_audio_vae_loader_decodes_like_comfyuis_own_model_at_the_files_size(comf
     from comfy_extras.nodes_audio import VAEDecodeAudio
 
     from ditkit.loaders.safetensors_io import load_file
-    from ditkit.nodes._h3_audio_vae import load_h3_audio_vae
+    from ditkit.bridge.h3_audio_vae import load_h3_audio_vae
     from ditkit.tiny.ckpt_h3_vae import TINY_AUDIO_CONFIG as T
 
     path = tiny_ckpts / "vae" / "h3_audio_vae_tiny.safetensors"

@@ -111,7 +111,7 @@ def test_block_modulation_is_computed_once_per_forward(gated, threshold):
 def test_sampling_is_bit_identical_to_comfyuis_own_blocks(gated, threshold, monkeypatch):
     import comfy.patcher_extension as pe
 
-    import ditkit.bridge.teacache as B
+    import ditkit.bridge.reports as B   # the one report sink: per-run reports go through it
     from ditkit.bridge.blocks import MEMO_WRAPPER_KEY
 
     reports = []

@@ -24,6 +24,12 @@ def test_pack_imports_cleanly(comfy_server):
     assert "failed" not in m.group(2), f"some ditkit node modules failed to import: {m.group(0)}"
     assert "failed to import" not in log, [ln for ln in log.splitlines() if "failed to import" in ln]
     assert int(m.group(1)) == len(expected_ids()), (m.group(0), expected_ids())
+    # the host contract was checked once at load and every entry holds on the tested host (issue #28)
+    c = re.findall(r"\[ditkit\] host contract on ComfyUI (\S+): (\d+) entries, (\d+) hold, (\d+) adapted, "
+                   r"(\d+) broken", log)
+    assert len(c) == 1, c
+    version, n, hold, adapted, broken = c[0]
+    assert version == "0.33.0" and int(n) >= 50 and n == hold and adapted == broken == "0", c
     # the pack was loaded from the temp custom_nodes link, i.e. the ComfyUI tree was not touched
     assert re.search(r"seconds: \S*custom_nodes/ditkit\s*$", log, re.M), "no import-time line for ditkit"
 

@@ -21,6 +21,7 @@ def ckpts(comfy, tmp_path_factory):
 
 @pytest.fixture
 def reports(monkeypatch):
+    import ditkit.bridge.reports as reports
     import ditkit.nodes.adaln_cache as ac
 
     got = []
@@ -31,6 +32,7 @@ def reports(monkeypatch):
         return real(node_id, node_type, kind, summary, data)
 
     monkeypatch.setattr(ac, "send_report", capture)
+    monkeypatch.setattr(reports, "send_report", capture)   # per-run reports: through the node's ReportTarget
     return got
 
 
@@ -207,6 +209,7 @@ def _encode(clip, text="a red fox jumps over the lazy dog"):
 
 
 def _te_reports(monkeypatch):
+    import ditkit.bridge.reports as reports
     import ditkit.nodes.text_encoders as te
 
     got = []
@@ -217,6 +220,7 @@ def _te_reports(monkeypatch):
         return real(node_id, node_type, kind, summary, data)
 
     monkeypatch.setattr(te, "send_report", capture)
+    monkeypatch.setattr(reports, "send_report", capture)   # streaming reports: through the node's ReportTarget
     return got
 
 
@@ -319,7 +323,9 @@ def test_te_bad_files(comfy, ckpts, monkeypatch):
     def no_read(*a, **k):
         raise AssertionError("weights were read before the family check")
 
-    monkeypatch.setattr(te, "load_with_progress", no_read)
+    import ditkit.bridge.text_encoders as bte   # where the file is read (the host layer)
+
+    monkeypatch.setattr(bte, "load_with_progress", no_read)
     with pytest.raises(CheckpointError, match="not a MiniMax H3.*Gemma"):
         te.build_h3_clip(ckpts / "text_encoders" / "gemma_tiny_ltx.safetensors")
     with pytest.raises(CheckpointError, match="not a MiniMax H3.*diffusion model"):

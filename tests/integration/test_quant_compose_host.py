@@ -86,7 +86,7 @@ def env(comfy, tmp_path_factory):
 @pytest.fixture
 def reports(monkeypatch):
     """Every report a ditkit node sends (install and per-run), as (node_type, kind, summary, data)."""
-    import ditkit.bridge.teacache as BT
+    import ditkit.bridge.reports as BT   # per-run reports (the sink every bridge feature is handed)
     import ditkit.nodes.adapters as NA
     import ditkit.nodes.h3_loaders as NL
     import ditkit.nodes.sparse_attention as NS

@@ -34,7 +34,7 @@ def env(comfy, tmp_path_factory):
 
 @pytest.fixture
 def reports(monkeypatch):
-    import ditkit.bridge.teacache as B   # per-run reports (sample wrappers)
+    import ditkit.bridge.reports as B    # per-run reports (sample wrappers, through the node's ReportTarget)
     import ditkit.nodes.teacache as T    # install reports (nodes)
 
     got = []

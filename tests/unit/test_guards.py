@@ -88,3 +88,58 @@ def test_check_finite_inputs_ignores_absent_and_non_float_values():
     check_finite_inputs("N", ("a", "b"), {"a": 1.0})
     with pytest.raises(DitKitError, match="input 'b' is nan"):
         check_finite_inputs("N", ("a", "b"), {"a": 1.0, "b": float("nan")})
+
+
+def test_before_runs_first_and_its_refusal_stops_everything():
+    """``before`` (the host contract's require in nodes/__init__.py) runs before the float check and the node."""
+    class N:
+        ran = []
+
+        @classmethod
+        def execute(cls, strength):
+            N.ran.append(strength)
+            return "ran"
+
+    class A:
+        @classmethod
+        async def execute(cls, fps):
+            return fps
+
+    order = []
+
+    def refuse():
+        order.append("before")
+        raise DitKitError("DitKitX cannot run on ComfyUI 9.9: comfy.x: gone")
+
+    guard_node(N, "DitKitX", ("strength",), before=refuse)
+    with pytest.raises(DitKitError, match="cannot run on ComfyUI 9.9"):
+        N.execute(strength=math.nan)           # the contract refusal comes first, not the NaN message
+    assert order == ["before"] and N.ran == []
+    guard_node(A, "DitKitA", ("fps",), before=refuse)
+    with pytest.raises(DitKitError, match="cannot run"):
+        asyncio.run(A.execute(fps=1.0))
+
+    ok = []
+    guard_node(N, "DitKitX", ("strength",), before=lambda: ok.append(1))   # re-guarded with another check
+    assert N.execute(strength=0.5) == "ran" and ok == [1] and N.ran == [0.5]
+    with pytest.raises(DitKitError, match="finite"):
+        N.execute(strength=math.inf)           # the float check still runs after a passing before
+    assert ok == [1, 1] and N.ran == [0.5]
+
+
+def test_guard_with_the_same_before_is_idempotent():
+    class N:
+        @classmethod
+        def execute(cls, strength):
+            return strength
+
+    calls = []
+
+    def before():
+        calls.append(1)
+
+    guard_node(N, "DitKitX", ("strength",), before=before)
+    first = N.__dict__["execute"]
+    guard_node(N, "DitKitX", ("strength",), before=before)
+    assert N.__dict__["execute"] is first
+    assert N.execute(strength=2.0) == 2.0 and calls == [1]   # wrapped once: before ran once

@@ -239,3 +239,34 @@ def test_host_attention_name_scan_detects_violations():
     found = {t for _, t in _host_attention_names(ast.parse(src))}
     assert found == {"Docs may say transformer_options.", "skip_reshape", "optimized_attention_override"}
     assert len(KERNEL_FILES) >= 8   # the scan sees the kernel modules
+
+
+BENCH_FILES = sorted((PACK_ROOT / "benchmarks").rglob("*.py"))
+PICKLE_CALLS = {"torch.save", "torch.load", "torch.jit.load", "torch.serialization.load", "pickle.load",
+                "pickle.loads", "pickle.dump", "pickle.dumps", "np.save", "numpy.save", "np.load", "numpy.load"}
+
+
+def pickle_writes(tree) -> list[tuple[int, str]]:
+    """``(line, what)`` of every pickle-format save/load (``torch.save`` / ``torch.load`` / ``pickle`` / numpy
+    object files) and every ``.pt`` / ``.pth`` / ``.pkl`` / ``.ckpt`` / ``.bin`` file name in a string."""
+    out = [(line, name) for line, name in calls(tree) if name in PICKLE_CALLS]
+    out += [(line, mod) for line, mod in imported_modules(tree) if mod in FORBIDDEN_MODULES]
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) \
+                and n.value.lower().endswith((".pt", ".pth", ".pkl", ".ckpt", ".bin")):
+            out.append((n.lineno, repr(n.value)))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("path", BENCH_FILES, ids=[str(p.relative_to(PACK_ROOT)) for p in BENCH_FILES])
+def test_benchmarks_write_safetensors_only(path):
+    """Benchmarks too: results and tensors go to safetensors / JSON, never a pickle (issue #28, house items)."""
+    bad = pickle_writes(_tree(path))
+    assert not bad, f"{path.relative_to(PACK_ROOT)} writes or reads pickle files {bad}; use safetensors"
+
+
+def test_pickle_write_scan_detects_violations():
+    src = ("import torch\ntorch.save(x, out)\nout = td / f'{m}.pt'\nd = torch.load('a.pt')\n"
+           "name = 'model.safetensors'\nimport pickle\n")
+    assert [line for line, _ in pickle_writes(ast.parse(src))] == [2, 3, 4, 4, 6]
+    assert len(BENCH_FILES) >= 10

@@ -375,13 +375,13 @@ def test_missing_file(tmp_path):
 # ----------------------------------------------------------------------------------------- strict json
 
 def test_strict_json_loads():
-    assert sio.strict_json_loads('{"a": [1, 2.5, "x"]}', "w") == {"a": [1, 2.5, "x"]}
+    assert sio.strict_json_loads('{"a": [1, 2.5, "x"]}', "w", what="safetensors header") == {"a": [1, 2.5, "x"]}
     with pytest.raises(CheckpointError, match="w: duplicate JSON key 'a'"):
-        sio.strict_json_loads('{"a": 1, "a": 2}', "w")
+        sio.strict_json_loads('{"a": 1, "a": 2}', "w", what="safetensors header")
     with pytest.raises(CheckpointError, match="non-finite"):
-        sio.strict_json_loads('[NaN]', "w")
+        sio.strict_json_loads('[NaN]', "w", what="safetensors header")
     with pytest.raises(CheckpointError, match="invalid JSON"):
-        sio.strict_json_loads('{"a": 1', "w")
+        sio.strict_json_loads('{"a": 1', "w", what="safetensors header")
     with pytest.raises(CheckpointError, match="invalid JSON"):
-        sio.strict_json_loads("[" * 100_000 + "]" * 100_000, "w")
-    assert math.isfinite(sio.strict_json_loads("1e308", "w"))
+        sio.strict_json_loads("[" * 100_000 + "]" * 100_000, "w", what="safetensors header")
+    assert math.isfinite(sio.strict_json_loads("1e308", "w", what="safetensors header"))

@@ -19,13 +19,21 @@ NODE = shutil.which("node") or shutil.which("nodejs")
 
 def _kinds_sent_by_nodes() -> set[str]:
     kinds = set()
-    # the nodes and the host bridge (per-run reports are sent from the wrappers installed by bridge/)
+    # the nodes (send_report) and the host bridge (per-run reports from the wrappers bridge/ installs, sent through
+    # the ReportTarget their node hands over: target.send(kind, ...)); bridge/reports.py is the sink itself
     for path in [*(ROOT / "nodes").glob("*.py"), *(ROOT / "bridge").glob("*.py")]:
+        if path.parent.name == "bridge" and path.name == "reports.py":
+            continue
         for call in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "send_report":
                 arg = call.args[2] if len(call.args) > 2 else next((k.value for k in call.keywords if k.arg == "kind"), None)
-                assert isinstance(arg, ast.Constant), f"{path.name}:{call.lineno}: report kind is not a literal"
-                kinds.add(arg.value)
+            elif isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "send" \
+                    and call.args:
+                arg = call.args[0]
+            else:
+                continue
+            assert isinstance(arg, ast.Constant), f"{path.name}:{call.lineno}: report kind is not a literal"
+            kinds.add(arg.value)
     return kinds
 
 
@@ -34,7 +42,8 @@ def test_every_report_kind_has_a_rendering():
     cases = set(re.findall(r'case "([a-z_0-9]+)":', src))
     summary = set(json.loads(re.search(r"SUMMARY_KINDS = (\[[^\]]*\])", src)[1]))
     sent = _kinds_sent_by_nodes()
-    assert {"run", "teacache", "vae_decode", "lokr", "te_streaming", "adaln_cache"} <= sent
+    assert {"run", "teacache", "vae_decode", "lokr", "te_streaming", "adaln_cache", "teacache_calibration",
+            "teacache_calibration_progress"} <= sent
     assert not sent - cases - summary, f"report kinds without a badge rendering in ditkit.js: {sent - cases - summary}"
 
 
@@ -300,3 +309,48 @@ def test_the_icon_exists():
 
     root = minidom.parse(str(path)).documentElement
     assert root.tagName == "svg" and root.getAttribute("viewBox"), "the icon is not an SVG with a viewBox"
+
+
+# window.ditkit only in test mode (comfy-test's lint refuses a pack global): the extension's setup under Node.js with
+# the test-mode switch off, on through localStorage, on through the URL, and set to another value
+TEST_MODE_HARNESS = r"""
+const mode = process.argv[2];
+globalThis.window = globalThis;
+globalThis.__exts = [];
+globalThis.__app = { registerExtension(e) { globalThis.__exts.push(e); }, graph: { getNodeById: () => null },
+                     canvas: { setDirty() {} }, extensionManager: { toast: { add() {} } } };
+globalThis.__api = { addEventListener() {}, apiURL: (p) => p };
+const stored = { ls: "1", ls0: "0" }[mode] ?? null;
+Object.defineProperty(globalThis, "localStorage", { value: { getItem: (k) => (k === "ditkit.testMode" ? stored : null) },
+                                                    configurable: true });
+Object.defineProperty(globalThis, "location", { value: { search: mode === "url" ? "?x=1&ditkit_test=1" : "?x=1" },
+                                                configurable: true });
+const mod = await import("./extensions/ditkit/js/ditkit.js");
+await globalThis.__exts[0].setup();
+console.log(JSON.stringify({ exposed: typeof globalThis.ditkit, key: mod.TEST_MODE_KEY, mode: mod.testMode() }));
+"""
+
+
+@pytest.mark.skipif(NODE is None, reason="Node.js not installed (apt-get install nodejs)")
+@pytest.mark.parametrize("mode, exposed", [("off", False), ("ls", True), ("url", True), ("ls0", False)])
+def test_window_ditkit_only_in_test_mode(tmp_path, mode, exposed):
+    ext = tmp_path / "extensions" / "ditkit" / "js"
+    ext.mkdir(parents=True)
+    shutil.copy(JS, ext / "ditkit.js")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "app.js").write_text("export const app = globalThis.__app;\n")
+    (tmp_path / "scripts" / "api.js").write_text("export const api = globalThis.__api;\n")
+    runner = tmp_path / "run.mjs"
+    runner.write_text(TEST_MODE_HARNESS)
+    r = subprocess.run([NODE, str(runner), mode], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"exposed": "object" if exposed else "undefined", "key": "ditkit.testMode", "mode": exposed}
+
+
+def test_the_browser_tests_switch_test_mode_on():
+    """The browser tests read window.ditkit: they must set the key the extension reads, before the page loads."""
+    src = (ROOT / "tests" / "integration" / "test_browser_reports.py").read_text(encoding="utf-8")
+    assert "add_init_script(\"window.localStorage.setItem('ditkit.testMode', '1')\")" in src
+    js = JS.read_text(encoding="utf-8")
+    assert js.count("window.ditkit =") == 1 and "if (testMode()) window.ditkit =" in js
