@@ -23,11 +23,14 @@ import torch.nn.functional as F
 
 from ..kernels.vsa_h3_runtime import VSAH3Runtime
 from ..kernels.vsa_layout import merge_prefix_segments
+from .hostcompat import (LAYOUT_KEY, check_published_layout, dense_attention_for, persistent_alloc,
+                         preferred_attention_functions)
 
 CTX_KEY = "ditkit_vsa"         # transformer_options key: the ForwardCtx of the running DiT forward
 GATE_KEY = "ditkit_vsa_gate"   # transformer_options key: the FastH3 gate of the running block (if any)
 HOLDER_KEY = "ditkit_vsa_holder"  # transformer_options key: the VSAHolder (template on the model, clone per run)
 WRAPPER_KEY = "ditkit_vsa_h3"  # key of the DIFFUSION_MODEL / OUTER_SAMPLE wrappers
+PLAN_KEY = "ditkit_vsa_plan"  # transformer_options key: this forward's rebuilt layout facts and host checks
 
 # ComfyUI's PackedLayout span kinds -> FastVideo's prefix classes (text | cond video rows | audio rows) + target
 SEGMENT_CLASS = {"text": "text", "cond": "visual", "ref_img": "visual", "cond_audio": "audio", "ref_audio": "audio",
@@ -92,6 +95,10 @@ class VSAAttentionOverride:
         self.prev = prev
 
     def _dense(self, func, q, k, v, heads, *a, **kw):
+        # the checkpoint's attention choice for this block when the host has one (0.38 pops it before calling an
+        # override: calling func would lose it), else the host's function; a previous override gets it as func
+        plan = (kw.get("transformer_options") or {}).get(PLAN_KEY)
+        func = dense_attention_for(func, kw.get("transformer_options"), plan.get("preferred") if plan else None)
         if self.prev is not None:
             return self.prev(func, q, k, v, heads, *a, **kw)
         return func(q, k, v, heads, *a, **kw)
@@ -101,6 +108,10 @@ class VSAAttentionOverride:
         to = transformer_options or {}
         holder = to.get(HOLDER_KEY)
         ctx = to.get(CTX_KEY)
+        plan = to.get(PLAN_KEY)
+        if plan is not None and plan["layout"] is None and LAYOUT_KEY in to:  # 0.38: published layout, checked once
+            plan["layout"] = check_published_layout(to, ctx.layout.seq_len, plan["prefix"], plan["grid"],
+                                                    prefix_segments_from_spans)
         reason = None
         if ctx is None:
             reason = "not an H3 DiT forward"
@@ -150,7 +161,10 @@ def forward_wrapper(executor, *args, **kwargs):
     sig = to.get("sigmas")
     sigma = float(sig.flatten()[0]) if isinstance(sig, torch.Tensor) and sig.numel() else None
     to = dict(to)
-    to[CTX_KEY] = holder.runtime.begin_forward(prefix, grid, sigma)
+    with persistent_alloc():  # the runtime's layout tables outlive this forward (0.38's malloc graph)
+        to[CTX_KEY] = holder.runtime.begin_forward(prefix, grid, sigma)
+    to[PLAN_KEY] = {"prefix": tuple(prefix), "grid": tuple(grid), "layout": None,
+                    "preferred": preferred_attention_functions(executor.class_obj)}
     if len(args) > 3:
         args = args[:3] + (to,) + tuple(args[4:])
     else:
@@ -164,7 +178,10 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     run report is sent (as ``comfy_extras/nodes_easycache.py`` does)."""
     import comfy.model_patcher
 
+    from .hostcompat import refuse_with_block_sparse
+
     guider = executor.class_obj
+    refuse_with_block_sparse(guider.model_options.get("transformer_options"), "DitKitSparseAttention")
     orig = guider.model_options
     guider.model_options = comfy.model_patcher.create_model_options_clone(orig)
     to = guider.model_options.setdefault("transformer_options", {})
@@ -185,6 +202,7 @@ def install_gate_replaces(m, dm, gates: dict) -> None:
     from comfy.ldm.minimax.model import _mod_scale_shift
 
     from .blocks import block_modulation, install_memo, memo_extra
+    from .hostcompat import check_block_index
 
     install_memo(m, dm)
     dit = m.model_options.setdefault("transformer_options", {}).setdefault("patches_replace", {}).get("dit", {})
@@ -194,6 +212,7 @@ def install_gate_replaces(m, dm, gates: dict) -> None:
 
         def replace(args, extra, i=i, w=w, prev=prev, heads=heads, hd=hd):
             to = args["transformer_options"]
+            check_block_index(to, i)
             ctx = to.get(CTX_KEY)
             if ctx is not None and ctx.sparse:
                 blk = dm.blocks[i]  # the block that runs now (the one the memo and the block's own run use)

@@ -94,14 +94,21 @@ def block_modulation(args: dict, blk, idx: int) -> tuple:
 
 
 def h3_block_forward(blk, mods: tuple, args: dict) -> torch.Tensor:
-    """ComfyUI 0.33's ``comfy.ldm.minimax.model.DiTBlock.forward`` on an already computed modulation ``mods`` (the
-    same operations in the same order: bit-identical, ``tests/integration/test_h3_modulation_memo_host.py``)."""
+    """ComfyUI's ``comfy.ldm.minimax.model.DiTBlock.forward`` on an already computed modulation ``mods`` (the
+    same operations in the same order: bit-identical, ``tests/integration/test_h3_modulation_memo_host.py``).
+
+    The attention is ``args["attention"]`` when a replace earlier in the chain passed one (0.35+:
+    ``DiTBlock.forward(..., attention=None)``, core's sparse node and other packs), else ``blk.attn``
+    (``hostcompat.block_attention``): another pack's attention is never dropped."""
     from comfy.ldm.minimax.model import _mod_gate, _mod_scale_shift
+
+    from .hostcompat import block_attention
 
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
     x, segs, to = args["img"], args["mod_segments"], args["transformer_options"]
+    attention = block_attention(args, blk)
     h = _mod_scale_shift(blk.norm1(x), shift_msa, scale_msa, segs)
-    x = _mod_gate(x, gate_msa, blk.attn(h, rope_freqs=args["rope_freqs"], transformer_options=to), segs)
+    x = _mod_gate(x, gate_msa, attention(h, rope_freqs=args["rope_freqs"], transformer_options=to), segs)
     h = _mod_scale_shift(blk.norm2(x), shift_mlp, scale_mlp, segs)
     return _mod_gate(x, gate_mlp, blk.mlp(h), segs)
 
@@ -126,14 +133,31 @@ def memo_extra(extra: dict, dm, idx: int) -> dict:
         return extra
 
     def original_block(args):
-        memo = (args.get("transformer_options") or {}).get(MEMO_KEY)
+        to = args.get("transformer_options") or {}
+        memo = to.get(MEMO_KEY)
         blk = dm.blocks[idx]
+        note_attention(to, args.get("attention"))
         if memo is None or not _plain_block(blk):
             return orig(args)
         return {"img": h3_block_forward(blk, memo.take(idx, blk, args["t_emb"]), args)}
 
     original_block._ditkit_memo = True
     return dict(extra, original_block=original_block)
+
+
+def note_attention(transformer_options: dict, attention) -> None:
+    """Count, for the running TeaCache / calibration run, a block call that ran another patch's attention
+    (``args["attention"]``), by who made it (its report says which attention ran)."""
+    if attention is None:
+        return
+    ctx = (transformer_options or {}).get(CALL_KEY)
+    if ctx is None:
+        return
+    from .hostcompat import foreign_attention_name
+
+    seen = ctx.holder.attention_seen
+    name = foreign_attention_name(attention)
+    seen[name] = seen.get(name, 0) + 1
 
 
 def memo_wrapper(executor, *args, **kwargs):
@@ -401,6 +425,7 @@ class TeaCacheHolder:
         self.state = state
         self.recorder = recorder
         self.info = dict(info or {})
+        self.attention_seen: dict[str, int] = {}  # block calls that ran another patch's args["attention"], by maker
 
     def clone(self) -> "TeaCacheHolder":
         return TeaCacheHolder(self.family, self.mode,
@@ -421,8 +446,21 @@ class TeaCacheHolder:
         if self.recorder is not None and not self.recorder.sigmas:
             self.recorder.begin(sigmas)
 
-    # ---- block protocol
+    # ---- block protocol (what the state / recorder keeps lives across steps: allocated outside the host's malloc
+    # graph, hostcompat.persistent_alloc)
     def on_first(self, ctx: CallCtx, args: dict) -> None:
+        from .hostcompat import persistent_alloc
+
+        with persistent_alloc():
+            self._on_first(ctx, args)
+
+    def on_last(self, ctx: CallCtx, out: dict) -> dict:
+        from .hostcompat import persistent_alloc
+
+        with persistent_alloc():
+            return self._on_last(ctx, out)
+
+    def _on_first(self, ctx: CallCtx, args: dict) -> None:
         n = len(ctx.keys)
         mods = self.adapter.modulated_inputs(ctx.model, args, n, ctx)
         if self.mode == "calibrate":
@@ -433,7 +471,7 @@ class TeaCacheHolder:
         ctx.skip = self.state.decide(ctx.keys, ctx.sigma, mods, shapes=shapes, force=ctx.force)
         ctx.snapshot = None if ctx.skip else parts
 
-    def on_last(self, ctx: CallCtx, out: dict) -> dict:
+    def _on_last(self, ctx: CallCtx, out: dict) -> dict:
         if self.mode == "calibrate":
             self.recorder.record_outputs(self.adapter.stream_outputs(out, len(ctx.keys), ctx))
             return out
@@ -460,6 +498,7 @@ def make_block_replace(pos: int, n: int, kind: str, adapter: Adapter, prev: Call
             return run_block(args, extra)
         holder = ctx.holder
         if pos == 0:
+            ctx.meta["blocks_ran"] = True
             holder.on_first(ctx, args)
         out = adapter.identity(args, kind) if ctx.skip else run_block(args, adapter.block_extra(ctx.model, pos, extra))
         if pos == n - 1:
@@ -532,6 +571,22 @@ def _context_id(ctx_tensor) -> str | None:
         return None
 
 
+def _overwritten(to: dict, ctx: CallCtx) -> None:
+    """The forward ran without ditkit's first block replace: a node applied after ditkit replaced it instead of
+    chaining it (core's BlockSparseAttention does). Refuse, naming both, rather than run without the cache."""
+    from .hostcompat import CompositionError, patch_owner
+
+    holder = ctx.holder
+    node = "DitKitTeaCache" if holder.mode == "teacache" else "DitKitTeaCacheCalibrate"
+    dit = ((to.get("patches_replace") or {}).get("dit") or {})
+    fn = dit.get(holder.adapter.stack(ctx.model)[0])
+    who = patch_owner(fn) if fn is not None else "a later patch"
+    raise CompositionError(
+        f"{node}'s block replaces did not run: they were overwritten by {who}, applied after {node}. Both were "
+        f"installed but only one would run. Apply {who.split(' (')[0]} BEFORE {node} (then {node} chains it and its "
+        "attention runs inside ditkit's blocks), or remove one of them.")
+
+
 def diffusion_model_wrapper(executor, *args, **kwargs):
     """``WrappersMP.DIFFUSION_MODEL`` wrapper: publishes the per-call context for the block hooks."""
     to = _find_transformer_options(args, kwargs)
@@ -560,7 +615,10 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
     prev = to.get(CALL_KEY)
     to[CALL_KEY] = ctx
     try:
-        return executor(*args, **kwargs)
+        out = executor(*args, **kwargs)
+        if not ctx.meta.get("blocks_ran"):
+            _overwritten(to, ctx)
+        return out
     finally:
         if prev is None:
             to.pop(CALL_KEY, None)

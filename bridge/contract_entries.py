@@ -281,7 +281,7 @@ def _h3_block_body() -> Probe:
 
     cls = resolve("comfy.ldm.minimax.model.DiTBlock")
     g = torch.Generator().manual_seed(0)
-    blk = cls(16, 2, 8, 16, 8, 1e-6, 1e-6, operations=comfy.ops.manual_cast).eval()
+    blk = cls(16, 2, 8, 16, 8, 1e-6, 1e-6, operations=comfy.ops.manual_cast).train(False)
     with torch.no_grad():
         for p in blk.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)

@@ -18,6 +18,7 @@ import comfy.model_management as mm
 import comfy.sd
 import torch
 
+from .hostcompat import patcher_kwargs
 from ..errors import CheckpointError, UnsupportedModelError
 from ..loaders.read_progress import load_with_progress
 from ..loaders.safetensors_io import read_header
@@ -90,7 +91,8 @@ def load_h3_audio_vae(path: str, progress=None) -> tuple[comfy.sd.VAE, dict]:
         model = model.eval().to(vae.vae_dtype)
         mm.archive_model_dtypes(model)
         vae.first_stage_model = model
-        vae.patcher = type(vae.patcher)(model, load_device=vae.device, offload_device=mm.vae_offload_device())
+        vae.patcher = type(vae.patcher)(model, load_device=vae.device, offload_device=mm.vae_offload_device(),
+                                        **patcher_kwargs(type(vae.patcher), vae.patcher))
         missing, unexpected = model.load_state_dict({k: v.to(vae.vae_dtype) for k, v in sd.items()}, strict=False,
                                                     assign=True)
         left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]

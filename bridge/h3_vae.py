@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from .hostcompat import patcher_kwargs, vae_model_kwargs
 from ..errors import CheckpointError, DitKitError, UnsupportedModelError
 from ..loaders.read_progress import load_with_progress
 from ..loaders.safetensors_io import read_header
@@ -70,7 +71,8 @@ def _build_scaled_vae(sd: dict, cfg, metadata: dict) :
         raise CheckpointError(f"decoder FFN width {cfg.ffn_mult}x is not buildable by ComfyUI's ViT3DDecoder (4x)")
     with torch.device("meta"):
         vae = comfy.sd.VAE(sd=probe, metadata=metadata)
-        model = h3vae.MiniMaxH3VideoVAE(ch=cfg.ch, ch_mult=tuple(cfg.ch_mult), num_res_blocks=cfg.num_res_blocks)
+        model = h3vae.MiniMaxH3VideoVAE(ch=cfg.ch, ch_mult=tuple(cfg.ch_mult), num_res_blocks=cfg.num_res_blocks,
+                                        **vae_model_kwargs(h3vae.MiniMaxH3VideoVAE, cfg.dec_layers))
     model.decoder = h3vae.ViT3DDecoder(patch_size=model.vae_ratio, patch_size_t=model.vae_ratio_t,
                                        in_channels=cfg.z_channels, num_layers=cfg.dec_layers, heads=cfg.dec_heads,
                                        dim_head=cfg.dec_dim_head, num_register_tokens=cfg.num_register_tokens)
@@ -80,7 +82,8 @@ def _build_scaled_vae(sd: dict, cfg, metadata: dict) :
     model = model.eval().to(vae.vae_dtype)
     mm.archive_model_dtypes(model)
     vae.first_stage_model = model
-    vae.patcher = type(vae.patcher)(model, load_device=vae.device, offload_device=mm.vae_offload_device())
+    vae.patcher = type(vae.patcher)(model, load_device=vae.device, offload_device=mm.vae_offload_device(),
+                                    **patcher_kwargs(type(vae.patcher), vae.patcher))
     model.load_state_dict({k: v.to(vae.vae_dtype) for k, v in sd.items()}, strict=True, assign=True)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:

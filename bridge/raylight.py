@@ -37,7 +37,7 @@ class VSAInnerAttention:
     supports_ring = False  # Raylight raises at the first call when ring degree > 1; ditkit names itself too
 
     def __init__(self, gate_group: Optional[object] = None, ring_degree: Callable[[], int] = lambda: 1):
-        self.gate_group = gate_group      # the Ulysses group the gate is all-to-all'd over (a _LazyGroup on actors)
+        self.gate_group = gate_group      # the Ulysses group the gate is all-to-all'd over (a LazyGroup on actors)
         self.ring_degree = ring_degree
 
     def __call__(self, dense_attention, q, k, v, *, transformer_options=None, **kwargs):
@@ -61,7 +61,7 @@ class VSAInnerAttention:
         n = ctx.layout.seq_len
         gate = to.get(GATE_KEY)
         if gate is not None:  # [1, H, S_shard, D] made on this rank's sequence shard -> [1, H/N, S, D] like q
-            group = self.gate_group.get() if isinstance(self.gate_group, _LazyGroup) else self.gate_group
+            group = self.gate_group.get() if isinstance(self.gate_group, LazyGroup) else self.gate_group
             gate = seq_to_head(gate.transpose(1, 2), group)[:, :n].transpose(1, 2)
         # BSHD -> the kernels' BHSD, padding rows dropped (they are not tokens of the layout)
         qh, kh, vh = (t[:, :n].transpose(1, 2) for t in (q, k, v))
@@ -137,7 +137,7 @@ def ring_degree() -> int:
     return int(fn()) if fn is not None else 1
 
 
-class _LazyGroup:
+class LazyGroup:
     """The Ulysses group, resolved on the actor at the first gated call (the groups exist only after Raylight
     initialised xFuser there)."""
 

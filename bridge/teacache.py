@@ -267,7 +267,12 @@ def teacache_sample_wrapper(executor, *args, **kwargs):
         try:
             if holder.state is not None and holder.state.calls:
                 rep = holder.state.report()
-                _sink(holder.info, NODE_TEACACHE).send("teacache", rep.summary(), rep.as_dict())
+                data, summary = rep.as_dict(), rep.summary()
+                if holder.attention_seen:  # another patch's attention (args["attention"]) ran inside ditkit's blocks
+                    data["attention"] = dict(holder.attention_seen)
+                    summary += "; attention run in blocks: " + ", ".join(
+                        f"{k} ({v} block calls)" for k, v in sorted(holder.attention_seen.items()))
+                _sink(holder.info, NODE_TEACACHE).send("teacache", summary, data)
             if holder.state is not None:
                 holder.state.release()
         finally:

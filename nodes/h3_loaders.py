@@ -16,6 +16,7 @@ from ..errors import CheckpointError
 from ..loaders import h3 as core
 from ..bridge.files import folder_roots
 from ..bridge.loaders import GATE_ATTACHMENT, image_model_of, load_diffusion_model, quant_algos
+from ..bridge.hostcompat import drop_model_gates, model_gates_equal, stock_keeps_gates
 from ..bridge.quant_scales import share_block_scales
 from ..loaders import host_memory
 from ..loaders import quantize as qcore
@@ -173,10 +174,12 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
         sd, quant = quantized_state_dict("h3", fmt, plan.inventory, core.iter_h3_tensors(plan, progress=cb), src.path)
         report = plan.report(len(sd))
     report.quant = quant
-    # ComfyUI 0.33 has no module for FastH3's trained VSA gates and drops them as unexpected keys; keep them
-    # as an attachment that DitKitSparseAttention reads (nodes/sparse_attention.py GATE_ATTACHMENT).
-    gates = {int(k.split(".")[1]): sd.pop(k) for k in [k for k in sd if k.startswith("blocks.")
-                                                       and k.endswith(".attn.to_gate_compress.weight")]}
+    # ComfyUI 0.33 has no module for FastH3's trained VSA gates and drops them as unexpected keys: keep them as an
+    # attachment that DitKitSparseAttention reads (nodes/sparse_attention.py GATE_ATTACHMENT). A host that builds
+    # attn.to_gate_compress (0.35+) loads them itself: they stay in the state dict (checked after the load).
+    keys = [k for k in sd if k.startswith("blocks.") and k.endswith(".attn.to_gate_compress.weight")]
+    host_gates = bool(keys) and stock_keeps_gates()
+    gates = {int(k.split(".")[1]): (sd[k] if host_gates else sd.pop(k)) for k in keys}
     meta = core.comfy_metadata(path)
     try:
         with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
@@ -191,7 +194,11 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
     image_model = image_model_of(model)
     if image_model != "minimax_h3":
         raise CheckpointError(f"{NODE_ID}: ComfyUI detected {image_model!r} for '{path}', expected 'minimax_h3'")
-    if gates:
+    if gates and host_gates and model_gates_equal(model, gates):
+        report.converted["to_gate_compress -> loaded by ComfyUI into attn.to_gate_compress"] = len(gates)
+    elif gates:
+        if host_gates:  # the host takes the keyword but did not build / load the gates: the attachment carries them
+            drop_model_gates(model)
         model.set_attachments(GATE_ATTACHMENT, gates)
         report.converted["to_gate_compress -> sparse-attention attachment"] = len(gates)
     # where it came from: DitKitFastH3Schedule looks for the export's fastvideo_inference.json there

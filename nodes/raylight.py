@@ -31,7 +31,7 @@ def _base_inputs(base: type[io.ComfyNode]) -> list:
 
 def _sparse_patch(model, **kw):
     m = DitKitSparseAttention.execute(model=model, **kw).result[0]
-    rl.set_processor(m, rl.VSAInnerAttention(gate_group=rl._LazyGroup(), ring_degree=rl.ring_degree))
+    rl.set_processor(m, rl.VSAInnerAttention(gate_group=rl.LazyGroup(), ring_degree=rl.ring_degree))
     return m
 
 

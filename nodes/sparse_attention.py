@@ -21,6 +21,7 @@ from comfy_api.latest import io
 
 from ..bridge.attention import VSAHolder, install, install_gate_replaces
 from ..bridge.models import attention_override, inference_dtype, load_device, model_sampling
+from ..bridge.hostcompat import refuse_with_block_sparse_on
 from ..errors import BackendError
 from ..kernels import REGISTRY
 from ..kernels.vsa_h3_runtime import VSAH3Config, VSAH3Runtime
@@ -65,7 +66,7 @@ def _find_gates(model, dm, choice: str):
     att = model.get_attachment(GATE_ATTACHMENT) if hasattr(model, "get_attachment") else None
     if att:
         return {int(i): w for i, w in dict(att).items()}, "to_gate_compress (loader attachment)"
-    return {}, "none (model has no to_gate_compress; ComfyUI 0.33 drops it at load) -> pure sparse"
+    return {}, "none (model has no to_gate_compress: not a FastH3 checkpoint, or a host that drops it at load) -> pure sparse"
 
 
 class DitKitSparseAttention(io.ComfyNode):
@@ -148,6 +149,7 @@ class DitKitSparseAttention(io.ComfyNode):
         m = model.clone()
         gates, gate_src = _find_gates(m, dm, gate)
         holder = VSAHolder(VSAH3Runtime(cfg, gate_source=gate_src), functools.partial(_send_run_report, target))
+        refuse_with_block_sparse_on(m, NODE_ID)
         prev = attention_override(m)
         if getattr(prev, "_ditkit_vsa", False):
             raise BackendError(f"{NODE_ID}: this model already has VSA-H3 installed by another "

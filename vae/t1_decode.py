@@ -27,7 +27,7 @@ from .preflight import check_latent_shape
 
 @dataclass
 class T1DecodeReport(Report):
-    path: str                  # "repeat_decode" | "direct_image_vae"
+    path: str                  # "repeat_decode" | "direct_image_vae" | "host_single_image"
     batch: int
     latent_hw: tuple[int, int]
     tokens_decoded: int        # temporal tokens the decoder ran on per tile
@@ -42,6 +42,9 @@ class T1DecodeReport(Report):
             "max_tile_bytes", "**extra")
 
     def summary(self) -> str:
+        if self.path == "host_single_image":
+            return (f"T=1 decode: ComfyUI's own single-image path (the host has one; ditkit deferred to it), batch "
+                    f"{self.batch}")
         how = "duplicated to a 7-token clip, kept first valid frame" if self.path == "repeat_decode" else \
             f"image VAE direct, h3_t1_output_slice {self.kept_raw_frame}"
         return (f"T=1 decode ({how}): batch {self.batch}, {self.tiles} tile(s)"
@@ -64,6 +67,10 @@ class H3VaeOps:
     tokens_chunk_size: int
     token_overlap: int
     patch_size_t: int                                        # decoder frames one latent token decodes to
+    # the VAE's own tiled decode, run one decoder frame per tile: tiled_frame(z, frame, on_tile) -> raw pixels
+    # [B, 3, 1, H, W]; on_tile(raw) sees every decoder output. None: a duck-typed VAE without one (this module's
+    # blending loop runs, and the report says so)
+    tiled_frame: Callable[..., torch.Tensor] | None = None
 
 
 def _check_latent(vae: H3VaeOps, z: torch.Tensor) -> None:
@@ -111,6 +118,10 @@ def tiled_decode_frame(vae: H3VaeOps, z: torch.Tensor, frame: int, report: T1Dec
     x_idx, x_len, x_ov = vae.split_tiles(width)
     total = len(y_idx) * len(x_idx) * b
     done = 0
+    if vae.tiled_frame is not None:
+        return _host_tiled_frame(vae, z, frame, b, total, report, progress)
+    if report is not None:
+        report.extra["blending"] = "ditkit loop (this VAE has no tiled_decode of its own)"
     canvas = None
     above: list[torch.Tensor] = []  # bottom strips of the previous row's raw tiles
     oy = 0
@@ -150,6 +161,26 @@ def tiled_decode_frame(vae: H3VaeOps, z: torch.Tensor, frame: int, report: T1Dec
                 progress(done, total)
         above = below
         oy += tile.shape[-2]
+    return canvas
+
+
+def _host_tiled_frame(vae: H3VaeOps, z, frame, b, total, report, progress):
+    """The VAE's own tiled decode (its tiles, tile batching and blending), one decoder frame per tile."""
+    done = 0
+
+    def on_tile(raw):
+        nonlocal done
+        if report is not None:
+            report.tiles += max(1, raw.shape[0] // b)
+            report.max_tile_bytes = max(report.max_tile_bytes, raw.numel() * raw.element_size())
+        done = min(total, done + raw.shape[0])
+        if progress is not None:
+            progress(done, total)
+
+    canvas = vae.tiled_frame(z, frame, on_tile)
+    if report is not None:
+        report.canvas_bytes = canvas.numel() * canvas.element_size()
+        report.extra["blending"] = "host tiled_decode"
     return canvas
 
 

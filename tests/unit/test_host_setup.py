@@ -111,6 +111,21 @@ def test_requirements_drop_only_the_torch_set(fake_comfy_repo, tmp_path):
     assert host._requirements_without_torch(root) == ["torchsde", "av>=16"]
 
 
+def test_torchaudio_is_installed_even_when_comfyui_no_longer_requires_it(tmp_path):
+    """ComfyUI 0.38 dropped torchaudio from requirements.txt (zhongzichang/ComfyUI @ 03faf555, requirements.txt);
+    ditkit's H3 audio VAE and tests need it: the host's venv plan installs it with the matched torch set, whatever
+    the tree's requirements say, and ``check`` imports it."""
+    root = tmp_path / "t038"
+    root.mkdir()
+    (root / "requirements.txt").write_text("torch\ntorchvision\ntorchsde\nav>=16\n")  # no torchaudio line
+    plan = dict(host.venv_plan(root, pack=tmp_path))
+    torch_set = plan["the torch set"]
+    assert [a.split("==")[0] for a in torch_set] == ["torch", "torchvision", "torchaudio"]
+    assert all("==" in a for a in torch_set)  # pinned: the matched set, not whatever pip picks
+    assert not any(r.split("=")[0].split(">")[0] == "torchaudio" for r in plan["ComfyUI's requirements"])
+    assert "torchaudio" in host.CHECK_IMPORTS
+
+
 def test_setup_extracts_installs_reuses_and_checks(fake_comfy_repo, small_plan, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("COMFYUI_PATH", raising=False)
