@@ -238,3 +238,21 @@ def test_tiny_checkpoints_sigint_is_one_line(tmp_path):
     rc, err = _signal(p, signal.SIGINT)
     assert rc == 130, err
     assert "Ctrl-C" in _one_line(err)
+
+
+def test_workflows_sigterm_is_one_line(tmp_path):
+    marker = tmp_path / "syncing"
+    p = _start(f"""
+        import runpy, sys, time, warnings
+        warnings.simplefilter("ignore", RuntimeWarning)   # runpy re-running an imported module (test-only)
+        import ditkit.runner.workflows as w
+        def slow(*a, **k):
+            open({str(marker)!r}, "w").close()
+            time.sleep(60)
+        w.sync = slow
+        sys.argv = ["workflows", "sync", "--check"]
+        runpy.run_module("ditkit.workflows", run_name="__main__")
+        """, marker, tmp_path)
+    rc, err = _signal(p, signal.SIGTERM)
+    assert rc == 143, err
+    assert "SIGTERM" in _one_line(err)
