@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,14 @@ CHECK_IMPORTS = ("torch", "torchvision", "torchaudio", "safetensors", "aiohttp",
 
 class HostError(RuntimeError):
     """A setup/check failure with a one-line reason (the CLI prints it and exits 2)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM during the CLI (raised where the main thread was, so setup's cleanup runs, as on Ctrl-C)."""
+
+
+# What a ComfyUI tree has; setup refuses any other tree before it makes a host of it.
+COMFYUI_FILES = ("main.py", "requirements.txt", "comfyui_version.py", "comfy/cli_args.py")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,13 +228,13 @@ def _git_dir(source: str, log) -> Path:
     mirror = cache_root() / "sources" / "comfyui.git"
     if (mirror / "HEAD").is_file():
         log(f"updating the bare clone {mirror}")
-        _run([git, "--git-dir", str(mirror), "fetch", "--tags", "--force", source,
+        _run([git, "--git-dir", str(mirror), "fetch", "--tags", "--force", "--", source,
               "+refs/heads/*:refs/heads/*"], what=f"git fetch {source}", log=log)
     else:
         mirror.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix="comfyui.git.", dir=mirror.parent))
         try:
-            _run([git, "clone", "--bare", "--quiet", source, str(tmp)], what=f"git clone {source}", log=log)
+            _run([git, "clone", "--bare", "--quiet", "--", source, str(tmp)], what=f"git clone {source}", log=log)
             os.replace(tmp, mirror)
         finally:
             if tmp.exists():
@@ -234,8 +243,10 @@ def _git_dir(source: str, log) -> Path:
 
 
 def resolve_ref(git_dir: Path, ref: str) -> str:
-    r = subprocess.run([_git(), "--git-dir", str(git_dir), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
-                       capture_output=True, text=True)
+    if not ref or ref.startswith("-") or any(c in ref for c in "\0\n"):
+        raise HostError(f"--ref {ref!r}: not a commit or tag name")
+    r = subprocess.run([_git(), "--git-dir", str(git_dir), "rev-parse", "--verify", "--quiet", "--end-of-options",
+                        f"{ref}^{{commit}}"], capture_output=True, text=True)
     if r.returncode != 0 or not r.stdout.strip():
         raise HostError(f"--ref {ref!r}: no such commit or tag in {git_dir}")
     return r.stdout.strip()
@@ -246,7 +257,10 @@ def extract_tree(git_dir: Path, commit: str, dest: Path) -> list[str]:
     paths that could not be written (blobs absent from the mirror, submodules), which are not an error."""
     git = _git()
     gd = ["--git-dir", str(git_dir)]
-    out = subprocess.run([git, *gd, "ls-tree", "-r", "-z", "--full-tree", commit], capture_output=True, check=True)
+    out = subprocess.run([git, *gd, "ls-tree", "-r", "-z", "--full-tree", "--end-of-options", commit],
+                         capture_output=True)
+    if out.returncode != 0:
+        raise HostError(f"git ls-tree {commit[:8]} failed in {git_dir}: {out.stderr.decode(errors='replace')[-300:]}")
     entries = []
     for rec in out.stdout.split(b"\0"):
         if not rec:
@@ -299,6 +313,9 @@ def _requirements_without_torch(root: Path) -> list[str]:
         name = s.replace(">", " ").replace("<", " ").replace("=", " ").replace("~", " ").replace("!", " ").split()[0]
         if name.lower() in TORCH_NAMES:
             continue
+        if s.startswith("-"):  # a pip option (-r, --index-url, -e ...) in the tree's file: never passed to pip
+            raise HostError(f"{root / 'requirements.txt'}: line {s[:80]!r} is a pip option, not a requirement; "
+                            "refusing to pass it to pip")
         req.append(s)
     return req
 
@@ -320,9 +337,10 @@ def _check_python(python: str) -> str:
 
 def venv_plan(root: Path, pack: Path = PACK_ROOT) -> list[tuple[str, list[str]]]:
     """The pip installs that make the host's venv, in order: (what, pip install arguments)."""
-    return [("the torch set", list(TORCH_SET)),
-            ("ComfyUI's requirements", _requirements_without_torch(root)),
-            ("ditkit (editable, dev extra)", ["-e", f"{pack}[dev]"])]
+    req = _requirements_without_torch(root)
+    return [("the torch set", ["--", *TORCH_SET]),
+            ("ComfyUI's requirements", ["--", *req] if req else []),
+            ("ditkit (editable, dev extra)", ["-e", f"{Path(pack).resolve()}[dev]"])]
 
 
 def make_venv(root: Path, python: str, *, pack: Path = PACK_ROOT, log=print) -> dict:
@@ -396,6 +414,10 @@ def setup(source: str | None = None, ref: str | None = None, directory: str | os
         tmp.rmdir()
         try:
             missing = extract_tree(git_dir, commit, tmp)
+            absent = [f for f in COMFYUI_FILES if not (tmp / f).is_file()]
+            if absent:
+                raise HostError(f"--source {source!r} at {commit[:8]} is not a ComfyUI tree (no {', '.join(absent)}); "
+                                "nothing was made")
             version = _read_version(tmp)
             marker = {"commit": commit, "version": version, "source": source, "missing": missing, "state": "tree"}
             _write_marker(tmp, marker)
@@ -409,7 +431,7 @@ def setup(source: str | None = None, ref: str | None = None, directory: str | os
     marker["state"] = "venv"
     _write_marker(root, marker)
     log(f"making {root / 'venv'} from {python} (Python {pyver})")
-    versions = make_venv(root, python, log=log)
+    versions = make_venv(root, python, log=log)   # removes its half-made venv on any failure, Ctrl-C, SIGTERM
     marker.update(state="complete", python=pyver, packages=versions, pack=str(PACK_ROOT),
                   made=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     _write_marker(root, marker)
@@ -522,7 +544,33 @@ def check_contract(explicit: str | None = None, *, pack: Path = PACK_ROOT) -> in
 # ---------------------------------------------------------------------------------------------------------------
 # CLI
 
+def _on_signal(signum, frame):
+    for s_ in (signal.SIGINT, signal.SIGTERM):  # the cleanup that follows is not interrupted again
+        signal.signal(s_, signal.SIG_IGN)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The CLI: one line and exit 2 on a refusal; Ctrl-C / SIGTERM remove what setup began and exit 130 / 143."""
+    import threading
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {s_: signal.signal(s_, _on_signal) for s_ in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("ditkit.host: interrupted (Ctrl-C); what this run began was removed", file=sys.stderr, flush=True)
+        return 130
+    except Terminated:
+        print("ditkit.host: stopped by SIGTERM; what this run began was removed", file=sys.stderr, flush=True)
+        return 143
+    finally:
+        for s_, h_ in old.items():
+            signal.signal(s_, h_)
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ditkit.host", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("setup", help="make (or check and reuse) the pinned ComfyUI host")
@@ -573,8 +621,9 @@ def main(argv: list[str] | None = None) -> int:
     except HostError as e:
         print(f"ditkit.host: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"ditkit.host: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

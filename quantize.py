@@ -25,6 +25,7 @@ import os
 import sys
 import time
 
+from ._cli import run_cli
 from .errors import DitKitError
 from .kernels.quant import FORMATS
 from .loaders import quantize as core
@@ -76,6 +77,11 @@ def convert(src_path: str, out_path: str, fmt: str, *, hash_sources: bool = True
 
 
 def main(argv=None) -> int:
+    """The CLI; Ctrl-C / SIGTERM remove the partial output and end with one line (exit 130 / 143)."""
+    return run_cli(_main, argv, "python -m ditkit.quantize", "the partial output file was removed")
+
+
+def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ditkit.quantize", description=__doc__.split("\n\n")[0])
     ap.add_argument("src", help="H3 folder (official / diffusers) or a .safetensors DiT (H3, LTX-2, Z-Image, FLUX.2)")
     ap.add_argument("out", help="new .safetensors file (its folder must exist; never overwritten)")

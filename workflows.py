@@ -16,4 +16,6 @@ __all__ = ["EMBED_KEY", "EXAMPLES_DIR", "PACK_ROOT", "api_to_ui", "api_workflows
            "twin_path", "ui_to_api", "used_classes"]
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ._cli import run_cli
+
+    raise SystemExit(run_cli(main, None, "python -m ditkit.workflows"))

@@ -63,7 +63,7 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
             return w.dequantize()
         return sd[k]
 
-    af = core.read_adapter_file(path)
+    af = core.read_adapter_file(path, g, input_name="adapter_name")
     plan = core.plan(af, g, base_weight, source=source, qkv_layout=qkv_layout, scale_override=scale)
     quant = check_weight_keys(model, sorted({it.target.key for it in plan.items}), "H3 adapters", NODE_ID)
     qdeltas: dict[str, list] = {}

@@ -153,11 +153,12 @@ def apply_lokr(model, path: str, strength: float, source: str | None = None, sca
     strength = core.check_scale_input(strength, "strength")
     if scale is not None:
         scale = core.check_scale_input(scale, "scale")
-    f = core.read_adapter_file(path)
+    shapes = model_shapes(model)
+    f = core.read_adapter_file(path, shapes=shapes, input_name="lokr_name")
     parsed = core.parse_lokr(f.tensors, peft_config=f.peft_config, source=source, config_source=f.config_source,
                              scale_override=scale, metadata=f.metadata)
     parsed.notes[:0] = f.notes
-    plan = core.plan(parsed, model_shapes(model), source=source)
+    plan = core.plan(parsed, shapes, source=source)
     quant = check_weight_formats(model, plan)
     qdeltas: dict[str, list] = {}
     for it in plan.items:

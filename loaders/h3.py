@@ -41,6 +41,7 @@ import torch
 from ..errors import CheckpointError
 from ..report import ProgressFn, Report
 from . import host_memory
+from .safe_fs import read_user_file
 from .safetensors_io import SafeFile, TensorInfo, read_header, strict_json_loads
 
 OFFICIAL_INDEX = "model.safetensors.index.json"
@@ -134,12 +135,10 @@ class H3LoadReport(Report):
 # ------------------------------------------------------------------ detection
 
 def _read_json(path: Path) -> dict:
+    raw = read_user_file(path, MAX_JSON_BYTES, "index/config JSON", CheckpointError)  # opened once, fstat-checked
     try:
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise CheckpointError(f"'{path}': {size} bytes is too large for an index/config JSON")
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise CheckpointError(f"'{path}': cannot read ({e})") from None
     obj = strict_json_loads(text, f"'{path}'", what="index/config JSON")
     if not isinstance(obj, dict):

@@ -261,9 +261,14 @@ class Module:
 AdapterFile = lokr_core.AdapterFile   # one reader for both adapter paths: ``lokr_apply.read_adapter_file``
 
 
-def read_adapter_file(path: str) -> AdapterFile:
-    """:func:`lokr_apply.read_adapter_file` naming the file "adapter" in its errors."""
-    return lokr_core.read_adapter_file(path, what="adapter")
+def read_adapter_file(path: str, g: Geometry | None = None, input_name: str | None = None) -> AdapterFile:
+    """:func:`lokr_apply.read_adapter_file` naming the file "adapter" in its errors; with the model's geometry
+    ``g``, every declared tensor size is bounded by the model's weights (and gates) before a byte is read."""
+    shapes = None
+    if g is not None:
+        shapes = dict(g.shapes)
+        shapes.update({f"gate:{i}": tuple(s) for i, s in g.gates.items()})
+    return lokr_core.read_adapter_file(path, what="adapter", shapes=shapes, input_name=input_name)
 
 
 def _split_key(k: str) -> tuple[str, str] | None:

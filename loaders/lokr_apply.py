@@ -85,7 +85,7 @@ from ..errors import AdapterError, CheckpointError, UnsupportedModelError
 from ..report import Report
 from . import safe_fs
 from .lokr_math import add_delta_, delta_weight
-from .safetensors_io import SafeFile, strict_json_loads
+from .safetensors_io import SafeFile, check_declared_sizes, strict_json_loads
 
 FACTOR_KEYS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 AUX_KEYS = ("alpha", "dora_scale", "scalar", "lokr_t1", "lokr_factor")
@@ -268,18 +268,44 @@ def read_peft_config_file(path: str) -> dict:
     return cfg
 
 
-def read_adapter_file(path: str, what: str = "LoKr") -> AdapterFile:
+def target_bounds(shapes: dict[str, tuple[int, ...]] | None) -> tuple[int | None, int | None]:
+    """(largest dimension, largest element count) over the target model's weights: no adapter tensor (a factor,
+    a rank, a full-rank delta, an assigned weight) can usefully exceed either."""
+    if not shapes:
+        return None, None
+    dims = [int(d) for s in shapes.values() for d in s]
+    numels = [math.prod(int(d) for d in s) for s in shapes.values()]
+    return (max(dims) if dims else None), (max(numels) if numels else None)
+
+
+# reading holds the file's bytes once and each factor's float32 copy once more (parse/plan cast to float32)
+READ_EXPANSION = 3.0
+
+
+def read_adapter_file(path: str, what: str = "LoKr", *, shapes: dict[str, tuple[int, ...]] | None = None,
+                      input_name: str | None = None) -> AdapterFile:
     """Tensors + metadata of an adapter ``.safetensors`` file and the PEFT config that belongs to it: from the
     file's ``lora_adapter_metadata`` (diffusers), else, for a PEFT-layout file (``base_model.model.*``),
     from the ``adapter_config.json`` PEFT's ``save_pretrained`` writes next to it. ``what`` names the file
-    in the error (``"LoKr"``; DitKitAdapterLoader: ``"adapter"``). Shared by the LoKr and the H3 adapter paths."""
+    in the error (``"LoKr"``; DitKitAdapterLoader: ``"adapter"``). Shared by the LoKr and the H3 adapter paths.
+
+    Before any tensor is read, every size the header declares is bounded (:func:`safetensors_io.
+    check_declared_sizes`) by the target model's ``shapes`` (its largest dimension and weight) and by free
+    memory: a crafted (e.g. sparse) file declaring a rank or size absurd for the layer is refused naming the key
+    and ``input_name``, instead of being read and expanded."""
     path = os.fspath(path)
+    max_dim, max_numel = target_bounds(shapes)
+    where = f"{what} file '{path}'" + (f" (input '{input_name}')" if input_name else "")
     try:
         with SafeFile(path) as f:
+            check_declared_sizes(f.header, where, max_dim=max_dim, max_numel=max_numel, expand=READ_EXPANSION,
+                                 error=AdapterError)
             tensors = {k: f.get(k) for k in f.keys()}
             metadata = dict(f.metadata)
-    except CheckpointError:
+    except (CheckpointError, AdapterError):
         raise
+    except MemoryError:
+        raise AdapterError(f"{where}: out of memory while reading its tensors; nothing was applied") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{what} file '{path}' cannot be read ({type(e).__name__}: {e}); truncated or not "
                               "safetensors?") from None

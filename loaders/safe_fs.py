@@ -481,6 +481,34 @@ def open_model_file(path: str) -> int:
     return os.open(path, os.O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_BINARY)
 
 
+def read_user_file(path: str | os.PathLike, max_bytes: int, what: str,
+                   error: type[DitKitError] = DitKitError) -> bytes:
+    """Bytes of a file a user named (a contract, a sidecar, a config): opened ONCE (non-blocking, so a FIFO or
+    device swapped in after any earlier look cannot stall the caller), the opened descriptor checked (``fstat``:
+    a regular file of at most ``max_bytes``) and read; the name is never opened or stat-ed a second time.
+    Errors: ``error`` naming ``what`` and the path."""
+    path = os.fspath(path)
+    try:
+        fd = open_model_file(path)
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
+        raise error(f"{what} '{path}': cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{what} '{path}': not a regular file (a directory, FIFO or device is refused)")
+        if st.st_size > max_bytes:
+            raise error(f"{what} '{path}': {st.st_size} bytes, larger than {max_bytes} bytes")
+        try:
+            data = read_fd(fd, max_bytes)
+        except OSError as e:
+            raise error(f"{what} '{path}': cannot be read ({e.strerror or e})") from None
+        if len(data) > max_bytes:
+            raise error(f"{what} '{path}': larger than {max_bytes} bytes (it grew while being read)")
+        return data
+    finally:
+        os.close(fd)
+
+
 def read_fd(fd: int, limit: int) -> bytes:
     chunks, total = [], 0
     while True:

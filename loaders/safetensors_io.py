@@ -326,6 +326,63 @@ class SafeFile:
             yield k, self.get(k, device)
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this process can still get (``MemAvailable``, bounded by a cgroup limit); None unknown."""
+    avail = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None and hasattr(os, "sysconf"):
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            avail = None
+    for cg in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(cg, encoding="ascii") as f:
+                lim = f.read().strip()
+            used_p = cg.replace("memory.max", "memory.current").replace("limit_in_bytes", "usage_in_bytes")
+            with open(used_p, encoding="ascii") as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if lim.isdigit() and int(lim) < 1 << 60:
+            left = max(0, int(lim) - used)
+            avail = left if avail is None else min(avail, left)
+        break
+    return avail
+
+
+def check_declared_sizes(header: Header, where: str, *, max_dim: int | None = None, max_numel: int | None = None,
+                         expand: float = 1.0, memory: int | None = None, error=CheckpointError) -> None:
+    """Bound every tensor the header DECLARES before a byte of it is read: each dimension <= ``max_dim`` and each
+    element count <= ``max_numel`` (what the target can use: a rank or size beyond the largest layer is absurd),
+    and the bytes reading them takes (``expand`` x the data: copies and float32 casts) within free memory
+    (``memory``, default :func:`available_memory`). A file may be sparse: its size on disk says nothing. Raises
+    ``error`` naming ``where`` and the key."""
+    total = 0
+    for name, ti in header.tensors.items():
+        tw = f"{where}, key {name!r}"
+        if max_dim is not None and ti.shape and max(ti.shape) > max_dim:
+            raise error(f"{tw}: declared shape {list(ti.shape)} has a dimension of {max(ti.shape)}, larger than any "
+                        f"dimension of the target ({max_dim}): an absurd rank or size for its layer; nothing was read")
+        if max_numel is not None and ti.numel > max_numel:
+            raise error(f"{tw}: declared shape {list(ti.shape)} holds {ti.numel} elements, more than the largest "
+                        f"weight of the target ({max_numel}): an absurd size for its layer; nothing was read")
+        total += ti.nbytes
+    need = int(total * expand)
+    free = available_memory() if memory is None else memory
+    if free is not None and need > free:
+        big = max(header.tensors.values(), key=lambda t: t.nbytes)
+        raise error(f"{where}: reading its tensors needs about {need / 2**20:.0f} MiB but only {free / 2**20:.0f} MiB "
+                    f"of memory is free (largest: key {big.name!r}, declared shape {list(big.shape)}); nothing was read")
+
+
 def load_file(path: str | os.PathLike, device="cpu", keys=None) -> dict[str, torch.Tensor]:
     """Read (a subset of) a validated file into a dict."""
     with SafeFile(path) as f:

@@ -58,7 +58,7 @@ def header_keys(path: str) -> frozenset[str] | None:
             return _cache[key]
     try:
         keys = frozenset(read_header(path).keys())
-    except Exception:  # noqa: BLE001 - unreadable header: listed, the loader refuses it with the reason
+    except Exception:  # noqa: BLE001 - unreadable header: not listed; check_listed() says why when it is asked for
         return None
     with _lock:
         if len(_cache) > 4096:
@@ -105,10 +105,39 @@ def family_of_keys(keys) -> set[str]:
 
 
 def is_family(path: str, family: str) -> bool:
-    """Whether the header says ``family``. A file whose header cannot be read is listed (its family cannot be
-    decided from the header): picking it gets the loader's error naming what is wrong, not a silent absence."""
+    """Whether the header says ``family``. A file whose header cannot be read is not listed: the list promises
+    files of the family, and that cannot be decided; a prompt naming it gets :func:`check_listed`'s reason."""
     keys = header_keys(path)
-    return keys is None or family in family_of_keys(keys)
+    return keys is not None and family in family_of_keys(keys)
+
+
+def check_listed(node_id: str, input_name: str, folder: str, family: str, name, skip_shards: bool = False):
+    """A loader's ``validate_inputs``: True when ``name`` is one of :func:`family_files`; else why it is not
+    offered, naming the node, the input and the file (an API prompt may name any file; the host then reports this
+    line instead of a bare "value not in list"). None (input missing): True, the host reports the missing input."""
+    if name is None or name in family_files(folder, family, skip_shards):
+        return True
+    from ..errors import CheckpointError
+    from ..loaders.safetensors_io import read_header
+    from . import _files
+
+    head = f"{node_id}: input '{input_name}' {str(name)[:200]!r} is not offered"
+    if not isinstance(name, str):
+        return f"{head}: not a file name"
+    try:
+        path = _files.find(folder, name, node_id)
+    except CheckpointError as e:
+        return f"{head}: {e}"
+    if path is None or not _files.is_safetensors_name(name):
+        return f"{head}: no such .safetensors file in models/{folder}"
+    if skip_shards and is_shard(path):
+        return f"{head}: it is a shard of an indexed folder (this loader reads single files)"
+    try:
+        keys = frozenset(read_header(path).keys())
+    except Exception as e:  # noqa: BLE001 - the reason is the message
+        return f"{head}: its safetensors header cannot be read ({e})"
+    fams = sorted(family_of_keys(keys))
+    return f"{head}: its header holds no {family} tensors" + (f" (it looks like {', '.join(fams)})" if fams else "")
 
 
 _SHARD = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")

@@ -151,6 +151,10 @@ class DitKitLTX2ModelLoader(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, unet_name=None):
+        return _families.check_listed(LTX2_NODE_ID, "unet_name", FOLDER, "ltx2", unet_name)
+
+    @classmethod
     def execute(cls, unet_name: str, weight_format: str = AS_STORED) -> io.NodeOutput:
         return _execute(cls, LTX2_NODE_ID, "ltx2", "LTX-2", unet_name, weight_format)
 
@@ -168,6 +172,10 @@ class DitKitFlux2ModelLoader(io.ComfyNode):
             outputs=_outputs("a FLUX.2 DiT"),
             hidden=[io.Hidden.unique_id],
         )
+
+    @classmethod
+    def validate_inputs(cls, unet_name=None):
+        return _families.check_listed(FLUX2_NODE_ID, "unet_name", FOLDER, "flux2", unet_name)
 
     @classmethod
     def execute(cls, unet_name: str, weight_format: str = AS_STORED) -> io.NodeOutput:

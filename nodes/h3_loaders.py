@@ -236,6 +236,12 @@ class DitKitH3ModelLoader(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, model_name=None):
+        if model_name is None or model_name in list_choices():
+            return True
+        return _families.check_listed(NODE_ID, "model_name", FOLDER, "h3_dit", model_name)
+
+    @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", weight_format: str = AS_STORED) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         check_weight_format(NODE_ID, weight_format)

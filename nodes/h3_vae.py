@@ -45,6 +45,10 @@ class DitKitH3VAELoader(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, vae_name=None):
+        return _families.check_listed("DitKitH3VAELoader", "vae_name", "vae", "h3_vae", vae_name)
+
+    @classmethod
     def execute(cls, vae_name) -> io.NodeOutput:
         path = _files.safetensors_path("vae", vae_name, "DitKitH3VAELoader")
         if _h3_audio_vae.is_h3_audio_file(path):   # H3 audio VAE at file size (bridge/h3_audio_vae.py)

@@ -110,6 +110,10 @@ class DitKitZImageLoader(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, unet_name=None):
+        return _families.check_listed(NODE_ID, "unet_name", "diffusion_models", "zimage", unet_name)
+
+    @classmethod
     def execute(cls, unet_name: str, weight_format: str = AS_STORED) -> io.NodeOutput:
         check_weight_format(NODE_ID, weight_format)
         path = _files.safetensors_path("diffusion_models", unet_name, NODE_ID)

@@ -59,6 +59,10 @@ class DitKitLoKrLoader(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, lokr_name=None):
+        return _families.check_listed(NODE_ID, "lokr_name", "loras", "lokr", lokr_name)
+
+    @classmethod
     def execute(cls, model, lokr_name: str, strength: float, scale: float = 0.0) -> io.NodeOutput:
         override = None if core.check_scale_input(scale, "scale") == 0.0 else float(scale)
         path = _files.safetensors_path("loras", lokr_name, NODE_ID)

@@ -73,10 +73,13 @@ class DitKitTeaCache(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, coefficients):
+    def validate_inputs(cls, coefficients=None):
         """Any name passes prompt validation (not only the listed ones): a workflow saved when this input was a
         text field, or naming a file a calibration in the same prompt writes, must still queue; execute checks the
-        name (only files inside ditkit's TeaCache folders) and reports a missing one on this node."""
+        name (only files inside ditkit's TeaCache folders) and reports a missing one on this node. An API prompt
+        without the input gets the host's "required input missing" naming it (never a TypeError from here)."""
+        if coefficients is None:
+            return f"{NODE_TEACACHE}: required input 'coefficients' is missing (a TeaCache coefficient file name)"
         return True
 
     @classmethod

@@ -26,7 +26,7 @@ assert (H3_NODE, LTX_NODE) == (bte.H3_NODE, bte.LTX_NODE)
 # -- nodes ------------------------------------------------------------------------------------------------------
 def _te_files(family: str):
     """The text-encoder files of ``family`` ("h3_te" / "ltx_te"), decided from the header (``_families``); a file
-    whose header cannot be read stays listed so that picking it gets this loader's error naming the problem."""
+    whose header cannot be read is not listed (``validate_inputs`` names why when a prompt asks for it)."""
     from . import _families
 
     return _families.family_files("text_encoders", family, skip_shards=True)
@@ -74,6 +74,13 @@ class _TextEncoderLoader(io.ComfyNode):
 
     KIND = ""
     NODE = ""
+
+    @classmethod
+    def validate_inputs(cls, text_encoder=None):
+        from . import _families
+
+        return _families.check_listed(cls.NODE, "text_encoder", "text_encoders", f"{cls.KIND}_te", text_encoder,
+                                      skip_shards=True)
 
     @classmethod
     def execute(cls, text_encoder, streaming="off", prefetch=1) -> io.NodeOutput:

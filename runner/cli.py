@@ -11,6 +11,7 @@ import threading
 import urllib.parse
 from pathlib import Path
 
+from .._cli import Terminated
 from ..errors import DitKitError
 from ..host import default_dir, find_host
 from .client import ComfyClient, ProgressPrinter, ditkit_reports, download_outputs, output_files, output_items
@@ -143,7 +144,8 @@ def report_success(entry: dict, graph: dict, files: list, stream=None) -> None:
 
 
 def _sigterm_to_exit(signum, frame):
-    raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping the server is not interrupted again
+    raise Terminated
 
 
 def main(argv=None) -> int:
@@ -195,8 +197,11 @@ def main(argv=None) -> int:
             print(f"--- last lines of the server log ({server.log_path}) ---\n{server.log_tail()}", file=sys.stderr)
         return EXIT_SERVER
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted (Ctrl-C); the server this run started is stopped", file=sys.stderr)
         return 130
+    except Terminated:
+        print("stopped by SIGTERM; the server this run started is stopped", file=sys.stderr)
+        return 143
     finally:
         if server is not None:
             server.stop()

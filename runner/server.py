@@ -83,7 +83,8 @@ def write_extra_paths_yaml(path, custom_nodes_dir, models_dir) -> Path:
 
 def server_command(python: str, comfyui, *, port: int, yaml_path, out_dir, temp_base, user_dir,
                    only_ditkit: bool = False, extra_args=()) -> list[str]:
-    cmd = [python, str(Path(comfyui) / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+    # the script as an absolute path: a checkout named like an option ("-X...") never reaches python as one
+    cmd = [python, os.path.abspath(os.path.join(os.fspath(comfyui), "main.py")), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
            "--disable-auto-launch", "--extra-model-paths-config", str(yaml_path),
            "--output-directory", str(out_dir), "--temp-directory", str(temp_base), "--user-directory", str(user_dir),
            "--database-url", "sqlite:///:memory:"]

@@ -51,6 +51,7 @@ import torch
 
 from .. import strict_json
 from ..errors import ScheduleError
+from ..loaders.safe_fs import read_user_file
 from ..report import Report
 
 CONTRACT_FILE = "fastvideo_inference.json"
@@ -196,13 +197,8 @@ def load_contract(path: str | os.PathLike) -> Contract:
     """Read and validate a contract file: at most 64 KiB, UTF-8, strict JSON (no NaN/Infinity, no duplicate keys)."""
     path = os.fspath(path)
     where = f"FastH3 contract '{path}'"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONTRACT_BYTES + 1)
-    except OSError as e:
-        raise ScheduleError(f"{where}: cannot be read ({e.strerror or e})") from None
-    if len(raw) > MAX_CONTRACT_BYTES:
-        raise ScheduleError(f"{where}: larger than {MAX_CONTRACT_BYTES} bytes; not an inference contract")
+    # opened once, checked on the descriptor: a FIFO swapped in after the name was resolved cannot stall the queue
+    raw = read_user_file(path, MAX_CONTRACT_BYTES, "FastH3 contract", ScheduleError)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import BackendError, CheckpointError
+from ..loaders.safe_fs import read_user_file
 from ..report import Report
 from . import fasth3 as sched
 
@@ -337,13 +338,7 @@ def load_provenance(path: str | os.PathLike) -> dict:
 
     path = os.fspath(path)
     where = f"'{path}'"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_SIDECAR_BYTES + 1)
-    except OSError as e:
-        raise CheckpointError(f"{where}: cannot be read ({e.strerror or e})") from None
-    if len(raw) > MAX_SIDECAR_BYTES:
-        raise CheckpointError(f"{where}: larger than {MAX_SIDECAR_BYTES} bytes; not a FastVideo {PROVENANCE_FILE}")
+    raw = read_user_file(path, MAX_SIDECAR_BYTES, f"FastVideo {PROVENANCE_FILE}", CheckpointError)  # opened once
     try:
         obj = strict_json_loads(raw.decode("utf-8"), where, what=f"FastVideo {PROVENANCE_FILE}")
     except UnicodeDecodeError:

@@ -81,4 +81,6 @@ if __name__ == "__main__":
     # ``<pkg>.testing.checkpoints`` module, so delegate to that one.
     from . import checkpoints as _registry_module
 
-    raise SystemExit(_registry_module.main())
+    from .._cli import run_cli
+
+    raise SystemExit(run_cli(_registry_module.main, None, "python -m ditkit.tiny.checkpoints"))

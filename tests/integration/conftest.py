@@ -30,6 +30,8 @@ def pytest_collection_modifyitems(config, items):
     for it in items:
         if Path(str(it.fspath)).is_relative_to(here):
             it.add_marker(pytest.mark.integration)
+            if Path(str(it.fspath)).name.startswith("test_browser_"):  # .ci/run counts these as the browser suite
+                it.add_marker(pytest.mark.browser)
 
 
 class ServerHandle:

@@ -13,7 +13,8 @@ ComfyUI reported cached (``execution_cached``) and its badge must say so (``· c
 shows the last report for that output. A ditkit loader that quantized while loading (``weight_format``) must name the
 format and the MiB in -> out the server logged in its first badge. Screenshots: ``$DITKIT_ARTEFACTS`` (default ``_out/browser``).
 
-Slow (every example runs once on CPU); needs what tests/integration/test_browser_reports.py needs.
+Slow (every example runs once on CPU): the runs are marked ``slow`` (``DITKIT_SLOW=1``); the layout check of every
+example in both canvases runs by default. Needs what tests/integration/test_browser_reports.py needs.
 """
 from __future__ import annotations
 
@@ -300,6 +301,7 @@ def test_examples_load_without_overlap(comfy_server_cached, canvases, vue):
     assert not [e for e in errors[n0:] if "ditkit" in e], errors[n0:]
 
 
+@pytest.mark.slow  # about 36 s per example on 2 CPU cores (15 examples: ~9 min); DITKIT_SLOW=1 runs them
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs_in_both_canvases_and_a_badge_opens_its_report(comfy_server_cached, canvases, path):
     """Slow: run from the classic canvas and click a ditkit badge; then the same example in Nodes 2.0 on the same

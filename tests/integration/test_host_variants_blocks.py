@@ -45,10 +45,10 @@ def gated(comfy, tiny_ckpts):
 
 @pytest.fixture
 def reports(monkeypatch):
-    import ditkit.bridge.teacache as B
+    import ditkit.bridge.reports as B
 
     out = []
-    monkeypatch.setattr(B, "send_report", lambda *a, **k: out.append(a))
+    monkeypatch.setattr(B.ReportTarget, "send", lambda self, *a, **k: out.append((self.node_id, self.node_type) + a))
     return out
 
 

@@ -158,6 +158,9 @@ BAD = {
     "nan": (lambda: {**_zimage_module(), "diffusion_model.layers.0.attention.to_q.lokr_w1": torch.full((8, 8), float("nan"))},
             AdapterError, r"to_q\.lokr_w1.*NaN"),
     "alpha0": (lambda: _zimage_module(alpha=0.0), AdapterError, r"to_q\.alpha"),
+    # a declared size no layer of the model has: refused from the header, before the file's tensors are read
+    "absurd": (lambda: {**_zimage_module(), "diffusion_model.layers.0.attention.to_q.lokr_w2_b": torch.zeros(4, 100000)},
+               AdapterError, r"input 'lokr_name'.*lokr_w2_b.*dimension of 100000.*nothing was read"),
 }
 
 

@@ -202,10 +202,18 @@ def test_listing_offers_only_the_loaders_family(comfy, tiny_ckpts, tmp_path, cls
         assert ours <= opts, (ours - opts, opts)
         assert not (others & opts), others & opts
         assert "zz_looks_like_ours.safetensors" not in opts, opts
-        # a header that cannot be read cannot be classified: it stays listed, so picking it gets the loader's
-        # error naming the file (tests/integration/test_host_errors.py, the corpus) instead of a silent absence
-        assert "zz_unreadable_header.safetensors" in opts, opts
+        # a header that cannot be read cannot be classified: the list promises the family, so it is not offered;
+        # a prompt naming it anyway gets validate_inputs' reason naming the input and the file (issue 29)
+        assert "zz_unreadable_header.safetensors" not in opts, opts
         assert not [o for o in opts if "-of-" in o], opts          # shards never appear on their own
+        node = _node(module, cls)
+        why = node.validate_inputs(**{inp: "zz_unreadable_header.safetensors"})
+        assert isinstance(why, str) and f"input '{inp}'" in why and "zz_unreadable_header" in why, why
+        assert "header cannot be read" in why, why
+        why = node.validate_inputs(**{inp: "zz_looks_like_ours.safetensors"})
+        assert isinstance(why, str) and "holds no" in why, why
+        assert all(node.validate_inputs(**{inp: o}) is True for o in sorted(ours & opts)), ours
+        assert node.validate_inputs() is True                      # a missing input: the host names it
     finally:
         paths = folder_paths.folder_names_and_paths[kind][0]
         if str(d) in paths:

@@ -54,7 +54,9 @@ def fake_raylight(monkeypatch):
     mods["ray"].cloudpickle = mods["ray.cloudpickle"]
     for k, v in mods.items():
         monkeypatch.setitem(sys.modules, k, v)
-    return types.SimpleNamespace(registered=registered, by_value=by_value, Actors=Actors)
+    yield types.SimpleNamespace(registered=registered, by_value=by_value, Actors=Actors)
+    monkeypatch.undo()
+    _reload_ray_nodes()   # back to this host's truth (no Raylight: no Ray nodes) for the tests that follow
 
 
 def _reload_ray_nodes():
@@ -66,6 +68,8 @@ def _reload_ray_nodes():
 def test_no_ray_nodes_without_raylight(comfy, monkeypatch):
     monkeypatch.setitem(sys.modules, "raylight", None)   # find_spec -> ValueError / not importable
     assert _reload_ray_nodes().NODES == []
+    monkeypatch.undo()
+    _reload_ray_nodes()
 
 
 def test_ray_sparse_attention_installs_the_processor_on_every_actor(comfy, fake_raylight, tiny_ckpts):

@@ -350,6 +350,19 @@ def host_single_image_decode():
     return _patched(V, decode=decode)
 
 
+
+def _with_keyword(new, orig, name: str, default):
+    """``new`` (a ``(self, *a, <name>=..., **kw)`` wrapper) carries ``orig``'s signature plus the keyword ``name``,
+    as the upstream method has it (0.38 adds a keyword; every parameter ditkit passes keeps its name)."""
+    import inspect
+
+    sig = inspect.signature(orig)
+    params = list(sig.parameters.values())
+    kw = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+    at = next((i for i, p in enumerate(params) if p.kind == inspect.Parameter.VAR_KEYWORD), len(params))
+    new.__signature__ = sig.replace(parameters=params[:at] + [kw] + params[at:])
+    return new
+
 def vae_num_layers():
     """0.38 ``MiniMaxH3VideoVAE.__init__(..., num_layers=36, operations=ops)``: the decoder depth as a keyword."""
     from comfy.ldm.minimax.vae import MiniMaxH3VideoVAE as V
@@ -360,7 +373,7 @@ def vae_num_layers():
         orig(self, *a, **kw)
         self._hv_num_layers = num_layers  # what the 0.38 decoder would be built with
 
-    return _patched(V, __init__=__init__)
+    return _patched(V, __init__=_with_keyword(__init__, orig, "num_layers", 36))
 
 
 def patcher_fast_disk(host_default: bool = True):
@@ -377,7 +390,7 @@ def patcher_fast_disk(host_default: bool = True):
             fast_disk = host_default if sys._getframe(1).f_globals.get("__name__") == "comfy.sd" else False
         self.fast_disk = fast_disk
 
-    return _patched(ModelPatcher, __init__=__init__)
+    return _patched(ModelPatcher, __init__=_with_keyword(__init__, orig, "fast_disk", False))
 
 
 # ================================================================================================ core sparse node
