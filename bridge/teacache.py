@@ -67,14 +67,14 @@ def check_not_stacked(model, node_id: str) -> None:
             if k in FOREIGN_CACHE_KEYS:
                 found.append(f"{wtype} wrapper '{k}' (native EasyCache/LazyCache)")
             elif k in DITKIT_STEP_CACHE_KEYS:
-                found.append(f"{wtype} wrapper '{k}' (a ditkit step cache: DitKitTeaCache or DitKitTeaCacheCalibrate)")
+                found.append(f"{wtype} wrapper '{k}' (a ditkit step cache: DitKitTeaCache, DitKitTeaCacheCalibrate or DitKitStepCache)")
     if HOLDER_KEY in to:
         found.append(f"transformer_options['{HOLDER_KEY}'] (a ditkit cache)")
     if found:
         raise CacheStackError(
             f"{node_id}: this model already has a step cache installed ({'; '.join(sorted(set(found)))}). Step caches "
             "skip the same computation and cannot be stacked; feed this node the model before EasyCache/LazyCache/"
-            "DitKitTeaCache(Calibrate), and use one cache only.")
+            "DitKitTeaCache(Calibrate)/DitKitStepCache, and use one cache only.")
 
 
 model_fingerprint = fingerprint.model_fingerprint  # one scheme, weakly cached
