@@ -19,6 +19,7 @@ from ..cache.stepcache import MODE_NAMES, MODES, StepCacheConfig, StepCacheState
 from ..errors import DitKitError
 from ..nodes._common import send_report
 from . import teacache as tc
+from .teacache import audio_latent_check
 from .blocks import TeaCacheHolder
 from .contract import Probe, entry
 
@@ -70,12 +71,21 @@ def stepcache_sample_wrapper(executor, *args, **kwargs):
             raise DitKitError(f"{NODE_STEPCACHE}: transformer_options['{REDUCER_KEY}'] is not callable")
         holder.state.reducer = reducer
         holder.begin(sigmas.flatten().tolist())
-        return executor(*args, **kwargs)
+        out = executor(*args, **kwargs)
+        holder.info["audio_latent"] = audio_latent_check(out, kwargs.get("latent_shapes"))
+        return out
     finally:
         try:
             if holder.state.calls:
                 rep = holder.state.report()
-                send_report(holder.info.get("report_to"), NODE_STEPCACHE, "stepcache", rep.summary(), rep.as_dict())
+                data = rep.as_dict()
+                summary = rep.summary()
+                al = holder.info.pop("audio_latent", None)
+                if al is not None:
+                    data["audio_latent"] = al
+                    if al["nonfinite"]:
+                        summary += f" | WARNING: sampled audio latent has {al['nonfinite']} NaN/Inf values"
+                send_report(holder.info.get("report_to"), NODE_STEPCACHE, "stepcache", summary, data)
             holder.state.release()
         finally:
             guider.model_options = orig
@@ -87,4 +97,4 @@ def install(model, holder: TeaCacheHolder) -> None:
     tc.install(model, holder, stepcache_sample_wrapper)
 
 
-__all__ = ["NODE_STEPCACHE", "REDUCER_KEY", "stepcache_holder", "stepcache_sample_wrapper", "install"]
+__all__ = ["audio_latent_check", "NODE_STEPCACHE", "REDUCER_KEY", "stepcache_holder", "stepcache_sample_wrapper", "install"]

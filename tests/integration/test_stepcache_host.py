@@ -79,6 +79,10 @@ def test_modes_on_every_family(env, reports, family, mode):
     assert cnt.n == rep["computed"] * cnt.per_stack + rep["skipped"] * per_skip
     for s in STREAMS[family]:
         assert rep["streams"][s]["skipped"] == rep["skipped"]
+    if family in ("h3", "ltx2"):   # the audio stream's NaN/Inf check at the end of sampling
+        assert rep["audio_latent"]["nonfinite"] == 0 and len(rep["audio_latent"]["shape"]) >= 3
+    else:
+        assert "audio_latent" not in rep
     assert any(not torch.equal(a, b) for a, b in zip(out, ref))
     assert "ditkit_teacache" not in model.model_options["transformer_options"]
 
@@ -133,6 +137,24 @@ def test_default_thresholds_are_named_in_the_report(env, reports):
     assert len(inst["defaults_used"]) == 2
 
 
+def test_nonfinite_audio_latent_is_reported(env, reports, monkeypatch):
+    import ditkit.bridge.stepcache as B
+
+    model = load(env, "h3")
+    pos, neg, lat = inputs(model, "h3", 8)
+    real = B.audio_latent_check
+
+    def poisoned(out, shapes):   # what the check sees when sampling produced NaNs in the audio latent
+        out = out.clone()
+        out.view(-1)[-3:] = float("nan")   # the flat pack ends with the audio part
+        return real(out, shapes)
+
+    monkeypatch.setattr(B, "audio_latent_check", poisoned)
+    sample(_stepcache(model, "sigma_schedule", 0.1), pos, neg, lat)
+    hit = [r for r in reports if r["kind"] == "stepcache"][-1]
+    assert hit["data"]["audio_latent"]["nonfinite"] == 3 and "3 NaN/Inf" in hit["summary"]
+
+
 def test_stacking_is_refused(env):
     from comfy_extras.nodes_easycache import EasyCacheNode
 
@@ -165,3 +187,21 @@ def test_reducer_hook_sees_the_sums_and_decides(env, reports):
     rep = _last(reports)
     assert rep["skipped"] == 0 and seen and all(s == (2, 2) for s in seen)  # 1 condition x (video, audio)
     assert rep["reducer"] == "all_reduce_like"
+
+
+def test_teacache_reports_the_audio_latent_too(env, monkeypatch):
+    """Every ditkit step cache feeds the audio-stream check: calibrated TeaCache's run report carries it too."""
+    import ditkit.bridge.teacache as BT
+    from ditkit.nodes.teacache import DitKitTeaCache
+
+    got = []
+    real = BT.send_report
+    monkeypatch.setattr(BT, "send_report", lambda *a, **k: got.append(a) or real(*a, **k))
+    model = load(env, "h3")
+    pos, neg, lat = inputs(model, "h3", 9)
+    m = DitKitTeaCache.execute(model=model, coefficients="shipped:h3_tiny_calibrated", threshold=0.3,
+                               audio_threshold=0.3, start_percent=0.0, end_percent=1.0, cache_device="model",
+                               strict=False).result[0]
+    sample(m, pos, neg, lat)
+    rep = [a for a in got if a[2] == "teacache"][-1][4]
+    assert rep["audio_latent"]["nonfinite"] == 0
