@@ -65,20 +65,28 @@ class AudioGuardReport(Report):
         return "audio guard: " + "; ".join(self.flags)
 
 
-def _spectral_jump(x: torch.Tensor, th: AudioGuardThresholds) -> float:
-    """Largest frame-to-frame log-power step (dB, RMS over bins within 60 dB of the peak) minus the median step."""
+def _spectral_jump(x: torch.Tensor, th: AudioGuardThresholds, chunk_frames: int = 2048) -> float:
+    """Largest frame-to-frame log-power step (dB, RMS over bins within 60 dB of the peak) minus the median step.
+    STFT frames are processed ``chunk_frames`` at a time (memory bounded for long tracks), in two passes: the peak,
+    then the steps (each chunk repeats the previous chunk's last frame)."""
     n = x.shape[-1]
     if n < th.n_fft + th.hop:
         return 0.0
-    frames = x.unfold(-1, th.n_fft, th.hop)                       # [F, n_fft]
+    frames = x.unfold(-1, th.n_fft, th.hop)                       # [F, n_fft] (a view)
     win = torch.hann_window(th.n_fft, periodic=True, dtype=torch.float64)
-    spec = torch.fft.rfft(frames * win, dim=-1)
-    p = 10.0 * torch.log10((spec.real ** 2 + spec.imag ** 2).clamp_min(1e-20))
-    floor = p.max() - 60.0
-    p = p.clamp_min(floor)
-    step = torch.sqrt(((p[1:] - p[:-1]) ** 2).mean(-1))            # [F-1]
-    if step.numel() == 0:
-        return 0.0
+
+    def logpow(lo, hi):
+        spec = torch.fft.rfft(frames[lo:hi] * win, dim=-1)
+        return 10.0 * torch.log10((spec.real ** 2 + spec.imag ** 2).clamp_min(1e-20))
+
+    nf = frames.shape[0]
+    peak = max(float(logpow(i, min(i + chunk_frames, nf)).max()) for i in range(0, nf, chunk_frames))
+    floor = peak - 60.0
+    steps = []
+    for i in range(0, nf - 1, chunk_frames):
+        p = logpow(i, min(i + chunk_frames + 1, nf)).clamp_min(floor)
+        steps.append(torch.sqrt(((p[1:] - p[:-1]) ** 2).mean(-1)))
+    step = torch.cat(steps)
     return float(step.max() - step.median())
 
 

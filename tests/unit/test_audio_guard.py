@@ -113,3 +113,15 @@ def test_report_dict_and_summary():
     assert d["clean"] is False and d["flags"] and d["thresholds"]["dc_offset"] == DEFAULT_THRESHOLDS.dc_offset
     assert r.summary().startswith("audio guard: DC offset")
     assert check_waveform(tone()).summary().startswith("audio guard: clean")
+
+
+def test_spectral_jump_is_the_same_in_chunks():
+    """The chunked pass (memory bound for long tracks) gives the figure of one pass over all frames."""
+    from ditkit.cache.audio_guard import _spectral_jump
+
+    w = tone(3 * SR, ch=1)[0]
+    w[SR + 77:SR + 237] = 0.9
+    th = DEFAULT_THRESHOLDS
+    one = _spectral_jump(w, th, chunk_frames=10_000)
+    for c in (1, 2, 7, 64):
+        assert _spectral_jump(w, th, chunk_frames=c) == pytest.approx(one, rel=1e-12, abs=1e-12)
