@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.calibrate import CalibrationRecorder
+from ..cache.stepcache import StepCacheState
 from ..cache.teacache import TeaCacheState
 
 HOLDER_KEY = "ditkit_teacache"
@@ -228,6 +229,10 @@ class Adapter:
     def stream_outputs(self, out: dict, n: int, ctx: "CallCtx") -> dict[str, list[torch.Tensor]]:
         raise NotImplementedError
 
+    def prepare(self, model, args: dict, ctx: "CallCtx") -> None:
+        """Set what :meth:`stream_outputs` needs in ``ctx.meta`` from block 0's arguments (first-block cache,
+        which does not compute the modulated input)."""
+
 
 class H3Adapter(Adapter):
     family = "h3"
@@ -241,16 +246,21 @@ class H3Adapter(Adapter):
             raise RuntimeError(f"H3 TeaCache: expected >= 2 modulation segments (target audio, target video), got {len(mod_segments)}")
         return mod_segments[-1], mod_segments[-2]
 
-    def modulated_inputs(self, model, args, n, ctx):
-        blk = model.blocks[0]
-        h = args["img"]
-        shift, scale = block_modulation(args, blk, 0)[:2]
+    def prepare(self, model, args, ctx):
         (va, vb, vrow), (aa, ab, arow) = self._target_segments(args["mod_segments"])
         ctx.meta["video_rows"] = (va, vb)
         ctx.meta["audio_rows"] = (aa, ab)
         exp = ctx.meta.get("expect_rows")
         if exp is not None and (vb - va, ab - aa) != exp:
             raise RuntimeError(f"H3 TeaCache: target segments have {(vb - va, ab - aa)} rows (video, audio), the latents imply {exp}")
+        return vrow, arow
+
+    def modulated_inputs(self, model, args, n, ctx):
+        blk = model.blocks[0]
+        h = args["img"]
+        shift, scale = block_modulation(args, blk, 0)[:2]
+        vrow, arow = self.prepare(model, args, ctx)
+        (va, vb), (aa, ab) = ctx.meta["video_rows"], ctx.meta["audio_rows"]
 
         def mod(a, b, row):
             x = blk.norm1(h[a:b])
@@ -341,6 +351,11 @@ class Flux2Adapter(Adapter):
         ctx.meta["txt_len"] = args["txt"].shape[1]
         return {"image": _chunks(m, n)}
 
+    def prepare(self, model, args, ctx):
+        if "txt" not in args:
+            raise RuntimeError("FLUX step cache needs at least one double block")
+        ctx.meta["txt_len"] = args["txt"].shape[1]
+
     def stack_input(self, args, ctx):
         return [torch.cat((args["txt"], args["img"]), dim=1)]
 
@@ -415,9 +430,11 @@ class TeaCacheHolder:
     """What a model clone carries in ``transformer_options[HOLDER_KEY]``: the mode plus the per-sampling
     state (TeaCache) or recorder (calibration). :meth:`clone` returns a fresh holder for one sampling run."""
 
-    def __init__(self, family: str, mode: str, state: TeaCacheState | None = None,
+    MODES = ("teacache", "calibrate", "first_block", "sigma_schedule")
+
+    def __init__(self, family: str, mode: str, state: TeaCacheState | StepCacheState | None = None,
                  recorder: CalibrationRecorder | None = None, info: dict | None = None):
-        if mode not in ("teacache", "calibrate"):
+        if mode not in self.MODES:
             raise ValueError(mode)
         self.family = family
         self.adapter = ADAPTERS[family]
@@ -462,6 +479,17 @@ class TeaCacheHolder:
 
     def _on_first(self, ctx: CallCtx, args: dict) -> None:
         n = len(ctx.keys)
+        if self.mode == "sigma_schedule":
+            parts = self.adapter.stack_input(args, ctx)
+            ctx.skip = self.state.decide_schedule(ctx.keys, ctx.sigma, shapes=[tuple(p.shape[1:]) for p in parts],
+                                                  force=ctx.force)
+            ctx.snapshot = None if ctx.skip else parts
+            return
+        if self.mode == "first_block":   # block 0 runs first: decided in after_first
+            self.adapter.prepare(ctx.model, args, ctx)
+            ctx.meta["stream_in"] = {s: [t.detach().clone() for t in ts]
+                                     for s, ts in self.adapter.stream_outputs(args, n, ctx).items()}
+            return
         mods = self.adapter.modulated_inputs(ctx.model, args, n, ctx)
         if self.mode == "calibrate":
             self.recorder.record_inputs(ctx.keys, ctx.sigma, mods)
@@ -469,6 +497,19 @@ class TeaCacheHolder:
         parts = self.adapter.stack_input(args, ctx)
         shapes = [tuple(p.shape[1:]) for p in parts]
         ctx.skip = self.state.decide(ctx.keys, ctx.sigma, mods, shapes=shapes, force=ctx.force)
+        ctx.snapshot = None if ctx.skip else parts
+
+    def after_first(self, ctx: CallCtx, out: dict, n_blocks: int) -> None:
+        """First-block mode, after block 0 ran: its per-stream residual decides whether blocks 1.. run."""
+        if self.mode != "first_block":
+            return
+        ins = ctx.meta.pop("stream_in")
+        outs = self.adapter.stream_outputs(out, len(ctx.keys), ctx)
+        res = {s: [o - i for o, i in zip(outs[s], ins[s])] for s in ins if s in outs}
+        parts = [p.clone() for p in self.adapter.output_parts(out, ctx)]
+        force = ctx.force or ("one block in the stack" if n_blocks < 2 else None)
+        ctx.skip = self.state.decide_first_block(ctx.keys, ctx.sigma, res, shapes=[tuple(p.shape[1:]) for p in parts],
+                                                 force=force)
         ctx.snapshot = None if ctx.skip else parts
 
     def _on_last(self, ctx: CallCtx, out: dict) -> dict:
@@ -501,6 +542,8 @@ def make_block_replace(pos: int, n: int, kind: str, adapter: Adapter, prev: Call
             ctx.meta["blocks_ran"] = True
             holder.on_first(ctx, args)
         out = adapter.identity(args, kind) if ctx.skip else run_block(args, adapter.block_extra(ctx.model, pos, extra))
+        if pos == 0:
+            holder.after_first(ctx, out, n)
         if pos == n - 1:
             out = holder.on_last(ctx, out)
         return out

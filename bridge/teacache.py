@@ -24,7 +24,9 @@ import time
 
 import comfy.model_patcher
 import comfy.patcher_extension
+import comfy.utils
 import folder_paths
+import torch
 
 from ..cache import coefficients as coef
 from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files, pair_file_bytes
@@ -67,14 +69,14 @@ def check_not_stacked(model, node_id: str) -> None:
             if k in FOREIGN_CACHE_KEYS:
                 found.append(f"{wtype} wrapper '{k}' (native EasyCache/LazyCache)")
             elif k in DITKIT_STEP_CACHE_KEYS:
-                found.append(f"{wtype} wrapper '{k}' (a ditkit step cache: DitKitTeaCache or DitKitTeaCacheCalibrate)")
+                found.append(f"{wtype} wrapper '{k}' (a ditkit step cache: DitKitTeaCache, DitKitTeaCacheCalibrate or DitKitStepCache)")
     if HOLDER_KEY in to:
         found.append(f"transformer_options['{HOLDER_KEY}'] (a ditkit cache)")
     if found:
         raise CacheStackError(
             f"{node_id}: this model already has a step cache installed ({'; '.join(sorted(set(found)))}). Step caches "
             "skip the same computation and cannot be stacked; feed this node the model before EasyCache/LazyCache/"
-            "DitKitTeaCache(Calibrate), and use one cache only.")
+            "DitKitTeaCache(Calibrate)/DitKitStepCache, and use one cache only.")
 
 
 model_fingerprint = fingerprint.model_fingerprint  # one scheme, weakly cached
@@ -239,6 +241,17 @@ def _sampling_begin(executor, args):
 
 # ================================================================================================ TeaCache
 
+def audio_latent_check(out, latent_shapes=None) -> dict | None:
+    """The sampled audio latent's NaN/Inf count (the audio guard on the H3 / LTX-2 audio stream at the end of
+    sampling; the waveform checks run where audio is decoded, DitKitSaveVideo). ``out`` is what the sampler returns
+    inside ``OUTER_SAMPLE``: the flat pack of ``latent_shapes`` (video, audio) for audio-video latents. None when
+    there is no audio part."""
+    if not latent_shapes or len(latent_shapes) < 2 or not torch.is_tensor(out):
+        return None
+    a = comfy.utils.unpack_latents(out, latent_shapes)[1]
+    return {"nonfinite": int((~torch.isfinite(a)).sum()), "shape": list(a.shape)}
+
+
 def teacache_sample_wrapper(executor, *args, **kwargs):
     guider, orig, holder = _sampling_begin(executor, args)
     sampler, sigmas = args[2], args[3]
@@ -262,9 +275,12 @@ def teacache_sample_wrapper(executor, *args, **kwargs):
         for w in g.warnings():
             log.warning("[ditkit] %s: coefficient fingerprint mismatch: %s (file %s)", NODE_TEACACHE, w, cf.describe())
         holder.begin(sigmas.flatten().tolist(), warnings)
-        return executor(*args, **kwargs)
+        out = executor(*args, **kwargs)
+        holder.info["audio_latent"] = audio_latent_check(out, kwargs.get("latent_shapes"))
+        return out
     finally:
         try:
+            al = holder.info.pop("audio_latent", None)
             if holder.state is not None and holder.state.calls:
                 rep = holder.state.report()
                 data, summary = rep.as_dict(), rep.summary()
@@ -272,6 +288,10 @@ def teacache_sample_wrapper(executor, *args, **kwargs):
                     data["attention"] = dict(holder.attention_seen)
                     summary += "; attention run in blocks: " + ", ".join(
                         f"{k} ({v} block calls)" for k, v in sorted(holder.attention_seen.items()))
+                if al is not None:
+                    data["audio_latent"] = al
+                    if al["nonfinite"]:
+                        summary += f" | WARNING: sampled audio latent has {al['nonfinite']} NaN/Inf values"
                 _sink(holder.info, NODE_TEACACHE).send("teacache", summary, data)
             if holder.state is not None:
                 holder.state.release()

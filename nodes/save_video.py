@@ -13,6 +13,8 @@ from ..bridge.files import output_directory
 from ..bridge.save_video import _video_latent, check_save_request, metadata_disabled, stream_save  # noqa: F401
 from ..vae.video_stream import VideoOutput
 from ._common import progress, send_report, ui_report
+from ..cache.audio_guard import check_waveform
+from ..errors import DitKitError
 
 
 class DitKitSaveVideo(io.ComfyNode):
@@ -38,6 +40,11 @@ class DitKitSaveVideo(io.ComfyNode):
                                                                         "default (like SaveVideo)."),
                 io.Audio.Input("audio", optional=True, tooltip="Optional audio muxed after the video (AAC), trimmed "
                                                                "to the video length like CreateVideo/SaveVideo."),
+                io.Combo.Input("audio_guard", options=["report", "refuse"], default="report", optional=True,
+                               tooltip="Checks the audio for NaN/Inf, DC offset, clipping, silence and pops (spectral "
+                                       "jumps) before writing. report: the figures go on this node's badge (amber "
+                                       "when a check fails). refuse: a failed check stops the node before any file "
+                                       "is written."),
             ],
             outputs=[],
             is_output_node=True,
@@ -45,9 +52,13 @@ class DitKitSaveVideo(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, vae, samples, fps, filename_prefix, codec, crf, audio=None) -> io.NodeOutput:
+    def execute(cls, vae, samples, fps, filename_prefix, codec, crf, audio=None, audio_guard="report") -> io.NodeOutput:
         latent = _video_latent(samples)
         shp = check_save_request(vae, latent, fps, audio)   # before any file or decode
+        guard = check_waveform(audio["waveform"]) if audio is not None else None
+        if guard is not None and not guard.clean and audio_guard == "refuse":
+            raise DitKitError(f"DitKitSaveVideo: input 'audio' failed the audio guard ({'; '.join(guard.flags)}); "
+                              "nothing was written (set audio_guard to 'report' to save it anyway)")
         meta = None
         if not metadata_disabled():
             meta = {}
@@ -66,9 +77,12 @@ class DitKitSaveVideo(io.ComfyNode):
             out.close()
         file, subfolder = out.name, out.subfolder
         data["file"] = f"{subfolder}/{file}" if subfolder else file
+        if guard is not None:
+            data["audio_guard"] = guard.as_dict()
         summary = (f"{data['frames']} frames {data['width']}x{data['height']} in {data['chunks']} chunks; peak chunk "
                    f"{data['peak_chunk_float_bytes'] / 2**20:.1f} MiB float vs "
-                   f"{data['full_float_video_bytes'] / 2**20:.1f} MiB for the whole float video")
+                   f"{data['full_float_video_bytes'] / 2**20:.1f} MiB for the whole float video"
+                   + (f"; {guard.summary()}" if guard is not None else ""))
         payload = send_report(cls.hidden.unique_id, "DitKitSaveVideo", "video_save", summary, data)
         ui_dict = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)]).as_dict()
         ui_dict.update(ui_report(payload))

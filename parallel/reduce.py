@@ -43,6 +43,33 @@ class Reducer:
 LOCAL = Reducer()
 
 
+class FnReducer(Reducer):
+    """A plain function on the sums tensor as a reducer (what a pack or a test hands in: an all-reduce, a fake);
+    decisions stay this process's."""
+
+    distributed = True
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def sum(self, v: torch.Tensor) -> torch.Tensor:
+        return self.fn(v)
+
+    def describe(self) -> str:
+        return getattr(self.fn, "__name__", "custom")
+
+
+def as_reducer(r) -> Reducer:
+    """``None`` -> :data:`LOCAL`; a :class:`Reducer` as is; a callable -> :class:`FnReducer`."""
+    if r is None:
+        return LOCAL
+    if isinstance(r, Reducer):
+        return r
+    if callable(r):
+        return FnReducer(r)
+    raise TypeError(f"a reducer is a Reducer or a callable on the sums tensor, not {type(r).__name__}")
+
+
 @dataclass
 class DistReducer(Reducer):
     """Sums over ``sp_group`` (float64, so the order of the ranks' partial sums does not matter for a decision

@@ -120,3 +120,17 @@ def paired_gain_ci(a: list[float], b: list[float], groups: list[int], n_boot: in
     lo = means[int(math.floor((1 - level) / 2 * (n_boot - 1)))].item()
     hi = means[int(math.ceil((1 + level) / 2 * (n_boot - 1)))].item()
     return float(sums.sum() / counts.sum()), lo, hi
+
+
+def audio_ssim(ref: torch.Tensor, est: torch.Tensor, n_fft: int = 256, hop: int = 64, range_db: float = 80.0) -> float:
+    """SSIM of the log-power spectrograms (dB, clipped to ``range_db`` below the reference's peak, scaled to [0, 1]
+    by the reference's range) of two waveforms ``[..., T]``; channels are averaged like SSIM's channels."""
+    if ref.shape != est.shape:
+        raise ValueError(f"shape mismatch {tuple(ref.shape)} vs {tuple(est.shape)}")
+    p = 10.0 * torch.log10(_power_spectrogram(ref, n_fft, hop).clamp(min=1e-12))
+    q = 10.0 * torch.log10(_power_spectrogram(est, n_fft, hop).clamp(min=1e-12))
+    top = p.amax()
+    lo = top - range_db
+    p = ((p.clamp(lo, top) - lo) / range_db).transpose(-1, -2)  # [C, F, T]
+    q = ((q.clamp(lo, top) - lo) / range_db).transpose(-1, -2)
+    return ssim(p, q)

@@ -204,3 +204,24 @@ def test_teacache_example_skips_out_of_the_box(comfy_server):
     m = re.search(r"computed (\d+)/(\d+) calls, skipped (\d+)", lines[-1])
     assert m and int(m[3]) >= 1 and int(m[2]) == 8, lines[-1]
     assert "WARNING" not in lines[-1] and "mismatch" not in lines[-1], lines[-1]
+
+
+def test_stepcache_example_skips_and_its_audio_is_clean(comfy_server):
+    """The first-block step cache example needs no file: it skips calls on the tiny H3, and its MP4's audio passes
+    the audio guard (the save node is set to refuse, so a faulty track would fail the run)."""
+    import re
+
+    graph = json.loads((REPO / "example_workflows" / "api" / "h3_stepcache_tiny.json").read_text(encoding="utf-8"))
+    assert graph["5"]["class_type"] == "DitKitStepCache" and graph["5"]["inputs"]["mode"] == "first_block"
+    assert graph["23"]["inputs"]["audio_guard"] == "refuse"
+    before = len(re.findall(r"Step cache \(first-block residual\) h3: computed", comfy_server.log_text()))
+    entry = comfy_server.run(graph)
+    assert entry["status"]["status_str"] == "success"
+    log = comfy_server.log_text()
+    lines = [ln for ln in log.splitlines() if "Step cache (first-block residual) h3: computed" in ln][before:]
+    assert lines, "no step cache run report"
+    m = re.search(r"computed (\d+)/(\d+) calls, skipped (\d+)", lines[-1])
+    assert m and int(m[3]) >= 1 and int(m[2]) == 8, lines[-1]
+    assert [ln for ln in log.splitlines() if "audio guard: clean" in ln], "no clean audio-guard report"
+    files = comfy_server.output_files(entry)
+    assert any(str(f).endswith(".mp4") and f.stat().st_size > 0 for f in files)

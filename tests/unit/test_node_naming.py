@@ -15,7 +15,7 @@ CATEGORIES = {"ditkit/loaders", "ditkit/attention", "ditkit/cache", "ditkit/vae"
 NODE_IDS = {"DitKitAdapterLoader", "DitKitRayAdaLNCache", "DitKitRaySparseAttention", "DitKitFastH3Schedule", "DitKitH3AdaLNCache", "DitKitH3EmptyImageLatent", "DitKitH3EncodeImage",
             "DitKitH3ModelLoader", "DitKitH3TextEncoderLoader", "DitKitLTX2ModelLoader", "DitKitFlux2ModelLoader", "DitKitH3VAEDecode", "DitKitH3VAELoader",
             "DitKitLTXTextEncoderLoader", "DitKitLoKrLoader", "DitKitSaveVideo", "DitKitSparseAttention",
-            "DitKitTeaCache", "DitKitTeaCacheCalibrate", "DitKitZImageLoader"}
+            "DitKitStepCache", "DitKitTeaCache", "DitKitTeaCacheCalibrate", "DitKitZImageLoader"}
 NAME = re.compile(r"^(?!DitKit)[A-Z][A-Za-z0-9.\-/ ]*[A-Za-z0-9] \(ditkit\)$")
 
 
@@ -68,6 +68,14 @@ def naming_problems(nodes: dict[str, dict]) -> list[str]:
         for s, nid in ((tc, "DitKitTeaCache"), (cal, "DitKitTeaCacheCalibrate")):
             if s.get("is_experimental") and "xperimental" not in (s.get("description") or ""):
                 out.append(f"{nid} is experimental without saying why in its description")
+    sc = nodes.get("DitKitStepCache")
+    if sc:
+        for other, nid in ((tc, "DitKitTeaCache"), (cal, "DitKitTeaCacheCalibrate")):
+            shared = set(sc.get("search_aliases") or []) & set((other or {}).get("search_aliases") or [])
+            if shared:
+                out.append(f"DitKitStepCache and {nid} share search aliases {sorted(shared)}")
+        if sc.get("is_experimental") and "xperimental" not in (sc.get("description") or ""):
+            out.append("DitKitStepCache is experimental without saying why in its description")
     return out
 
 
@@ -88,8 +96,11 @@ def test_the_rules_can_fail():
            "DitKitTeaCache": {"display_name": "TeaCache (calibrated, ditkit)", "category": "ditkit/cache",
                               "search_aliases": ["cache"], "is_experimental": True, "description": "x"},
            "DitKitTeaCacheCalibrate": {"display_name": "TeaCache Calibrate (ditkit)", "category": "ditkit/cache",
-                                       "search_aliases": ["cache"]}}
+                                       "search_aliases": ["cache"]},
+           "DitKitStepCache": {"display_name": "Step Cache (ditkit)", "category": "ditkit/cache",
+                               "search_aliases": ["cache"], "is_experimental": True, "description": "y"}}
     p = "\n".join(naming_problems(bad))
     for needle in ("DitKitA: display name", "DitKitBLoader: display name", "'ditkit/h3' not in",
-                   "a loader outside", "share search aliases", "without saying why"):
+                   "a loader outside", "share search aliases", "without saying why",
+                   "DitKitStepCache and DitKitTeaCache share", "DitKitStepCache is experimental without"):
         assert needle in p, (needle, p)

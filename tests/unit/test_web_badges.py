@@ -91,6 +91,15 @@ PAYLOADS = {
         "recipe": "fasth3_preview_4step", "label": "FastH3 Preview v1 (4-step)", "video_shift": 12.0,
         "audio_shift": 3.0, "forwards": 4, "contract": None}},
     "load": {"node": "1", "kind": "load", "summary": "H3 official layout, 2 shards " + "x" * 80, "data": {}},
+    "stepcache": {"node": "13", "kind": "stepcache", "summary": "s", "data": {
+        "mode": "first_block", "calls": 8, "computed": 3, "skipped": 5, "block_eval_ratio": 2.6667,
+        "streams": {"video": {"skipped": 5, "vetoes": 0}, "audio": {"skipped": 5, "vetoes": 2}}}},
+    "stepcache_install": {"node": "13", "kind": "stepcache_install", "summary": "s", "data": {
+        "mode": "sigma_schedule", "thresholds": {"video": 0.05, "audio": 0.04}}},
+    "save_guard_bad": {"node": "20", "kind": "video_save", "summary": "s", "data": {
+        "frames": 9, "chunks": 2, "audio_guard": {"clean": False, "flags": ["DC offset 0.0512 > 0.02 (item 0)"]}}},
+    "save_guard_ok": {"node": "20", "kind": "video_save", "summary": "s", "data": {
+        "frames": 9, "chunks": 2, "audio_guard": {"clean": True, "flags": []}}},
     # a loader that quantized while loading: data["quantization"] is QuantReport.as_dict() (built in the test below)
     "load_quant": {"node": "1", "kind": "load", "summary": "FLUX.2 (flux2): hidden_size 128, " + "x" * 80,
                    "data": {"weight_format": "float8_e4m3fn"}},
@@ -132,6 +141,10 @@ EXPECTED = {
     "install": ["VSA keep 25% · auto"],
     "load_quant": ["float8_e4m3fn weights 3.5 MiB → 2.0 MiB", "FLUX.2 (flux2): hidden_size 128, " + "x" * 14 + "…"],
     "load_quant_small": ["int8_tensorwise weights 0.293 MiB → 0.250 MiB", "LTX-2 (ltxav): num_layers 2"],
+    "stepcache": ["first_block skipped 5/8 (2.67x)", "video: 5 skipped · 0 vetoes", "audio: 5 skipped · 2 vetoes"],
+    "stepcache_install": ["sigma_schedule · thr video 0.05, audio 0.04"],
+    "save_guard_bad": ["saved 9 frames, 2 chunks", "audio: DC offset 0.0512 > 0.02 (item 0)"],
+    "save_guard_ok": ["saved 9 frames, 2 chunks", "audio guard: clean"],
 }
 
 

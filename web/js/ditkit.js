@@ -152,8 +152,24 @@ export function badgeSpecs(p) {
       if (q && q.format) out.unshift({ text: `${q.format} weights ${mib(q.bytes_in)} → ${mib(q.bytes_out)}`, color: OK });
       return out;
     }
-    case "video_save":
-      return [{ text: shorten(`saved ${d.frames} frames, ${d.chunks} chunks`), color: OK }];
+    case "video_save": {
+      const out = [{ text: shorten(`saved ${d.frames} frames, ${d.chunks} chunks`), color: OK }];
+      const g = d.audio_guard;
+      if (g) out.push(g.clean ? { text: "audio guard: clean", color: OK }
+                              : { text: shorten(`audio: ${(g.flags || []).join("; ")}`, 64), color: WARN });
+      return out;
+    }
+    case "stepcache_install":
+      return [{ text: shorten(`${d.mode} · thr ${Object.entries(d.thresholds || {}).map(([s, t]) => `${s} ${t}`).join(", ")}`),
+                color: INFO }];
+    case "stepcache": {
+      const out = [{ text: `${d.mode} skipped ${d.skipped}/${d.calls} (${num(d.block_eval_ratio)}x)`,
+                     color: d.skipped ? OK : WARN }];
+      for (const [s, st] of Object.entries(d.streams || {})) {
+        out.push({ text: `${s}: ${st.skipped} skipped · ${st.vetoes} vetoes`, color: INFO });
+      }
+      return out;
+    }
     default:
       return [{ text: shorten(p.summary), color: INFO }];
   }
