@@ -12,6 +12,9 @@ only places that import ComfyUI or touch its internals; the core (``loaders/``, 
 * ``teacache.py``     TeaCache/calibration per-run state: sample wrappers, coefficient files in the output folder
 * ``adaln.py``        H3 AdaLN schedule cache: per-run state holder and its wrappers
 * ``attention.py``    the optimized_attention_override protocol for VSA-H3, its per-run holder, FastH3 gate replaces
+* ``hostcompat.py``   host changes after 0.33 detected by feature (args["attention"], core's BlockSparseAttention,
+                      published layout, stock gates, attention choice, malloc graph, VAE / patcher keywords, the
+                      host's tiled decode and T=1 path), each a host-contract entry (docs/compat.md)
 * ``quant_scales.py`` while ComfyUI builds a model from a quantized state dict: its layers keep the state dict's
                       block scales (ComfyUI's nn.Parameter would hold a clone of each; docs/quantize.md "Peak RSS")
 
