@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Mutation testing of one core module with the unit tests that cover it (mutmut 3).
+
+    nice -n 19 python tools/mutation.py guards.py                 # the mapped unit tests
+    nice -n 19 python tools/mutation.py loaders/safe_fs.py --tests tests/unit/test_safe_fs.py
+    python tools/mutation.py --list                               # the module -> tests map
+
+Why a script and not a bare ``[tool.mutmut]`` section: the repository root *is* the package ``ditkit``, and mutmut 3
+derives a mutant's module name from its path relative to the folder it runs in (``guards.py`` -> ``guards``), while
+the tests import ``ditkit.guards``. Run from the root, every mutant would be "no tests" (mutmut stops on that) or,
+worse, the tests would import the unmutated checkout. So the script stages the run:
+
+    mutants/<slug>/                  (ignored by git)
+        pyproject.toml               [tool.mutmut]: source_paths = ["ditkit/<module>"], the tests, also_copy ditkit/
+        ditkit/                      a copy of the checkout (tests/ included, no .git)
+        mutants/ditkit/...           mutmut's own copy: the mutated module + everything else
+
+mutmut runs pytest from ``mutants/<slug>/mutants``; ``tests/conftest.py`` there makes ``import ditkit`` mean
+``mutants/<slug>/mutants/ditkit`` (its own checkout), i.e. the mutated copy, and the module name is
+``ditkit.<module>`` on both sides. The script checks this before trusting a figure: the staged tests are run once
+with ``MUTANT_UNDER_TEST=fail`` (every trampoline of the mutated module raises) and must fail, and
+``ditkit.<module>.__file__`` as the tests see it must be the mutated copy. mutmut itself also refuses to go on when
+no recorded test hit matches a mutant name, and runs its own forced-fail check.
+
+Kill rate = killed / (mutants - listed equivalents). "no tests" and "timeout" count as not killed (a timeout is
+usually an infinite loop the tests would never finish: mutmut calls it killed; it is reported separately here).
+Equivalent mutants (no behaviour change possible) are listed in ``EQUIVALENT`` below with the reason.
+Not part of the default CI run (minutes per module). Needs ``pip install mutmut`` (3.x) in the venv.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# module (path relative to the package root) -> the unit test files that cover it. Keep it to the tests that exercise
+# the module directly: mutmut runs, per mutant, only the tests that reached the mutated function in its first pass.
+TESTS: dict[str, list[str]] = {
+    "guards.py": ["tests/unit/test_guards.py", "tests/unit/test_teacache_guards.py"],
+    "strict_json.py": ["tests/unit/test_strict_json.py"],
+    "loaders/safe_fs.py": ["tests/unit/test_safe_fs.py", "tests/unit/test_safe_writes.py"],
+    "kernels/vsa_select.py": ["tests/unit/test_kernels_vsa_select.py"],
+    "kernels/tile_pack.py": ["tests/unit/test_kernels_vsa.py", "tests/unit/test_kernels_int64.py",
+                             "tests/unit/test_vsa_layout_buffers.py"],
+    "kernels/delta_fuse.py": ["tests/unit/test_kernels_delta_fuse.py"],
+    "kernels/quant.py": ["tests/unit/test_quant.py"],
+    "cache/teacache.py": ["tests/unit/test_teacache.py", "tests/unit/test_teacache_guards.py"],
+    "cache/coefficients.py": ["tests/unit/test_teacache_files.py", "tests/unit/test_coefficient_safety.py"],
+    "cache/adaln.py": ["tests/unit/test_adaln_core.py", "tests/unit/test_h3_modulation_memo.py"],
+    "vae/t1_decode.py": ["tests/unit/test_vae_t1.py", "tests/unit/test_preflight.py"],
+    "vae/preflight.py": ["tests/unit/test_preflight.py"],
+    "vae/h3_layout.py": ["tests/unit/test_ckpt_h3_vae.py"],
+    "sampling/fasth3.py": ["tests/unit/test_fasth3_schedule.py"],
+    "sampling/fasth3_recipe.py": ["tests/unit/test_fasth3_recipe.py"],
+    "offload/streamer.py": ["tests/unit/test_offload_streamer.py"],
+    "loaders/safetensors_io.py": ["tests/unit/test_safetensors_io.py", "tests/unit/test_safe_reader_open_once.py"],
+    "loaders/h3.py": ["tests/unit/test_loaders_h3.py"],
+    "loaders/lokr_math.py": ["tests/unit/test_lokr.py"],
+}
+
+# mutant name -> why it cannot change behaviour (reviewed by hand; a listed name that no longer exists is reported)
+EQUIVALENT: dict[str, str] = {
+}
+
+_SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "mutants", ".pytest_cache", ".ruff_cache",
+                               ".hypothesis", "_out", ".tiny", ".whl", ".gl", "build", "dist", "*.egg-info")
+
+
+def _module(arg: str) -> str:
+    m = arg.removeprefix("./").removeprefix("ditkit/")
+    if not m.endswith(".py"):
+        m = m.replace(".", "/") + ".py"
+    if not (REPO / m).is_file():
+        raise SystemExit(f"mutation: no module {m} in {REPO}")
+    return m
+
+
+def _stage(module: str, tests: list[str], root: Path) -> None:
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    shutil.copytree(REPO, root / "ditkit", ignore=_SKIP, symlinks=True)
+    lst = lambda xs: "[" + ", ".join(json.dumps(x) for x in xs) + "]"
+    (root / "pyproject.toml").write_text(
+        "[tool.mutmut]\n"
+        f"source_paths = {lst(['ditkit/' + module])}\n"
+        f"pytest_add_cli_args_test_selection = {lst(['ditkit/' + t for t in tests])}\n"
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q"]\n'
+        'also_copy = ["ditkit/"]\n'
+        'process_isolation = "forkserver"\n'
+        "use_git_change_detection = false\n", encoding="utf-8")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("TRITON_INTERPRET", "1")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def _check_the_mutants_are_imported(root: Path, module: str, tests: list[str]) -> None:
+    """The staged tests, with every function of the mutated module forced to raise, must fail; and the module they
+    import must be the mutated copy. Run after mutmut generated the copy (mutants/ exists)."""
+    work = root / "mutants"
+    dotted = "ditkit." + module[:-3].replace("/", ".").removesuffix(".__init__")
+    probe = work / "ditkit" / "tests" / "unit" / "test__mutation_probe.py"
+    probe.write_text(
+        "import importlib\n\n\n"
+        "def test_probe():\n"
+        f"    m = importlib.import_module({dotted!r})\n"
+        "    print('MUTATION-PROBE', m.__file__)\n", encoding="utf-8")
+    try:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                              str(probe.relative_to(work))], cwd=work, env=_env(), capture_output=True, text=True)
+        seen = [ln.split(None, 1)[1] for ln in out.stdout.splitlines() if ln.startswith("MUTATION-PROBE")]
+        want = (work / "ditkit" / module).resolve()
+        if not seen or Path(seen[0]).resolve() != want:
+            raise SystemExit(f"mutation: the tests import {dotted} from {seen or out.stdout[-2000:]}, not the mutated "
+                             f"copy {want}: every figure would be wrong")
+        if "mutmut" not in want.read_text(encoding="utf-8"):
+            raise SystemExit(f"mutation: {want} carries no mutmut trampoline")
+    finally:
+        probe.unlink(missing_ok=True)
+    env = _env() | {"MUTANT_UNDER_TEST": "fail"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          *["ditkit/" + t for t in tests]], cwd=work, env=env, capture_output=True, text=True)
+    if out.returncode == 0:
+        raise SystemExit("mutation: the tests pass with every trampoline of the module forced to fail: they do not "
+                         "run the mutated copy")
+    print(f"mutation: checked: the tests import {dotted} from the mutated copy and fail when it is forced to fail")
+
+
+def _results(root: Path, module: str) -> dict:
+    from mutmut.models.results import status_by_exit_code  # noqa: PLC0415 (mutmut is a tool dependency only)
+
+    meta = json.loads((root / "mutants" / "ditkit" / (module + ".meta")).read_text(encoding="utf-8"))
+    by = {}
+    for name, code in meta["exit_code_by_key"].items():
+        by.setdefault(status_by_exit_code[code], []).append(name)
+    return by
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("module", nargs="?", help="module path relative to the package root, e.g. loaders/safe_fs.py")
+    ap.add_argument("--tests", nargs="+", help="unit test files (default: the map in this script)")
+    ap.add_argument("--max-children", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, help="default: mutants/<slug> in the checkout (git-ignored)")
+    ap.add_argument("--list", action="store_true", help="print the module -> tests map and exit")
+    ap.add_argument("--json", type=Path, help="also write the summary here")
+    a = ap.parse_args(argv)
+    if a.list or not a.module:
+        for m, t in TESTS.items():
+            print(f"{m}: {' '.join(t)}")
+        return 0
+    module = _module(a.module)
+    tests = a.tests or TESTS.get(module)
+    if not tests:
+        raise SystemExit(f"mutation: no tests mapped for {module}; pass --tests")
+    mutmut = Path(sys.executable).with_name("mutmut")
+    if not mutmut.exists():
+        raise SystemExit(f"mutation: {mutmut} missing: `{sys.executable} -m pip install mutmut` (3.x)")
+    root = (a.workdir or REPO / "mutants" / module[:-3].replace("/", "__")).resolve()
+    _stage(module, tests, root)
+    run = subprocess.run([str(mutmut), "run", "--max-children", str(a.max_children)], cwd=root, env=_env())
+    if not (root / "mutants" / "ditkit" / (module + ".meta")).exists():
+        print(f"mutation: mutmut produced no results (exit {run.returncode})", file=sys.stderr)
+        return 2
+    _check_the_mutants_are_imported(root, module, tests)
+    by = _results(root, module)
+    total = sum(len(v) for v in by.values())
+    killed = by.get("killed", [])
+    names = {n for v in by.values() for n in v}
+    equivalent = sorted(n for n in EQUIVALENT if n in names and n not in killed)
+    stale = sorted(n for n in EQUIVALENT if n.startswith("ditkit." + module[:-3].replace("/", ".") + ".")
+                   and n not in names)
+    counted = total - len(equivalent)
+    rate = 100.0 * len(killed) / counted if counted else 0.0
+    left = sorted(n for s, v in by.items() if s != "killed" for n in v if n not in equivalent)
+    summary = {"module": module, "tests": tests, "mutants": total, "killed": len(killed),
+               "equivalent": len(equivalent), "not_killed": left,
+               "status": {s: len(v) for s, v in sorted(by.items())}, "kill_rate": round(rate, 1)}
+    for name in left:
+        status = next(s for s, v in by.items() if name in v)
+        print(f"--- {status}: {name}")
+        subprocess.run([str(mutmut), "show", name], cwd=root, env=_env())
+    for name in stale:
+        print(f"mutation: EQUIVALENT lists {name}, which no longer exists (re-review)")
+    print(f"| {module} | {total} | {len(killed)} | {len(left)} | {len(equivalent)} | {rate:.1f} % |")
+    print(json.dumps(summary))
+    if a.json:
+        a.json.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    return 0 if rate >= 90.0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
