@@ -94,6 +94,8 @@ def _stage(module: str, tests: list[str], root: Path) -> None:
         'pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q"]\n'
         'also_copy = ["ditkit/"]\n'
         'process_isolation = "forkserver"\n'
+        # the machine is shared: a mutant is a timeout only well past the clean run's time
+        "timeout_multiplier = 40.0\ntimeout_constant = 20.0\n"
         "use_git_change_detection = false\n", encoding="utf-8")
 
 
@@ -137,7 +139,10 @@ def _check_the_mutants_are_imported(root: Path, module: str, tests: list[str]) -
 
 
 def _results(root: Path, module: str) -> dict:
-    from mutmut.models.results import status_by_exit_code  # noqa: PLC0415 (mutmut is a tool dependency only)
+    try:                                   # mutmut is a tool dependency only; the table moved between 3.x releases
+        from mutmut.stats import status_by_exit_code
+    except ImportError:
+        from mutmut.__main__ import status_by_exit_code
 
     meta = json.loads((root / "mutants" / "ditkit" / (module + ".meta")).read_text(encoding="utf-8"))
     by = {}
@@ -154,6 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, help="default: mutants/<slug> in the checkout (git-ignored)")
     ap.add_argument("--list", action="store_true", help="print the module -> tests map and exit")
     ap.add_argument("--json", type=Path, help="also write the summary here")
+    ap.add_argument("--summary-only", action="store_true", help="summarize the last run in the workdir, run nothing")
     a = ap.parse_args(argv)
     if a.list or not a.module:
         for m, t in TESTS.items():
@@ -167,12 +173,13 @@ def main(argv=None) -> int:
     if not mutmut.exists():
         raise SystemExit(f"mutation: {mutmut} missing: `{sys.executable} -m pip install mutmut` (3.x)")
     root = (a.workdir or REPO / "mutants" / module[:-3].replace("/", "__")).resolve()
-    _stage(module, tests, root)
-    run = subprocess.run([str(mutmut), "run", "--max-children", str(a.max_children)], cwd=root, env=_env())
-    if not (root / "mutants" / "ditkit" / (module + ".meta")).exists():
-        print(f"mutation: mutmut produced no results (exit {run.returncode})", file=sys.stderr)
-        return 2
-    _check_the_mutants_are_imported(root, module, tests)
+    if not a.summary_only:
+        _stage(module, tests, root)
+        run = subprocess.run([str(mutmut), "run", "--max-children", str(a.max_children)], cwd=root, env=_env())
+        if not (root / "mutants" / "ditkit" / (module + ".meta")).exists():
+            print(f"mutation: mutmut produced no results (exit {run.returncode})", file=sys.stderr)
+            return 2
+        _check_the_mutants_are_imported(root, module, tests)
     by = _results(root, module)
     total = sum(len(v) for v in by.values())
     killed = by.get("killed", [])
