@@ -37,34 +37,17 @@ def float_inputs(schema) -> tuple[str, ...]:
 
 
 def nested_inputs(inp) -> list:
-    """The inputs a dynamic input carries, for every shape ComfyUI's V3 API gives them: ``inputs`` (DynamicSlot, a
-    plain list), ``options[*].inputs`` (DynamicCombo), ``template`` (Autogrow: a TemplatePrefix / TemplateNames object
-    whose ``get_all()`` lists one input per name, or a plain list) and ``slot``; ``get_all()`` (every V3 input has
-    it: ``[self]`` or ``[self] + nested``) covers any other. ``inp`` itself is never in the result."""
-    found: list = []
-
-    def add(xs) -> None:
-        for x in xs or ():
-            if x is not inp and not any(x is y for y in found):
-                found.append(x)
-
-    slot = getattr(inp, "slot", None)
-    if slot is not None and hasattr(slot, "io_type"):
-        add([slot])
-    for attr in ("inputs", "template"):
-        sub = getattr(inp, attr, None)
-        if isinstance(sub, (list, tuple)):
-            add(sub)
-        elif sub is not None and callable(getattr(sub, "get_all", None)):
-            add(sub.get_all())
-    options = getattr(inp, "options", None)
-    for opt in options if isinstance(options, (list, tuple)) else ():
-        if isinstance(getattr(opt, "inputs", None), (list, tuple)):
-            add(opt.inputs)
+    """The inputs a dynamic input carries (``inp`` itself excluded). Every V3 input of ComfyUI has ``get_all()``:
+    ``[self]``, or ``[self] +`` what a dynamic input carries (Autogrow: one input per template name, the template
+    being an object, not a list; DynamicCombo: every option's inputs; DynamicSlot: the slot and its inputs).
+    Duck-typed schemas without it (the unit tests') carry plain lists under ``inputs`` / ``template``."""
     get_all = getattr(inp, "get_all", None)
     if callable(get_all):
-        add(get_all())
-    return found
+        subs = list(get_all())
+    else:
+        subs = [x for attr in ("inputs", "template") if isinstance(getattr(inp, attr, None), (list, tuple))
+                for x in getattr(inp, attr)]
+    return [x for x in subs if x is not inp]
 
 
 def non_finite(value) -> bool:

@@ -10,13 +10,13 @@ derives a mutant's module name from its path relative to the folder it runs in (
 the tests import ``ditkit.guards``. Run from the root, every mutant would be "no tests" (mutmut stops on that) or,
 worse, the tests would import the unmutated checkout. So the script stages the run:
 
-    mutants/<slug>/                  (ignored by git)
+    ~/.cache/ditkit/mutation/<checkout>-<hash>/<slug>/   (outside the checkout; --workdir)
         pyproject.toml               [tool.mutmut]: source_paths = ["ditkit/<module>"], the tests, also_copy ditkit/
         ditkit/                      a copy of the checkout (tests/ included, no .git)
         mutants/ditkit/...           mutmut's own copy: the mutated module + everything else
 
-mutmut runs pytest from ``mutants/<slug>/mutants``; ``tests/conftest.py`` there makes ``import ditkit`` mean
-``mutants/<slug>/mutants/ditkit`` (its own checkout), i.e. the mutated copy, and the module name is
+mutmut runs pytest from ``<slug>/mutants``; ``tests/conftest.py`` there makes ``import ditkit`` mean
+``<slug>/mutants/ditkit`` (its own checkout), i.e. the mutated copy, and the module name is
 ``ditkit.<module>`` on both sides. The script checks this before trusting a figure: the staged tests are run once
 with ``MUTANT_UNDER_TEST=fail`` (every trampoline of the mutated module raises) and must fail, and
 ``ditkit.<module>.__file__`` as the tests see it must be the mutated copy. mutmut itself also refuses to go on when
@@ -72,6 +72,15 @@ _SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "mutants", ".pyte
                                ".hypothesis", "_out", ".tiny", ".whl", ".gl", "build", "dist", "*.egg-info")
 
 
+def default_workdir() -> Path:
+    """Outside the checkout (a copy of the pack inside it would be scanned by the pack's own tests): one folder per
+    checkout under the user's cache."""
+    import hashlib
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "ditkit" / "mutation" / f"{REPO.name}-{hashlib.sha256(str(REPO).encode()).hexdigest()[:8]}"
+
+
 def _module(arg: str) -> str:
     m = arg.removeprefix("./").removeprefix("ditkit/")
     if not m.endswith(".py"):
@@ -81,11 +90,21 @@ def _module(arg: str) -> str:
     return m
 
 
-def _stage(module: str, tests: list[str], root: Path) -> None:
+def _stage(module: str, tests: list[str], root: Path, tests_rev: str | None = None) -> list[str]:
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
     shutil.copytree(REPO, root / "ditkit", ignore=_SKIP, symlinks=True)
+    if tests_rev:   # the tests of another commit (e.g. main, for a "before" figure) against this code
+        shutil.rmtree(root / "ditkit" / "tests")
+        tar = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", tests_rev, "--", "tests"],
+                             check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-xf", "-", "-C", str(root / "ditkit")], input=tar, check=True)
+        # this checkout's conftest: the one that can run from a folder named ditkit (see tools/ docstring)
+        shutil.copy2(REPO / "tests" / "conftest.py", root / "ditkit" / "tests" / "conftest.py")
+        tests = [t for t in tests if (root / "ditkit" / t).is_file()]
+        if not tests:
+            raise SystemExit(f"mutation: none of the mapped tests exists at {tests_rev}")
     lst = lambda xs: "[" + ", ".join(json.dumps(x) for x in xs) + "]"
     (root / "pyproject.toml").write_text(
         "[tool.mutmut]\n"
@@ -97,6 +116,7 @@ def _stage(module: str, tests: list[str], root: Path) -> None:
         # the machine is shared: a mutant is a timeout only well past the clean run's time
         "timeout_multiplier = 40.0\ntimeout_constant = 20.0\n"
         "use_git_change_detection = false\n", encoding="utf-8")
+    return tests
 
 
 def _env() -> dict:
@@ -156,9 +176,10 @@ def main(argv=None) -> int:
     ap.add_argument("module", nargs="?", help="module path relative to the package root, e.g. loaders/safe_fs.py")
     ap.add_argument("--tests", nargs="+", help="unit test files (default: the map in this script)")
     ap.add_argument("--max-children", type=int, default=2)
-    ap.add_argument("--workdir", type=Path, help="default: mutants/<slug> in the checkout (git-ignored)")
+    ap.add_argument("--workdir", type=Path, help="default: ~/.cache/ditkit/mutation/<checkout>-<hash>/<slug>")
     ap.add_argument("--list", action="store_true", help="print the module -> tests map and exit")
     ap.add_argument("--json", type=Path, help="also write the summary here")
+    ap.add_argument("--tests-from", metavar="REV", help="run the tests as they are at git REV (a 'before' figure)")
     ap.add_argument("--summary-only", action="store_true", help="summarize the last run in the workdir, run nothing")
     a = ap.parse_args(argv)
     if a.list or not a.module:
@@ -172,9 +193,10 @@ def main(argv=None) -> int:
     mutmut = Path(sys.executable).with_name("mutmut")
     if not mutmut.exists():
         raise SystemExit(f"mutation: {mutmut} missing: `{sys.executable} -m pip install mutmut` (3.x)")
-    root = (a.workdir or REPO / "mutants" / module[:-3].replace("/", "__")).resolve()
+    slug = module[:-3].replace("/", "__") + ("@" + a.tests_from.replace("/", "_") if a.tests_from else "")
+    root = (a.workdir or default_workdir() / slug).resolve()
     if not a.summary_only:
-        _stage(module, tests, root)
+        tests = _stage(module, tests, root, a.tests_from)
         run = subprocess.run([str(mutmut), "run", "--max-children", str(a.max_children)], cwd=root, env=_env())
         if not (root / "mutants" / "ditkit" / (module + ".meta")).exists():
             print(f"mutation: mutmut produced no results (exit {run.returncode})", file=sys.stderr)

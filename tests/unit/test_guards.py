@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from ditkit.errors import DitKitError
-from ditkit.guards import GUARD_ATTR, check_finite_inputs, float_inputs, guard_node, non_finite
+from ditkit.guards import GUARD_ATTR, check_finite_inputs, float_inputs, guard_node, nested_inputs, non_finite
 
 
 def _inp(id, io_type, **kw):
@@ -156,8 +156,14 @@ def test_float_inputs_walks_every_dynamic_input_class_comfyui_builds():
         _Autogrow("ints", _Template(_In("i", "INT"), "i", 2)),
     ])
     assert float_inputs(schema) == ("a", "w0", "w1", "w2", "cx", "cy", "s", "sf")
-    # duplicates (a DynamicSlot reached through get_all() and .slot) are listed once
-    assert len(set(float_inputs(schema))) == len(float_inputs(schema))
+    # duck-typed (no get_all): plain lists under 'inputs' and 'template', nested
+    duck = SimpleNamespace(inputs=[_inp("t", "X", template=[_inp("t0", "FLOAT"), _inp("t1", "INT")]),
+                                   _inp("i", "X", inputs=[_inp("i0", "X", inputs=[_inp("deep", "FLOAT")])]),
+                                   _inp("n", "X", template=_inp("not_a_list", "FLOAT"))])
+    assert float_inputs(duck) == ("t0", "deep")
+    # an id two DynamicCombo options share is listed once
+    shared = SimpleNamespace(inputs=[_Combo("m", [_Option("x", [_In("s", "FLOAT")]), _Option("y", [_In("s", "FLOAT")])])])
+    assert float_inputs(shared) == ("s",)
 
 
 @pytest.mark.parametrize("value", [
@@ -319,3 +325,12 @@ def test_var_keyword_inputs_are_checked():
     with pytest.raises(DitKitError, match="input 'f'"):
         Kw.execute(f=math.nan)
     assert Kw.execute(f=1.0, g=math.nan) == ["f", "g"]                  # only declared FLOAT inputs are checked
+
+
+def test_nested_inputs_directly():
+    a = _Autogrow("g", _Template(_In("w", "FLOAT"), "w", 2))
+    assert [x.id for x in nested_inputs(a)] == ["w0", "w1"]                 # get_all() minus the input itself
+    assert nested_inputs(_In("x", "FLOAT")) == []
+    duck = _inp("d", "X", inputs=[_inp("i", "FLOAT")], template=(_inp("t", "INT"),))
+    assert [x.id for x in nested_inputs(duck)] == ["i", "t"]
+    assert nested_inputs(_inp("d", "X", inputs="not a list")) == []
