@@ -60,7 +60,7 @@ TESTS: dict[str, list[str]] = {
     "vae/h3_layout.py": ["tests/unit/test_ckpt_h3_vae.py"],
     "sampling/fasth3.py": ["tests/unit/test_fasth3_schedule.py", "tests/unit/test_public_direct.py"],
     "sampling/fasth3_recipe.py": ["tests/unit/test_fasth3_recipe.py", "tests/unit/test_fasth3_recipe_bounds.py"],
-    "offload/streamer.py": ["tests/unit/test_offload_streamer.py"],
+    "offload/streamer.py": ["tests/unit/test_offload_streamer.py", "tests/unit/test_offload_streamer_layouts.py"],
     "loaders/safetensors_io.py": ["tests/unit/test_safetensors_io.py", "tests/unit/test_safe_reader_open_once.py"],
     "loaders/h3.py": ["tests/unit/test_loaders_h3.py"],
     "loaders/lokr_math.py": ["tests/unit/test_public_direct.py", "tests/unit/test_lokr.py"],
