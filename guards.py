@@ -75,15 +75,15 @@ def check_finite_inputs(node_id: str, names: Iterable[str], values: dict) -> Non
                                   "Infinity pass ComfyUI's min/max check, so ditkit refuses them here)")
 
 
-def _values_named(values: dict, name: str, depth: int = 0):
+def _values_named(values: dict, name: str):
     """``values[name]``, and the value of ``name`` inside nested dicts: ComfyUI hands the inputs of a dynamic input
-    (DynamicCombo, Autogrow, DynamicSlot) to ``execute`` as ``{top_id: {inner_id: value, ...}}``."""
+    (DynamicCombo, Autogrow, DynamicSlot) to ``execute`` as ``{top_id: {inner_id: value, ...}}`` (built from the
+    prompt's JSON: finite depth, no cycles)."""
     if name in values:
         yield values[name]
-    if depth < 8:
-        for v in values.values():
-            if isinstance(v, dict):
-                yield from _values_named(v, name, depth + 1)
+    for v in values.values():
+        if isinstance(v, dict):
+            yield from _values_named(v, name)
 
 
 def guard_node(cls, node_id: str, names: Iterable[str]):
