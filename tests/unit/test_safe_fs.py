@@ -287,3 +287,79 @@ def test_temp_name_keeps_at_most_40_characters_of_the_name():
     assert t.startswith(safe_fs.TEMP_PREFIX) and t.endswith("-" + "n" * 40 + ".tmp")
     assert len(t) == len(safe_fs.TEMP_PREFIX) + 12 + 1 + 40 + 4
     assert safe_fs._temp_name("n" * 40).endswith("-" + "n" * 40 + ".tmp")
+
+
+# --- issue 29: every outcome of read_inside / stat_inside / subdir, with its exact message and stat --------------
+
+def test_read_inside_size_bound_both_sides_and_nested_parts(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "f").write_bytes(b"x" * 10)
+    data, st = read_inside(tmp_path, ["a", "b", "f"], max_bytes=10, what="coefficients")
+    assert data == b"x" * 10 and st.st_size == 10 and st.st_ino == os.stat(tmp_path / "a" / "b" / "f").st_ino
+    with pytest.raises(DitKitError) as ei:
+        read_inside(tmp_path, ["a", "b", "f"], max_bytes=9, what="coefficients")
+    assert str(ei.value) == f"coefficients '{tmp_path / 'a' / 'b' / 'f'}' is 10 bytes (> 9)"
+
+
+def test_read_inside_messages_name_what_and_the_full_path(tmp_path):
+    (tmp_path / "f").write_bytes(b"")
+    (tmp_path / "d").mkdir()
+    cases = [([], "coefficients: no file name"),
+             (["none"], f"coefficients '{tmp_path / 'none'}' cannot be read (no such file)"),
+             (["d"], f"coefficients '{tmp_path / 'd'}' is not a regular file"),
+             (["none", "f"], f"coefficients: '{tmp_path / 'none'}' does not exist"),
+             (["f", "x"], f"coefficients: '{tmp_path / 'f'}' is not a folder")]
+    if safe_fs.HAVE_DIR_FD:
+        os.symlink(tmp_path / "f", tmp_path / "lf")
+        os.symlink(tmp_path / "d", tmp_path / "ld")
+        cases += [(["lf"], f"coefficients '{tmp_path / 'lf'}' is a symlink; ditkit does not follow symlinks here"),
+                  (["ld", "x"], f"coefficients: '{tmp_path / 'ld'}' is a symlink (ditkit does not follow symlinks "
+                                "inside its folders)")]
+    for parts, msg in cases:
+        with pytest.raises(CoefficientError) as ei:
+            read_inside(tmp_path, parts, max_bytes=100, what="coefficients", error=CoefficientError)
+        assert str(ei.value) == msg, parts
+    with pytest.raises(CoefficientError, match="^coefficients"):
+        read_inside(tmp_path / "missing-root", ["f"], max_bytes=100, what="coefficients", error=CoefficientError)
+
+
+@posix_only
+def test_read_inside_a_fifo_is_not_read(tmp_path):
+    os.mkfifo(tmp_path / "p")
+    with pytest.raises(DitKitError, match="is not a regular file"):
+        read_inside(tmp_path, ["p"], max_bytes=100, what="x")
+
+
+def test_stat_inside_every_kind_with_its_stat(tmp_path):
+    (tmp_path / "f").write_bytes(b"abc")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "g").write_bytes(b"")
+    kind, st = safe_fs.stat_inside(tmp_path, ["f"])
+    assert kind == "file" and st.st_ino == os.lstat(tmp_path / "f").st_ino and st.st_size == 3
+    kind, st = safe_fs.stat_inside(tmp_path, ["d", "g"])
+    assert kind == "file" and st.st_ino == os.lstat(tmp_path / "d" / "g").st_ino
+    kind, st = safe_fs.stat_inside(tmp_path, [])
+    assert kind == "dir" and st.st_ino == os.stat(tmp_path).st_ino
+    assert safe_fs.stat_inside(tmp_path / "missing-root", ["f"]) == ("missing", None)
+    assert safe_fs.stat_inside(tmp_path, ["none"]) == ("missing", None)
+    assert safe_fs.stat_inside(tmp_path, ["none", "x"]) == ("missing", None)
+    kind, st = safe_fs.stat_inside(tmp_path, ["f", "x"])
+    assert kind == "other" and st.st_ino == os.lstat(tmp_path / "f").st_ino
+    if safe_fs.HAVE_DIR_FD:
+        os.mkfifo(tmp_path / "p")
+        kind, st = safe_fs.stat_inside(tmp_path, ["p"])
+        assert kind == "other" and st.st_ino == os.lstat(tmp_path / "p").st_ino
+        os.symlink(tmp_path / "d", tmp_path / "l")
+        for parts in (["l"], ["l", "g"]):
+            kind, st = safe_fs.stat_inside(tmp_path, parts)
+            assert kind == "symlink" and st.st_ino == os.lstat(tmp_path / "l").st_ino, parts
+
+
+def test_is_reparse_reads_the_windows_attribute(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(safe_fs.stat, "FILE_ATTRIBUTE_REPARSE_POINT", 0x400, raising=False)
+    assert safe_fs._is_reparse(SimpleNamespace(st_file_attributes=0x400)) is True
+    assert safe_fs._is_reparse(SimpleNamespace(st_file_attributes=0x420)) is True
+    assert safe_fs._is_reparse(SimpleNamespace(st_file_attributes=0x20)) is False
+    assert safe_fs._is_reparse(SimpleNamespace()) is False            # POSIX stat results have no attribute
