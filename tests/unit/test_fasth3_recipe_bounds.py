@@ -78,3 +78,47 @@ def test_keep_percent_of_and_normalize_id_directly():
     assert R.normalize_id("HF://a/b") == "a/b"
     assert R.normalize_id("@rev") is None and R.normalize_id(3) is None and R.normalize_id("a\nb") is None
     assert R.normalize_id("x" * 200) == "x" * 200 and R.normalize_id("x" * 201) is None   # the 200-char bound
+
+
+def test_contract_candidate_keys_reasons_and_where():
+    vsa = {"attention_backend": "VIDEO_SPARSE_ATTN_H3"}
+    # the preview ladder names the preview recipe only at its own sparsity 0.9; any other is "contract"
+    assert R._contract_candidate(contract(**vsa, vsa_sparsity=0.9))[0] == "fasth3_preview_vsa"
+    assert R._contract_candidate(contract(**vsa, vsa_sparsity=0.5))[0] == "contract"
+    key, sp, why = R._contract_candidate(contract(**vsa, vsa_sparsity=0.5, vsa_tile_size=64))
+    assert why == "fastvideo_inference.json vsa_sparsity 0.5, vsa_tile_size 64"
+    assert R._contract_candidate(contract(**vsa, vsa_sparsity=0.5))[2] == "fastvideo_inference.json vsa_sparsity 0.5"
+    assert R._contract_candidate(contract()) is None
+    key, sp, why = R._contract_candidate(contract(attention_backend="FLASH_ATTN"))
+    assert why.endswith("(not VIDEO_SPARSE_ATTN_H3): the student runs dense attention")
+    c = contract(**vsa)
+    with pytest.raises(CheckpointError) as ei:
+        R._contract_candidate(c)
+    assert str(ei.value) == (f"{c.where}: attention_backend VIDEO_SPARSE_ATTN_H3 without vsa_sparsity; the contract "
+                             "does not say which sparsity the student was trained at")
+    c = contract(**vsa, vsa_sparsity=1.0)
+    with pytest.raises(CheckpointError, match="^" + c.where.replace("(", r"\(").replace(")", r"\)")):
+        R._contract_candidate(c)
+
+
+def test_keep_percent_of_keeps_nine_decimals_as_a_float():
+    assert R.keep_percent_of(0.875) == 12.5 and isinstance(R.keep_percent_of(0.8), float)
+    assert R.keep_percent_of(1 - 1.5e-9) == round(100.0 * 1.5e-9, 9) != 0.0          # 9 decimals kept: 1.5e-7
+    assert R.keep_percent_of(1 - 1e-12) == 0.0                                        # the 10th is dropped
+
+
+def test_load_provenance_messages_and_filter(tmp_path):
+    d = tmp_path / "dir"
+    d.mkdir()
+    with pytest.raises(CheckpointError) as ei:
+        R.load_provenance(d)
+    assert str(ei.value) == f"'{d}': cannot be read (Is a directory)"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"^'{bad}'"):
+        R.load_provenance(bad)
+    mixed = tmp_path / "p.json"
+    mixed.write_text(json.dumps({"model_id": 3, "base_model": "FastVideo/X", "other": "y"}))
+    assert R.load_provenance(mixed) == {"base_model": "FastVideo/X"}
+    mixed.write_text(json.dumps({"model_id": "bad\\nid", "base_model": ["x"]}))
+    assert R.load_provenance(mixed) == {}
