@@ -76,6 +76,9 @@ EQUIVALENT: dict[str, str] = {
     "ditkit.guards.x_guard_node__mutmut_21": _ELSE_BRANCH,   # getattr(None, "__func__", None)
     "ditkit.guards.x_guard_node__mutmut_26": _ELSE_BRANCH,   # "XX__func__XX"
     "ditkit.guards.x_guard_node__mutmut_27": _ELSE_BRANCH,   # "__FUNC__"
+    "ditkit.sampling.fasth3_recipe.x_normalize_id__mutmut_17": ("split('@') vs split('@', 1): element [0] is the "
+                                                                 "same string either way"),
+    "ditkit.sampling.fasth3_recipe.x_load_provenance__mutmut_25": "'UTF-8' and 'utf-8' name the same codec",
     "ditkit.guards.x_guard_node__mutmut_42": ("bind_partial(None, ...): only the value bound to execute's first "
                                               "parameter (cls) changes; no FLOAT input can have that name"),
 }

@@ -122,3 +122,30 @@ def test_load_provenance_messages_and_filter(tmp_path):
     assert R.load_provenance(mixed) == {"base_model": "FastVideo/X"}
     mixed.write_text(json.dumps({"model_id": "bad\\nid", "base_model": ["x"]}))
     assert R.load_provenance(mixed) == {}
+
+
+def test_load_provenance_reads_at_most_the_bound_plus_one(tmp_path, monkeypatch):
+    """The sidecar is read with one bounded read (64 KiB + 1 byte: enough to tell 'too large'), never whole."""
+    p = tmp_path / "p.json"
+    p.write_bytes(b" " * (3 * R.MAX_SIDECAR_BYTES))
+    sizes = []
+    real_open = open
+
+    class Spy:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def read(self, n=-1):
+            sizes.append(n)
+            return self.f.read(n)
+
+    monkeypatch.setattr(R, "open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
+    with pytest.raises(CheckpointError, match="larger than 65536 bytes"):
+        R.load_provenance(p)
+    assert sizes == [R.MAX_SIDECAR_BYTES + 1]
