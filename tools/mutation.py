@@ -195,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print the module -> tests map and exit")
     ap.add_argument("--json", type=Path, help="also write the summary here")
     ap.add_argument("--tests-from", metavar="REV", help="run the tests as they are at git REV (a 'before' figure)")
+    ap.add_argument("--resume", action="store_true", help="go on with the last run in the workdir (no re-staging: "
+                    "the mutants not yet checked are run with the tests staged then)")
     ap.add_argument("--summary-only", action="store_true", help="summarize the last run in the workdir, run nothing")
     a = ap.parse_args(argv)
     if a.list or not a.module:
@@ -211,7 +213,8 @@ def main(argv=None) -> int:
     slug = module[:-3].replace("/", "__") + ("@" + a.tests_from.replace("/", "_") if a.tests_from else "")
     root = (a.workdir or default_workdir() / slug).resolve()
     if not a.summary_only:
-        tests = _stage(module, tests, root, a.tests_from)
+        if not (a.resume and (root / "mutants").is_dir()):
+            tests = _stage(module, tests, root, a.tests_from)
         run = subprocess.run([str(mutmut), "run", "--max-children", str(a.max_children)], cwd=root, env=_env())
         if not (root / "mutants" / "ditkit" / (module + ".meta")).exists():
             print(f"mutation: mutmut produced no results (exit {run.returncode})", file=sys.stderr)
