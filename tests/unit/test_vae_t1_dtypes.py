@@ -74,3 +74,14 @@ def test_checked_skips_the_latent_checks_only_when_told():
         direct_decode_t1(m, torch.randn(1, 24, 2, 4, 4), 0)
     with pytest.raises(DitKitError, match="5-D"):
         direct_decode_t1(m, torch.randn(24, 1, 4, 4), 0)
+
+
+def test_report_summary_says_which_path_ran():
+    from ditkit.vae.t1_decode import T1DecodeReport
+
+    r = T1DecodeReport("repeat_decode", 2, (9, 6), 7, 3, tiles=4, tiled=True, canvas_bytes=3 << 19)
+    assert r.summary() == ("T=1 decode (duplicated to a 7-token clip, kept first valid frame): batch 2, 4 tile(s), "
+                           "canvas 1.50 MiB")
+    r = T1DecodeReport("direct_image_vae", 1, (4, 4), 1, 2, tiles=1, tiled=False, canvas_bytes=0)
+    assert r.summary() == "T=1 decode (image VAE direct, h3_t1_output_slice 2): batch 1, 1 tile(s) (untiled), " \
+                          "canvas 0.00 MiB"
