@@ -149,3 +149,18 @@ def test_load_provenance_reads_at_most_the_bound_plus_one(tmp_path, monkeypatch)
     with pytest.raises(CheckpointError, match="larger than 65536 bytes"):
         R.load_provenance(p)
     assert sizes == [R.MAX_SIDECAR_BYTES + 1]
+
+
+def test_decision_describe_and_choice_summary_exactly():
+    vsa = R.VSARecipe("k", "Label", 0.8, "src")
+    dense = R.VSARecipe("d", "Dense", None, "src")
+    assert R.Decision(None, None, looked_at=["a", "b"]).describe() == "not identified (a; b)"
+    d = R.Decision(vsa, 0.8, reasons=["r1", "r2"], conflicts=["c1", "c2"], notes=["n1", "n2"])
+    assert d.describe() == "Label, sparsity 0.8 (keep 20%) by r1; r2"
+    assert R.Decision(dense, None, reasons=["r"]).describe() == "Dense (distilled dense, no VSA) by r"
+    auto = R.RecipeChoice(mode="auto", keep_percent=20.0, sparsity=0.8, label="Label", decision=d)
+    assert auto.summary() == ("recipe auto -> Label, sparsity 0.8 (keep 20%) by r1; r2; conflict: c1; conflict: c2; "
+                              "note: n1; note: n2")
+    ex = R.RecipeChoice(mode="explicit", keep_percent=10.0, sparsity=0.9, label="Mine", decision=d, override="o")
+    assert ex.summary() == ("recipe Mine (explicit); checkpoint: Label, sparsity 0.8 (keep 20%) by r1; r2; "
+                            "OVERRIDE: o; conflict: c1; conflict: c2; note: n1; note: n2")
