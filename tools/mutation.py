@@ -197,6 +197,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tests-from", metavar="REV", help="run the tests as they are at git REV (a 'before' figure)")
     ap.add_argument("--resume", action="store_true", help="go on with the last run in the workdir (no re-staging: "
                     "the mutants not yet checked are run with the tests staged then)")
+    ap.add_argument("--recheck", type=Path, metavar="JSON", help="a previous --json summary of this module: restage "
+                    "with the current tests and run only its mutants that were not killed (the code must be unchanged:"
+                    " the mutant count is compared); the figure combines both runs")
     ap.add_argument("--summary-only", action="store_true", help="summarize the last run in the workdir, run nothing")
     a = ap.parse_args(argv)
     if a.list or not a.module:
@@ -215,23 +218,37 @@ def main(argv=None) -> int:
     if not a.summary_only:
         if not (a.resume and (root / "mutants").is_dir()):
             tests = _stage(module, tests, root, a.tests_from)
-        run = subprocess.run([str(mutmut), "run", "--max-children", str(a.max_children)], cwd=root, env=_env())
+        prev = json.loads(a.recheck.read_text(encoding="utf-8")) if a.recheck else None
+        names = prev["not_killed"] + prev.get("equivalent_names", []) if prev else []
+        if prev is not None and not names:
+            raise SystemExit("mutation: the previous run left nothing to recheck")
+        run = subprocess.run([str(mutmut), "run", "--max-children", str(a.max_children), *names], cwd=root,
+                             env=_env())
         if not (root / "mutants" / "ditkit" / (module + ".meta")).exists():
             print(f"mutation: mutmut produced no results (exit {run.returncode})", file=sys.stderr)
             return 2
         _check_the_mutants_are_imported(root, module, tests)
     by = _results(root, module)
     total = sum(len(v) for v in by.values())
+    every = {n for v in by.values() for n in v}
+    if a.recheck:
+        prev = json.loads(a.recheck.read_text(encoding="utf-8"))
+        if prev["module"] != module or prev["mutants"] != total:
+            raise SystemExit(f"mutation: {a.recheck} is for {prev['module']} with {prev['mutants']} mutants, this "
+                             f"code has {total}: the code changed, run it whole")
+        rechecked = set(prev["not_killed"]) | set(prev.get("equivalent_names", []))
+        by = {s: [n for n in v if n in rechecked] for s, v in by.items()}
+        by["killed"] = by.get("killed", []) + [f"(killed before) {i}" for i in range(prev["killed"])]
     killed = by.get("killed", [])
     names = {n for v in by.values() for n in v}
     equivalent = sorted(n for n in EQUIVALENT if n in names and n not in killed)
     stale = sorted(n for n in EQUIVALENT if n.startswith("ditkit." + module[:-3].replace("/", ".") + ".")
-                   and n not in names)
+                   and n not in every)
     counted = total - len(equivalent)
     rate = 100.0 * len(killed) / counted if counted else 0.0
     left = sorted(n for s, v in by.items() if s != "killed" for n in v if n not in equivalent)
     summary = {"module": module, "tests": tests, "mutants": total, "killed": len(killed),
-               "equivalent": len(equivalent), "not_killed": left,
+               "equivalent": len(equivalent), "equivalent_names": equivalent, "not_killed": left,
                "status": {s: len(v) for s, v in sorted(by.items())}, "kill_rate": round(rate, 1)}
     for name in left:
         status = next(s for s, v in by.items() if name in v)
