@@ -85,3 +85,15 @@ def test_report_summary_says_which_path_ran():
     r = T1DecodeReport("direct_image_vae", 1, (4, 4), 1, 2, tiles=1, tiled=False, canvas_bytes=0)
     assert r.summary() == "T=1 decode (image VAE direct, h3_t1_output_slice 2): batch 1, 1 tile(s) (untiled), " \
                           "canvas 0.00 MiB"
+
+
+def test_reports_of_both_paths_carry_what_ran():
+    m = h3_vae_ops(FakeH3(seed=1))
+    z = torch.randn(2, 24, 1, 9, 6, generator=torch.Generator().manual_seed(6))
+    out, rep = direct_decode_t1(m, z, 1)
+    assert (rep.path, rep.batch, rep.latent_hw, rep.tokens_decoded, rep.kept_raw_frame) == \
+        ("direct_image_vae", 2, (9, 6), 1, 1)
+    assert rep.tiled and rep.tiles >= 1 and rep.canvas_bytes == out.numel() * out.element_size()
+    out, rep = repeat_decode_t1(m, z)
+    assert (rep.path, rep.batch, rep.latent_hw) == ("repeat_decode", 2, (9, 6))
+    assert rep.tokens_decoded >= 2 and rep.max_tile_bytes > 0 and rep.canvas_bytes > 0
