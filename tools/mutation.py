@@ -78,6 +78,8 @@ EQUIVALENT: dict[str, str] = {
     "ditkit.guards.x_guard_node__mutmut_27": _ELSE_BRANCH,   # "__FUNC__"
     "ditkit.sampling.fasth3_recipe.x_normalize_id__mutmut_17": ("split('@') vs split('@', 1): element [0] is the "
                                                                  "same string either way"),
+    "ditkit.sampling.fasth3_recipe.x_normalize_id__mutmut_20": ("split('@', 2) vs split('@', 1): element [0] is "
+                                                                 "the same string either way"),
     "ditkit.sampling.fasth3_recipe.x_load_provenance__mutmut_25": "'UTF-8' and 'utf-8' name the same codec",
     "ditkit.guards.x_guard_node__mutmut_42": ("bind_partial(None, ...): only the value bound to execute's first "
                                               "parameter (cls) changes; no FLOAT input can have that name"),

@@ -76,6 +76,7 @@ def test_keep_percent_of_and_normalize_id_directly():
     assert R.normalize_id("hf://FastVideo/FastH3@rev1") == "fastvideo/fasth3"
     assert R.normalize_id(" FastVideo/X ") == "fastvideo/x"
     assert R.normalize_id("HF://a/b") == "a/b"
+    assert R.normalize_id("FastVideo/X@rev@more") == "fastvideo/x"      # the first '@' ends the id
     assert R.normalize_id("@rev") is None and R.normalize_id(3) is None and R.normalize_id("a\nb") is None
     assert R.normalize_id("x" * 200) == "x" * 200 and R.normalize_id("x" * 201) is None   # the 200-char bound
 
