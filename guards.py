@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 from typing import Any, Callable, Iterable
 
 from .errors import DitKitError
@@ -28,34 +29,62 @@ def float_inputs(schema) -> tuple[str, ...]:
 
     def walk(inputs: Iterable[Any]) -> None:
         for inp in inputs or ():
-            if getattr(inp, "io_type", None) == "FLOAT":
+            if getattr(inp, "io_type", None) == "FLOAT" and inp.id not in out:
                 out.append(inp.id)
-            for attr in ("inputs", "template"):   # dynamic / autogrow inputs carry their own input lists
-                sub = getattr(inp, attr, None)
-                if isinstance(sub, (list, tuple)):
-                    walk(sub)
+            walk(nested_inputs(inp))
 
     walk(getattr(schema, "inputs", None))
     return tuple(out)
 
 
+def nested_inputs(inp) -> list:
+    """The inputs a dynamic input carries (``inp`` itself excluded). Every V3 input of ComfyUI has ``get_all()``:
+    ``[self]``, or ``[self] +`` what a dynamic input carries (Autogrow: one input per template name, the template
+    being an object, not a list; DynamicCombo: every option's inputs; DynamicSlot: the slot and its inputs).
+    Duck-typed schemas without it (the unit tests') carry plain lists under ``inputs`` / ``template``."""
+    get_all = getattr(inp, "get_all", None)
+    if callable(get_all):
+        subs = list(get_all())
+    else:
+        subs = [x for attr in ("inputs", "template") if isinstance(getattr(inp, attr, None), (list, tuple))
+                for x in getattr(inp, attr)]
+    return [x for x in subs if x is not inp]
+
+
 def non_finite(value) -> bool:
-    """True for NaN / +-Inf (also inside lists and tuples, as INPUT_IS_LIST nodes receive them)."""
+    """True for NaN / +-Inf (also inside lists and tuples, as INPUT_IS_LIST nodes receive them, and dicts)."""
     if isinstance(value, bool):
         return False
-    if isinstance(value, (int, float)):
-        return not math.isfinite(value)
+    if isinstance(value, numbers.Real):           # int, float and numpy's scalars (np.float16(inf) included)
+        try:
+            return not math.isfinite(value)
+        except OverflowError:                     # an int beyond float's range: it becomes inf in the node
+            return True
     if isinstance(value, (list, tuple)):
         return any(non_finite(v) for v in value)
+    if isinstance(value, dict):                   # an Autogrow input arrives as {name: value}
+        return any(non_finite(v) for v in value.values())
     return False
 
 
 def check_finite_inputs(node_id: str, names: Iterable[str], values: dict) -> None:
     """Raise :class:`DitKitError` naming the first FLOAT input whose value is NaN or infinite."""
     for n in names:
-        if n in values and non_finite(values[n]):
-            raise DitKitError(f"{node_id}: input '{n}' is {values[n]!r}; it must be a finite number (NaN and "
-                              "Infinity pass ComfyUI's min/max check, so ditkit refuses them here)")
+        for value in _values_named(values, n):
+            if non_finite(value):
+                raise DitKitError(f"{node_id}: input '{n}' is {value!r}; it must be a finite number (NaN and "
+                                  "Infinity pass ComfyUI's min/max check, so ditkit refuses them here)")
+
+
+def _values_named(values: dict, name: str):
+    """``values[name]``, and the value of ``name`` inside nested dicts: ComfyUI hands the inputs of a dynamic input
+    (DynamicCombo, Autogrow, DynamicSlot) to ``execute`` as ``{top_id: {inner_id: value, ...}}`` (built from the
+    prompt's JSON: finite depth, no cycles)."""
+    if name in values:
+        yield values[name]
+    for v in values.values():
+        if isinstance(v, dict):
+            yield from _values_named(v, name)
 
 
 def guard_node(cls, node_id: str, names: Iterable[str], before: Callable[[], None] | None = None):

@@ -206,6 +206,9 @@ def plan_section(name: str, c: dict, mode: str) -> list[dict]:
             add("block-sparse fwd + LSE (triton) vs float64", shp, dts,
                 "random unsorted selection, one empty and one dense query tile")
             add(f"VSA-H3 end to end + gate, keep {c['keep']} vs float64", shp, dts, "token-level masked oracle")
+        for kind in ("dense", "kron"):
+            add(f"delta_fuse rounding step ({kind}): bit-exact vs round(scale*dW) then add", "W [96, 80]", "fp16,bf16",
+                "GPU-only difference: the interpreter's bf16 cast is not round-to-nearest")
     elif name == "int64":
         g = h3_geometry(c["prefix"], c["video"])
         H, D, es = c["heads"], c["head_dim"], elsize(c["dtype"])
@@ -464,6 +467,55 @@ def vsa_oracle64(q, k, v, tid, T, idx, num, gate=None):
 
 
 # ------------------------------------------------------------------------------------------------ kernels
+def delta_fuse_rounding(ctx: Ctx, sec: str) -> None:
+    """Bit-level expectation of the rounding step inside ``kernels/delta_fuse._fuse_kernel``: the kernel rounds
+    ``scale * ΔW`` into the weight's dtype *before* the add (as the chunked reference does), i.e. for every element
+    ``w' = dt(float32(w) + float32(dt(float32(ΔW) * float32(scale))))``. For ``dense`` and ``kron`` deltas of a
+    16-bit weight ΔW is exact in float32 (a value, or a product of two 8/11-bit mantissas), so the expectation is
+    exact: ``torch.equal``. The data is chosen so that dropping the rounding step changes some elements (counted:
+    ``differs_without_rounding`` > 0, else the check could not tell). The interpreter's fp32 -> bf16 cast is not
+    round-to-nearest, so on CPU a bf16 mismatch is a SKIP with the figures; on CUDA any mismatch is a FAIL."""
+    import torch
+
+    from ditkit.kernels import delta_fuse
+
+    dev = ctx.device
+    for dname in ("float16", "bfloat16"):
+        dt, dts = getattr(torch, dname), dtype_short(dname)
+        for kind in ("dense", "kron"):
+            check = f"delta_fuse rounding step ({kind}): bit-exact vs round(scale*dW) then add"
+            with ctx.guard(sec, check, "W [96, 80]", dts):
+                gen = torch.Generator(device="cpu").manual_seed(7 + len(dname) + len(kind))
+                w = (torch.randn(96, 80, generator=gen) * 4).to(dt)
+                if kind == "dense":
+                    parts = ((torch.randn(96, 80, generator=gen) * 3).to(dt),)
+                    d32 = parts[0].float()
+                else:
+                    parts = ((torch.randn(8, 10, generator=gen) * 2).to(dt), (torch.randn(12, 8, generator=gen)
+                                                                               * 2).to(dt))
+                    a, b = parts[0].float(), parts[1].float()
+                    d32 = (a[:, None, :, None] * b[None, :, None, :]).reshape(96, 80)   # exact in fp32
+                scale = 0.3                       # not a power of two: scale * ΔW needs the rounding
+                s32 = torch.tensor(scale, dtype=torch.float32)
+                want = (w.float() + (d32 * s32).to(dt).float()).to(dt)
+                alt = (w.float() + d32 * s32).to(dt)          # the same kernel without its rounding step
+                differs = int((want != alt).sum())
+                got_w = w.to(dev).clone()
+                delta_fuse.fuse_triton_(got_w, kind, tuple(p.to(dev) for p in parts), scale)
+                got = got_w.cpu()
+                exact = torch.equal(got, want)
+                n_bad = int((got != want).sum())
+                if exact and differs > 0:
+                    res, note = "PASS", ""
+                elif not ctx.cuda and dname == "bfloat16":
+                    res, note = "SKIP", "Triton interpreter: fp32 -> bf16 is not round-to-nearest; bit-level on CUDA"
+                else:
+                    res, note = "FAIL", ("" if differs else "the data cannot tell the rounding step")
+                ctx.add(sec, check, res, "W [96, 80]", dts, target="torch.equal; differs_without_rounding > 0",
+                        note=note, mismatches=n_bad, differs_without_rounding=differs,
+                        equals_unrounded=bool(torch.equal(got, alt)))
+
+
 def sec_kernels(ctx: Ctx, c: dict) -> None:
     import torch
 
@@ -481,6 +533,7 @@ def sec_kernels(ctx: Ctx, c: dict) -> None:
     ctx.add(sec, "layout geometry vs definition", "PASS" if geo_ok else "FAIL",
             f"S{lay.seq_len} tiles {lay.num_prefix_tiles}+{lay.num_video_tiles}", "",
             ragged_tiles=int((lay.sizes < TILE).sum()), expected_tiles=g["T"])
+    delta_fuse_rounding(ctx, sec)
     lay_d = lay.to(dev)
     tid = (lay_d.untile_index // TILE)
     T, S, B, H = lay.n_tiles, lay.seq_len, c["batch"], c["heads"]

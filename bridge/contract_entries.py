@@ -172,7 +172,7 @@ SIGNATURES = [
 ATTRIBUTES = [
     ("comfy.ldm.minimax.model.MiniMaxH3Model", TEACACHE + ADALN + VSA + FASTH3 + H3_LOADER + ADAPTER,
      ("forward", "_forward"), "the H3 diffusion model class (bridge/models.h3_diffusion_model)"),
-    ("comfy.patcher_extension.WrappersMP", TEACACHE + ADALN + VSA, ("OUTER_SAMPLE", "DIFFUSION_MODEL"),
+    ("comfy.patcher_extension.WrappersMP", TEACACHE + ADALN + VSA + ("DitKitStepCache",), ("OUTER_SAMPLE", "DIFFUSION_MODEL"),
      "per-run and per-forward wrappers"),
     ("comfy.patcher_extension.CallbacksMP", TEXT_ENCODERS, ("ON_LOAD",), "streamed text encoder's LoRA guard"),
     ("comfy.model_patcher.ModelPatcher", PATCHERS + MODEL_LOADERS + TEXT_ENCODERS,

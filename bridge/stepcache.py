@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 
-import comfy.patcher_extension
 
 from ..cache import coefficients as coef
 from ..cache.stepcache import MODE_NAMES, MODES, StepCacheConfig, StepCacheState, resolve_thresholds
@@ -21,20 +20,11 @@ from ..parallel.reduce import as_reducer
 from . import teacache as tc
 from .teacache import audio_latent_check
 from .blocks import TeaCacheHolder
-from .contract import Probe, entry
 
 log = logging.getLogger("ditkit")
 
 NODE_STEPCACHE = "DitKitStepCache"
 REDUCER_KEY = "ditkit_stepcache_reducer"
-
-
-@entry("comfy.patcher_extension.WrappersMP", nodes=(NODE_STEPCACHE,), what="attributes",
-       doc="OUTER_SAMPLE and DIFFUSION_MODEL wrapper types (per-run state, per-call context)")
-def _wrapper_types():
-    w = getattr(comfy.patcher_extension, "WrappersMP", None)
-    missing = [k for k in ("OUTER_SAMPLE", "DIFFUSION_MODEL") if not hasattr(w, k)]
-    return Probe.broken(f"WrappersMP lacks {missing}") if missing else Probe.holds()
 
 
 def stepcache_holder(family: str, params: dict) -> tuple[TeaCacheHolder, str, dict]:

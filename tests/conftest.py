@@ -43,7 +43,10 @@ def _import_this_checkout_as_ditkit() -> None:
     sys.path[:] = [str(view)] + [p for p in sys.path if Path(os.path.abspath(p or ".")) != REPO]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(view)] + [p for p in os.environ.get("PYTHONPATH", "").split(
         os.pathsep) if p and Path(os.path.abspath(p)) != REPO])
-    for name in [m for m in sys.modules if m == "ditkit" or m.startswith("ditkit.")]:
+    # a checkout whose folder is named `ditkit` (a plain clone, mutation testing's staged copy) has this very file
+    # imported by pytest as `ditkit.tests.conftest`: pytest looks that name up right after this runs, so it stays
+    for name in [m for m in sys.modules if (m == "ditkit" or m.startswith("ditkit."))
+                 and not (m == "ditkit.tests" or m.startswith("ditkit.tests."))]:
         del sys.modules[name]
     import ditkit
 

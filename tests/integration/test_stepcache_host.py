@@ -27,8 +27,8 @@ def env(comfy, tmp_path_factory):
 
 @pytest.fixture
 def reports(monkeypatch):
-    import ditkit.bridge.stepcache as B
-    import ditkit.nodes.stepcache as N
+    import ditkit.bridge.reports as B    # per-run reports (sample wrappers, through the node's ReportTarget)
+    import ditkit.nodes.stepcache as N   # install reports (nodes)
 
     got = []
     real = N.send_report
@@ -191,7 +191,7 @@ def test_reducer_hook_sees_the_sums_and_decides(env, reports):
 
 def test_teacache_reports_the_audio_latent_too(env, monkeypatch):
     """Every ditkit step cache feeds the audio-stream check: calibrated TeaCache's run report carries it too."""
-    import ditkit.bridge.teacache as BT
+    import ditkit.bridge.reports as BT
     from ditkit.nodes.teacache import DitKitTeaCache
 
     got = []

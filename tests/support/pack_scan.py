@@ -13,7 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PACK_ROOT = REPO_ROOT  # the package (the repo root holds only the ComfyUI entry __init__.py)
 # directories that are not part of the installed pack (tests, benchmarks and docs may import ComfyUI)
 NON_PACK_DIRS = {"tests", "benchmarks", "docs", "web", "example_workflows", ".git", ".ci", "build", "dist",
-                 "__pycache__", "_out", ".tiny", ".whl", ".gl"}
+                 "__pycache__", "_out", ".tiny", ".whl", ".gl", "tools", "mutants"}
 
 
 def pack_python_files(root: Path = PACK_ROOT) -> list[Path]:

@@ -111,3 +111,14 @@ def test_available_memory_is_a_positive_byte_count():
     m = st.available_memory()
     assert m is None or (isinstance(m, int) and m > 0)
     assert torch.empty(0).numel() == 0  # torch imported by the module under test, as in the loaders
+
+
+def test_target_bounds_directly():
+    """The largest dimension and the largest element count over the target's weights (both from one tensor or
+    from two), None without shapes."""
+    from ditkit.loaders.lokr_apply import target_bounds
+
+    assert target_bounds(None) == (None, None) and target_bounds({}) == (None, None)
+    assert target_bounds({"a": (3, 7), "b": (5, 5)}) == (7, 25)       # dim from a, count from b
+    assert target_bounds({"a": (9,), "b": (2, 4, 4)}) == (9, 32)
+    assert target_bounds({"s": ()}) == (None, 1)                       # a scalar: no dimension, one element

@@ -204,3 +204,162 @@ def test_without_renameat2_link_unlink_gives_the_same_guarantee(tmp_path, monkey
         write_file(d, "new.json", b"m", replace_if=lambda old: old == b"n")
     assert (tmp_path / "taken.json").read_bytes() == b"keep" and (tmp_path / "new.json").read_bytes() == b"m"
     assert sorted(os.listdir(tmp_path)) == ["new.json", "taken.json"]
+
+
+# --- issue 29: a file planted at the exact temp name safe_fs is about to use --------------------------------------
+# The temp names come from secrets.token_hex; the tests make it predictable so the attacker's file sits at exactly
+# the name the writer tries first. The planted file must be neither written into nor published (nor removed), and
+# the writer must go on to a fresh name; 16 names are tried (15 planted: still writes; 16: a clear refusal).
+
+def _predictable_tokens(monkeypatch, tokens):
+    it = iter(tokens)
+    monkeypatch.setattr(safe_fs.secrets, "token_hex", lambda n: next(it))
+
+
+def _plant(tmp_path, token, name, body=b"ATTACKER"):
+    p = tmp_path / f"{safe_fs.TEMP_PREFIX}{token}-{name[:40]}.tmp"
+    p.write_bytes(body)
+    return p
+
+
+@pytest.mark.parametrize("how", ["file", "stream"])
+@pytest.mark.parametrize("planted", [1, 15])
+def test_a_file_planted_at_the_temp_name_is_not_written_into_or_published(tmp_path, monkeypatch, how, planted):
+    tokens = [f"{i:012x}" for i in range(planted)] + ["f" * 12]
+    plants = [_plant(tmp_path, t, "out.bin") for t in tokens[:-1]]
+    _predictable_tokens(monkeypatch, tokens)
+    with SafeDir.open_root(tmp_path) as d:
+        if how == "file":
+            full = safe_fs.write_file(d, "out.bin", b"OURS")
+        else:
+            full = safe_fs.write_stream(d, "out.bin", [b"OU", b"RS"])
+    assert full == str(tmp_path / "out.bin") and (tmp_path / "out.bin").read_bytes() == b"OURS"
+    for p in plants:                                             # untouched, still there, not published
+        assert p.read_bytes() == b"ATTACKER"
+    assert sorted(x.name for x in tmp_path.iterdir()) == sorted([p.name for p in plants] + ["out.bin"])
+
+
+@pytest.mark.parametrize("how", ["file", "stream", "private_dir"])
+def test_sixteen_planted_temp_names_refuse_and_leave_everything(tmp_path, monkeypatch, how):
+    tokens = [f"{i:012x}" for i in range(16)] + ["f" * 12]      # a 17th would succeed: only 16 may be tried
+    if how == "private_dir":
+        tokens = [f"{i:016x}" for i in range(16)] + ["f" * 16]
+        plants = [tmp_path / f"{safe_fs.TEMP_PREFIX}{t}" for t in tokens[:-1]]
+        for p in plants:
+            p.mkdir()
+            (p / "keep").write_bytes(b"ATTACKER")
+    else:
+        plants = [_plant(tmp_path, t, "out.bin") for t in tokens[:-1]]
+    _predictable_tokens(monkeypatch, tokens)
+    with SafeDir.open_root(tmp_path) as d, pytest.raises(DitKitError, match="cannot create a temp"):
+        if how == "file":
+            safe_fs.write_file(d, "out.bin", b"OURS")
+        elif how == "stream":
+            safe_fs.write_stream(d, "out.bin", [b"OURS"])
+        else:
+            d.private_dir()
+    assert not (tmp_path / "out.bin").exists()
+    for p in plants:
+        assert (p / "keep" if how == "private_dir" else p).read_bytes() == b"ATTACKER"
+    assert len(list(tmp_path.iterdir())) == 16
+
+
+def test_private_dir_skips_a_planted_folder(tmp_path, monkeypatch):
+    planted = tmp_path / f"{safe_fs.TEMP_PREFIX}{'0' * 16}"
+    planted.mkdir()
+    (planted / "keep").write_bytes(b"ATTACKER")
+    _predictable_tokens(monkeypatch, ["0" * 16, "1" * 16])
+    with SafeDir.open_root(tmp_path) as d:
+        p = d.private_dir()
+        assert p.path == str(tmp_path / f"{safe_fs.TEMP_PREFIX}{'1' * 16}")
+        assert stat_mode(tmp_path / f"{safe_fs.TEMP_PREFIX}{'1' * 16}") == 0o700
+        p.remove_private()
+    assert (planted / "keep").read_bytes() == b"ATTACKER"
+    assert [x.name for x in tmp_path.iterdir()] == [planted.name]
+
+
+def stat_mode(p):
+    return os.stat(p).st_mode & 0o777
+
+
+def test_temp_name_keeps_at_most_40_characters_of_the_name():
+    t = safe_fs._temp_name("n" * 41)
+    assert t.startswith(safe_fs.TEMP_PREFIX) and t.endswith("-" + "n" * 40 + ".tmp")
+    assert len(t) == len(safe_fs.TEMP_PREFIX) + 12 + 1 + 40 + 4
+    assert safe_fs._temp_name("n" * 40).endswith("-" + "n" * 40 + ".tmp")
+
+
+# --- issue 29: every outcome of read_inside / stat_inside / subdir, with its exact message and stat --------------
+
+def test_read_inside_size_bound_both_sides_and_nested_parts(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "f").write_bytes(b"x" * 10)
+    data, st = read_inside(tmp_path, ["a", "b", "f"], max_bytes=10, what="coefficients")
+    assert data == b"x" * 10 and st.st_size == 10 and st.st_ino == os.stat(tmp_path / "a" / "b" / "f").st_ino
+    with pytest.raises(DitKitError) as ei:
+        read_inside(tmp_path, ["a", "b", "f"], max_bytes=9, what="coefficients")
+    assert str(ei.value) == f"coefficients '{tmp_path / 'a' / 'b' / 'f'}' is 10 bytes (> 9)"
+
+
+def test_read_inside_messages_name_what_and_the_full_path(tmp_path):
+    (tmp_path / "f").write_bytes(b"")
+    (tmp_path / "d").mkdir()
+    cases = [([], "coefficients: no file name"),
+             (["none"], f"coefficients '{tmp_path / 'none'}' cannot be read (no such file)"),
+             (["d"], f"coefficients '{tmp_path / 'd'}' is not a regular file"),
+             (["none", "f"], f"coefficients: '{tmp_path / 'none'}' does not exist"),
+             (["f", "x"], f"coefficients: '{tmp_path / 'f'}' is not a folder")]
+    if safe_fs.HAVE_DIR_FD:
+        os.symlink(tmp_path / "f", tmp_path / "lf")
+        os.symlink(tmp_path / "d", tmp_path / "ld")
+        cases += [(["lf"], f"coefficients '{tmp_path / 'lf'}' is a symlink; ditkit does not follow symlinks here"),
+                  (["ld", "x"], f"coefficients: '{tmp_path / 'ld'}' is a symlink (ditkit does not follow symlinks "
+                                "inside its folders)")]
+    for parts, msg in cases:
+        with pytest.raises(CoefficientError) as ei:
+            read_inside(tmp_path, parts, max_bytes=100, what="coefficients", error=CoefficientError)
+        assert str(ei.value) == msg, parts
+    with pytest.raises(CoefficientError, match="^coefficients"):
+        read_inside(tmp_path / "missing-root", ["f"], max_bytes=100, what="coefficients", error=CoefficientError)
+
+
+@posix_only
+def test_read_inside_a_fifo_is_not_read(tmp_path):
+    os.mkfifo(tmp_path / "p")
+    with pytest.raises(DitKitError, match="is not a regular file"):
+        read_inside(tmp_path, ["p"], max_bytes=100, what="x")
+
+
+def test_stat_inside_every_kind_with_its_stat(tmp_path):
+    (tmp_path / "f").write_bytes(b"abc")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "g").write_bytes(b"")
+    kind, st = safe_fs.stat_inside(tmp_path, ["f"])
+    assert kind == "file" and st.st_ino == os.lstat(tmp_path / "f").st_ino and st.st_size == 3
+    kind, st = safe_fs.stat_inside(tmp_path, ["d", "g"])
+    assert kind == "file" and st.st_ino == os.lstat(tmp_path / "d" / "g").st_ino
+    kind, st = safe_fs.stat_inside(tmp_path, [])
+    assert kind == "dir" and st.st_ino == os.stat(tmp_path).st_ino
+    assert safe_fs.stat_inside(tmp_path / "missing-root", ["f"]) == ("missing", None)
+    assert safe_fs.stat_inside(tmp_path, ["none"]) == ("missing", None)
+    assert safe_fs.stat_inside(tmp_path, ["none", "x"]) == ("missing", None)
+    kind, st = safe_fs.stat_inside(tmp_path, ["f", "x"])
+    assert kind == "other" and st.st_ino == os.lstat(tmp_path / "f").st_ino
+    if safe_fs.HAVE_DIR_FD:
+        os.mkfifo(tmp_path / "p")
+        kind, st = safe_fs.stat_inside(tmp_path, ["p"])
+        assert kind == "other" and st.st_ino == os.lstat(tmp_path / "p").st_ino
+        os.symlink(tmp_path / "d", tmp_path / "l")
+        for parts in (["l"], ["l", "g"]):
+            kind, st = safe_fs.stat_inside(tmp_path, parts)
+            assert kind == "symlink" and st.st_ino == os.lstat(tmp_path / "l").st_ino, parts
+
+
+def test_is_reparse_reads_the_windows_attribute(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(safe_fs.stat, "FILE_ATTRIBUTE_REPARSE_POINT", 0x400, raising=False)
+    assert safe_fs._is_reparse(SimpleNamespace(st_file_attributes=0x400)) is True
+    assert safe_fs._is_reparse(SimpleNamespace(st_file_attributes=0x420)) is True
+    assert safe_fs._is_reparse(SimpleNamespace(st_file_attributes=0x20)) is False
+    assert safe_fs._is_reparse(SimpleNamespace()) is False            # POSIX stat results have no attribute

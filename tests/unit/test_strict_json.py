@@ -101,3 +101,15 @@ def test_every_json_reader_goes_through_strict_json():
             if isinstance(n, ast.keyword) and n.arg in ("object_pairs_hook", "parse_constant"):
                 found.append(f"{p.relative_to(PACK_ROOT)}:{n.lineno}")
     assert not found, found
+
+
+@pytest.mark.parametrize("n", [58, 59, 60])
+def test_duplicate_key_message_length_bound_both_sides(n):
+    """The key's repr is shown whole up to 60 characters, cut to 57 + '...' above (repr adds two quotes)."""
+    key = "k" * n                                  # repr: n + 2 characters -> 60, 61, 62
+    with pytest.raises(strict_json.DuplicateKey) as e:
+        strict_json.loads('{"%s": 1, "%s": 2}' % (key, key))
+    r = repr(key)
+    want = r if len(r) <= 60 else r[:57] + "..."
+    assert str(e.value) == f"duplicate key {want}"
+    assert (str(e.value).endswith("...")) == (len(r) > 60)

@@ -1,0 +1,60 @@
+"""benchmarks/gpu_check.py's bit-level expectation of delta_fuse's in-kernel rounding step (issue 29: a difference
+that only shows on a GPU is written down as an explicit check). On CPU (Triton interpreter) the fp16 rows must PASS
+and the bf16 rows PASS or SKIP (the interpreter's bf16 cast); the kernel without its rounding step must FAIL the fp16
+rows: the check can tell."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from _kernels_interp import ensure_interpreted, need_triton  # noqa: E402  (tests/unit on sys.path)
+
+ensure_interpreted()
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gc_mod():
+    spec = importlib.util.spec_from_file_location("gpu_check_rounding_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(gc_mod):
+    ctx = gc_mod.Ctx(torch.device("cpu"), "tiny", 240)
+    gc_mod.delta_fuse_rounding(ctx, "kernels")
+    return ctx.rows
+
+
+def test_rounding_rows_pass_on_the_interpreter(gc_mod):
+    need_triton()
+    rows = _rows(gc_mod)
+    assert len(rows) == 4, rows
+    for r in rows:
+        assert r["figures"]["differs_without_rounding"] > 0, r          # the data can tell the step
+        if r["dtype"] == "fp16":
+            assert r["result"] == "PASS" and r["figures"]["mismatches"] == 0, r
+        else:
+            assert r["result"] in ("PASS", "SKIP"), r
+
+
+def test_dropping_the_rounding_step_fails(gc_mod, monkeypatch):
+    """The kernel without its rounding step, emulated by the launcher adding the unrounded fp32 product (what
+    ``(acc * scale).to(tl.float32)`` without the ``.to(W.dtype)`` computes)."""
+    need_triton()
+    from ditkit.kernels import delta_fuse
+
+    def unrounded(weight, kind, parts, scale, row_map=None, **kw):
+        d = delta_fuse.delta_rows(kind, parts, torch.arange(weight.shape[0]))
+        weight.copy_((weight.float() + d * torch.tensor(scale, dtype=torch.float32)).to(weight.dtype))
+        return weight
+
+    monkeypatch.setattr(delta_fuse, "fuse_triton_", unrounded)
+    rows = _rows(gc_mod)
+    fp16 = [r for r in rows if r["dtype"] == "fp16"]
+    assert fp16 and all(r["result"] == "FAIL" and r["figures"]["equals_unrounded"] for r in fp16), rows

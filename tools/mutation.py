@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Mutation testing of one core module with the unit tests that cover it (mutmut 3).
+
+    nice -n 19 python tools/mutation.py guards.py                 # the mapped unit tests
+    nice -n 19 python tools/mutation.py loaders/safe_fs.py --tests tests/unit/test_safe_fs.py
+    python tools/mutation.py --list                               # the module -> tests map
+
+Why a script and not a bare ``[tool.mutmut]`` section: the repository root *is* the package ``ditkit``, and mutmut 3
+derives a mutant's module name from its path relative to the folder it runs in (``guards.py`` -> ``guards``), while
+the tests import ``ditkit.guards``. Run from the root, every mutant would be "no tests" (mutmut stops on that) or,
+worse, the tests would import the unmutated checkout. So the script stages the run:
+
+    ~/.cache/ditkit/mutation/<checkout>-<hash>/<slug>/   (outside the checkout; --workdir)
+        pyproject.toml               [tool.mutmut]: source_paths = ["ditkit/<module>"], the tests, also_copy ditkit/
+        ditkit/                      a copy of the checkout (tests/ included, no .git)
+        mutants/ditkit/...           mutmut's own copy: the mutated module + everything else
+
+mutmut runs pytest from ``<slug>/mutants``; ``tests/conftest.py`` there makes ``import ditkit`` mean
+``<slug>/mutants/ditkit`` (its own checkout), i.e. the mutated copy, and the module name is
+``ditkit.<module>`` on both sides. The script checks this before trusting a figure: the staged tests are run once
+with ``MUTANT_UNDER_TEST=fail`` (every trampoline of the mutated module raises) and must fail, and
+``ditkit.<module>.__file__`` as the tests see it must be the mutated copy. mutmut itself also refuses to go on when
+no recorded test hit matches a mutant name, and runs its own forced-fail check.
+
+Kill rate = killed / (mutants - listed equivalents). "no tests" and "timeout" count as not killed (a timeout is
+usually an infinite loop the tests would never finish: mutmut calls it killed; it is reported separately here).
+Equivalent mutants (no behaviour change possible) are listed in ``EQUIVALENT`` below with the reason.
+Not part of the default CI run (minutes per module). Needs ``pip install mutmut`` (3.x) in the venv.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# module (path relative to the package root) -> the unit test files that cover it. Keep it to the tests that exercise
+# the module directly: mutmut runs, per mutant, only the tests that reached the mutated function in its first pass.
+TESTS: dict[str, list[str]] = {
+    "guards.py": ["tests/unit/test_guards.py", "tests/unit/test_teacache_guards.py"],
+    "strict_json.py": ["tests/unit/test_strict_json.py"],
+    "loaders/safe_fs.py": ["tests/unit/test_safe_fs.py", "tests/unit/test_safe_writes.py",
+                           "tests/unit/test_public_direct.py"],
+    "kernels/vsa_select.py": ["tests/unit/test_kernels_vsa_select.py"],
+    "kernels/tile_pack.py": ["tests/unit/test_kernels_vsa.py", "tests/unit/test_kernels_int64.py",
+                             "tests/unit/test_vsa_layout_buffers.py"],
+    "kernels/delta_fuse.py": ["tests/unit/test_kernels_delta_fuse.py", "tests/unit/test_kernels_delta_fuse_layouts.py",
+                              "tests/unit/test_public_direct.py"],
+    "kernels/quant.py": ["tests/unit/test_quant.py", "tests/unit/test_public_direct.py"],
+    "cache/teacache.py": ["tests/unit/test_teacache.py", "tests/unit/test_teacache_guards.py"],
+    "cache/coefficients.py": ["tests/unit/test_teacache_files.py", "tests/unit/test_coefficient_safety.py"],
+    "cache/adaln.py": ["tests/unit/test_adaln_core.py", "tests/unit/test_h3_modulation_memo.py"],
+    "vae/t1_decode.py": ["tests/unit/test_vae_t1.py", "tests/unit/test_vae_t1_dtypes.py", "tests/unit/test_preflight.py"],
+    "vae/preflight.py": ["tests/unit/test_preflight.py", "tests/unit/test_public_direct.py"],
+    "vae/h3_layout.py": ["tests/unit/test_ckpt_h3_vae.py"],
+    "sampling/fasth3.py": ["tests/unit/test_fasth3_schedule.py", "tests/unit/test_public_direct.py"],
+    "sampling/fasth3_recipe.py": ["tests/unit/test_fasth3_recipe.py", "tests/unit/test_fasth3_recipe_bounds.py"],
+    "offload/streamer.py": ["tests/unit/test_offload_streamer.py", "tests/unit/test_offload_streamer_layouts.py"],
+    "loaders/safetensors_io.py": ["tests/unit/test_safetensors_io.py", "tests/unit/test_safe_reader_open_once.py"],
+    "loaders/h3.py": ["tests/unit/test_loaders_h3.py"],
+    "loaders/lokr_math.py": ["tests/unit/test_public_direct.py", "tests/unit/test_lokr.py"],
+}
+
+# mutant name -> why it cannot change behaviour (reviewed by hand; a listed name that no longer exists is reported)
+_ELSE_BRANCH = ("guard_node's else branch is reached only when execute is not a classmethod (a function or a "
+                "staticmethod): cls.execute then has no __func__ either way, so func is None and TypeError follows; "
+                "with the classmethod check disabled, cls.execute.__func__ is the same function as raw.__func__")
+EQUIVALENT: dict[str, str] = {
+    "ditkit.guards.x_guard_node__mutmut_11": _ELSE_BRANCH,   # raw = None
+    "ditkit.guards.x_guard_node__mutmut_19": _ELSE_BRANCH,   # isinstance(...) and False
+    "ditkit.guards.x_guard_node__mutmut_21": _ELSE_BRANCH,   # getattr(None, "__func__", None)
+    "ditkit.guards.x_guard_node__mutmut_26": _ELSE_BRANCH,   # "XX__func__XX"
+    "ditkit.guards.x_guard_node__mutmut_27": _ELSE_BRANCH,   # "__FUNC__"
+    "ditkit.sampling.fasth3_recipe.x_normalize_id__mutmut_17": ("split('@') vs split('@', 1): element [0] is the "
+                                                                 "same string either way"),
+    "ditkit.sampling.fasth3_recipe.x_normalize_id__mutmut_20": ("split('@', 2) vs split('@', 1): element [0] is "
+                                                                 "the same string either way"),
+    "ditkit.sampling.fasth3_recipe.x_load_provenance__mutmut_25": "'UTF-8' and 'utf-8' name the same codec",
+    "ditkit.guards.x_guard_node__mutmut_42": ("bind_partial(None, ...): only the value bound to execute's first "
+                                              "parameter (cls) changes; no FLOAT input can have that name"),
+}
+
+_SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "mutants", ".pytest_cache", ".ruff_cache",
+                               ".hypothesis", "_out", ".tiny", ".whl", ".gl", "build", "dist", "*.egg-info")
+
+
+def default_workdir() -> Path:
+    """Outside the checkout (a copy of the pack inside it would be scanned by the pack's own tests): one folder per
+    checkout under the user's cache."""
+    import hashlib
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "ditkit" / "mutation" / f"{REPO.name}-{hashlib.sha256(str(REPO).encode()).hexdigest()[:8]}"
+
+
+def _module(arg: str) -> str:
+    m = arg.removeprefix("./").removeprefix("ditkit/")
+    if not m.endswith(".py"):
+        m = m.replace(".", "/") + ".py"
+    if not (REPO / m).is_file():
+        raise SystemExit(f"mutation: no module {m} in {REPO}")
+    return m
+
+
+def _stage(module: str, tests: list[str], root: Path, tests_rev: str | None = None) -> list[str]:
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    shutil.copytree(REPO, root / "ditkit", ignore=_SKIP, symlinks=True)
+    if tests_rev:   # the tests of another commit (e.g. main, for a "before" figure) against this code
+        shutil.rmtree(root / "ditkit" / "tests")
+        tar = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", tests_rev, "--", "tests"],
+                             check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-xf", "-", "-C", str(root / "ditkit")], input=tar, check=True)
+        # this checkout's conftest: the one that can run from a folder named ditkit (see tools/ docstring)
+        shutil.copy2(REPO / "tests" / "conftest.py", root / "ditkit" / "tests" / "conftest.py")
+        tests = [t for t in tests if (root / "ditkit" / t).is_file()]
+        if not tests:
+            raise SystemExit(f"mutation: none of the mapped tests exists at {tests_rev}")
+    lst = lambda xs: "[" + ", ".join(json.dumps(x) for x in xs) + "]"
+    (root / "pyproject.toml").write_text(
+        "[tool.mutmut]\n"
+        f"source_paths = {lst(['ditkit/' + module])}\n"
+        f"pytest_add_cli_args_test_selection = {lst(['ditkit/' + t for t in tests])}\n"
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q"]\n'
+        'also_copy = ["ditkit/"]\n'
+        'process_isolation = "forkserver"\n'
+        # the machine is shared: a mutant is a timeout only well past the clean run's time
+        "timeout_multiplier = 40.0\ntimeout_constant = 20.0\n"
+        "use_git_change_detection = false\n", encoding="utf-8")
+    return tests
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("TRITON_INTERPRET", "1")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def _check_the_mutants_are_imported(root: Path, module: str, tests: list[str]) -> None:
+    """The staged tests, with every function of the mutated module forced to raise, must fail; and the module they
+    import must be the mutated copy. Run after mutmut generated the copy (mutants/ exists)."""
+    work = root / "mutants"
+    dotted = "ditkit." + module[:-3].replace("/", ".").removesuffix(".__init__")
+    probe = work / "ditkit" / "tests" / "unit" / "test__mutation_probe.py"
+    probe.write_text(
+        "import importlib\n\n\n"
+        "def test_probe():\n"
+        f"    m = importlib.import_module({dotted!r})\n"
+        "    print('MUTATION-PROBE', m.__file__)\n", encoding="utf-8")
+    try:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                              str(probe.relative_to(work))], cwd=work, env=_env(), capture_output=True, text=True)
+        seen = [ln.split(None, 1)[1] for ln in out.stdout.splitlines() if ln.startswith("MUTATION-PROBE")]
+        want = (work / "ditkit" / module).resolve()
+        if not seen or Path(seen[0]).resolve() != want:
+            raise SystemExit(f"mutation: the tests import {dotted} from {seen or out.stdout[-2000:]}, not the mutated "
+                             f"copy {want}: every figure would be wrong")
+        if "mutmut" not in want.read_text(encoding="utf-8"):
+            raise SystemExit(f"mutation: {want} carries no mutmut trampoline")
+    finally:
+        probe.unlink(missing_ok=True)
+    env = _env() | {"MUTANT_UNDER_TEST": "fail"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          *["ditkit/" + t for t in tests]], cwd=work, env=env, capture_output=True, text=True)
+    if out.returncode == 0:
+        raise SystemExit("mutation: the tests pass with every trampoline of the module forced to fail: they do not "
+                         "run the mutated copy")
+    print(f"mutation: checked: the tests import {dotted} from the mutated copy and fail when it is forced to fail")
+
+
+def _results(root: Path, module: str) -> dict:
+    try:                                   # mutmut is a tool dependency only; the table moved between 3.x releases
+        from mutmut.stats import status_by_exit_code
+    except ImportError:
+        from mutmut.__main__ import status_by_exit_code
+
+    meta = json.loads((root / "mutants" / "ditkit" / (module + ".meta")).read_text(encoding="utf-8"))
+    by = {}
+    for name, code in meta["exit_code_by_key"].items():
+        by.setdefault(status_by_exit_code[code], []).append(name)
+    return by
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("module", nargs="?", help="module path relative to the package root, e.g. loaders/safe_fs.py")
+    ap.add_argument("--tests", nargs="+", help="unit test files (default: the map in this script)")
+    ap.add_argument("--max-children", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, help="default: ~/.cache/ditkit/mutation/<checkout>-<hash>/<slug>")
+    ap.add_argument("--list", action="store_true", help="print the module -> tests map and exit")
+    ap.add_argument("--json", type=Path, help="also write the summary here")
+    ap.add_argument("--tests-from", metavar="REV", help="run the tests as they are at git REV (a 'before' figure)")
+    ap.add_argument("--resume", action="store_true", help="go on with the last run in the workdir (no re-staging: "
+                    "the mutants not yet checked are run with the tests staged then)")
+    ap.add_argument("--recheck", type=Path, metavar="JSON", help="a previous --json summary of this module: restage "
+                    "with the current tests and run only its mutants that were not killed (the code must be unchanged:"
+                    " the mutant count is compared); the figure combines both runs")
+    ap.add_argument("--summary-only", action="store_true", help="summarize the last run in the workdir, run nothing")
+    a = ap.parse_args(argv)
+    if a.list or not a.module:
+        for m, t in TESTS.items():
+            print(f"{m}: {' '.join(t)}")
+        return 0
+    module = _module(a.module)
+    tests = a.tests or TESTS.get(module)
+    if not tests:
+        raise SystemExit(f"mutation: no tests mapped for {module}; pass --tests")
+    mutmut = Path(sys.executable).with_name("mutmut")
+    if not mutmut.exists():
+        raise SystemExit(f"mutation: {mutmut} missing: `{sys.executable} -m pip install mutmut` (3.x)")
+    slug = module[:-3].replace("/", "__") + ("@" + a.tests_from.replace("/", "_") if a.tests_from else "")
+    root = (a.workdir or default_workdir() / slug).resolve()
+    if not a.summary_only:
+        if not (a.resume and (root / "mutants").is_dir()):
+            tests = _stage(module, tests, root, a.tests_from)
+        prev = json.loads(a.recheck.read_text(encoding="utf-8")) if a.recheck else None
+        names = prev["not_killed"] + prev.get("equivalent_names", []) if prev else []
+        if prev is not None and not names:
+            raise SystemExit("mutation: the previous run left nothing to recheck")
+        run = subprocess.run([str(mutmut), "run", "--max-children", str(a.max_children), *names], cwd=root,
+                             env=_env())
+        if not (root / "mutants" / "ditkit" / (module + ".meta")).exists():
+            print(f"mutation: mutmut produced no results (exit {run.returncode})", file=sys.stderr)
+            return 2
+        _check_the_mutants_are_imported(root, module, tests)
+    by = _results(root, module)
+    total = sum(len(v) for v in by.values())
+    every = {n for v in by.values() for n in v}
+    if a.recheck:
+        prev = json.loads(a.recheck.read_text(encoding="utf-8"))
+        if prev["module"] != module or prev["mutants"] != total:
+            raise SystemExit(f"mutation: {a.recheck} is for {prev['module']} with {prev['mutants']} mutants, this "
+                             f"code has {total}: the code changed, run it whole")
+        rechecked = set(prev["not_killed"]) | set(prev.get("equivalent_names", []))
+        by = {s: [n for n in v if n in rechecked] for s, v in by.items()}
+        by["killed"] = by.get("killed", []) + [f"(killed before) {i}" for i in range(prev["killed"])]
+    killed = by.get("killed", [])
+    names = {n for v in by.values() for n in v}
+    equivalent = sorted(n for n in EQUIVALENT if n in names and n not in killed)
+    stale = sorted(n for n in EQUIVALENT if n.startswith("ditkit." + module[:-3].replace("/", ".") + ".")
+                   and n not in every)
+    counted = total - len(equivalent)
+    rate = 100.0 * len(killed) / counted if counted else 0.0
+    left = sorted(n for s, v in by.items() if s != "killed" for n in v if n not in equivalent)
+    summary = {"module": module, "tests": tests, "mutants": total, "killed": len(killed),
+               "equivalent": len(equivalent), "equivalent_names": equivalent, "not_killed": left,
+               "status": {s: len(v) for s, v in sorted(by.items())}, "kill_rate": round(rate, 1)}
+    for name in left:
+        status = next(s for s, v in by.items() if name in v)
+        print(f"--- {status}: {name}")
+        subprocess.run([str(mutmut), "show", name], cwd=root, env=_env())
+    for name in stale:
+        print(f"mutation: EQUIVALENT lists {name}, which no longer exists (re-review)")
+    print(f"| {module} | {total} | {len(killed)} | {len(left)} | {len(equivalent)} | {rate:.1f} % |")
+    print(json.dumps(summary))
+    if a.json:
+        a.json.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    return 0 if rate >= 90.0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
