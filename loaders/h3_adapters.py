@@ -606,7 +606,8 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
             if lm.undetermined is not None:
                 undetermined.append((m, lm.undetermined))
                 continue
-            w1, w2 = rebuild_w1(lm.factors).contiguous(), rebuild_w2(lm.factors).contiguous()
+            w1 = rebuild_w1(lm.factors, torch.float64).contiguous()   # float64: ΔW = kron(w1, w2_a @ w2_b) exact
+            w2 = rebuild_w2(lm.factors, torch.float64).contiguous()
             items.append(Item(m, tgt, "kron", (w1, w2), lm.scale, lm.scale_rule, row_map, lay))
         elif m.kind in ("diff", "diff_b"):
             v = m.tensors["value"]

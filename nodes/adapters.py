@@ -17,6 +17,7 @@ import torch
 from comfy.weight_adapter.base import WeightAdapterBase
 from comfy_api.latest import io
 
+from ..bridge import quant_requant
 from ..bridge.models import is_h3
 from ..errors import AdapterError
 from ..kernels import delta_fuse
@@ -52,7 +53,7 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
     """-> (patched clone, plan). Raises a DitKitError before touching anything on bad input."""
     source = source or os.path.basename(path)
     sd = model.model_state_dict(filter_prefix="diffusion_model.")
-    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    shapes = quant_requant.logical_shapes(model, sd)
     base_gates = model.get_attachment(GATE_ATTACHMENT) or {}
     g = core.geometry(shapes, {int(i): tuple(w.shape) for i, w in dict(base_gates).items()})
 
@@ -67,7 +68,8 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
             p = w._params
             if getattr(p, "scale", None) is not None and p.scale.numel() == 1:
                 return w._qdata.double() * p.scale.double()   # per-tensor: exact
-            return w.dequantize()
+            exact = quant_requant.dequantize64(w, k)       # int8 ConvRot / per-channel, mxfp8, nvfp4: exact
+            return exact if exact is not None else w.dequantize()
         return sd[k]
 
     af = core.read_adapter_file(path)
