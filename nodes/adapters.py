@@ -17,7 +17,7 @@ import torch
 from comfy.weight_adapter.base import WeightAdapterBase
 from comfy_api.latest import io
 
-from ..bridge import quant_requant
+from ..bridge import adapter_bypass, quant_requant
 from ..bridge.models import is_h3
 from ..errors import AdapterError
 from ..kernels import delta_fuse
@@ -29,6 +29,7 @@ from .lokr import apply_lokr, check_weight_keys, fuse_quantized, quantized_note
 from .lokr import report_text as lokr_report_text
 
 NODE_ID = "DitKitAdapterLoader"
+MODES = ("fuse", "bypass")
 
 
 class DitKitAdapterPatch(WeightAdapterBase):
@@ -49,8 +50,11 @@ class DitKitAdapterPatch(WeightAdapterBase):
 
 
 def apply_h3_adapter(model, path: str, strength: float, source: str | None = None, qkv_layout: str = "auto",
-                     scale: float | None = None):
-    """-> (patched clone, plan). Raises a DitKitError before touching anything on bad input."""
+                     scale: float | None = None, mode: str = "fuse"):
+    """-> (patched clone, plan). Raises a DitKitError before touching anything on bad input. ``mode`` "fuse"
+    patches the weights; "bypass" runs the adapter beside the untouched weights (``bridge/adapter_bypass``)."""
+    if mode not in MODES:
+        raise AdapterError(f"{NODE_ID}: mode {mode!r} is not one of {list(MODES)}")
     source = source or os.path.basename(path)
     sd = model.model_state_dict(filter_prefix="diffusion_model.")
     shapes = quant_requant.logical_shapes(model, sd)
@@ -74,6 +78,14 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
 
     af = core.read_adapter_file(path)
     plan = core.plan(af, g, base_weight, source=source, qkv_layout=qkv_layout, scale_override=scale)
+    if mode == "bypass":
+        return _apply_bypass(model, plan, strength, source), plan
+    bypassed = set(adapter_bypass.current(model))
+    for it in plan.items:
+        if it.target.key.rsplit(".", 1)[0] in bypassed:
+            raise AdapterError(f"{NODE_ID}: layer '{it.target.key}' already carries an adapter in bypass mode (an "
+                               f"earlier loader); fusing '{source}' onto it as well mixes the two modes on one layer. "
+                               "Set 'mode' to bypass on this loader too (or fuse on both)")
     quant = check_weight_keys(model, sorted({it.target.key for it in plan.items}), "H3 adapters", NODE_ID)
     qdeltas: dict[str, list] = {}
     for it in plan.items:
@@ -102,6 +114,46 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
     if gates is not None:
         m.set_attachments(GATE_ATTACHMENT, gates)
     return m, plan
+
+
+def _apply_bypass(model, plan: core.Plan, strength: float, source: str):
+    """The plan's items as bypass entries on a clone; fused / bypassed on one layer and the host's own bypass
+    injection are refused before anything is registered."""
+    if model.get_injections("bypass_lora"):
+        raise AdapterError(f"{NODE_ID}: the model carries ComfyUI's own bypass LoRA (LoraLoaderBypass); its hooks and "
+                           "ditkit's would eject in the wrong order. Put this loader before LoraLoaderBypass, or use "
+                           "mode fuse")
+    new: dict[str, list] = {}
+    regular: dict = {}
+    for it in plan.items:
+        k = it.target.key
+        if k.startswith("gate:"):
+            continue
+        if not k.endswith(".bias") and len(it.target.shape) != 2:   # norms' .diff: not a Linear; patched as the
+            regular[k] = DitKitAdapterPatch(set(it.module.keys), it)  # host's own bypass loader does
+            continue
+        if k in model.patches or k in model.object_patches:
+            raise AdapterError(f"{NODE_ID}: layer '{k}' already carries a fused adapter (an earlier loader in mode "
+                               f"fuse or ComfyUI's LoraLoader); bypassing '{source}' on it as well mixes the two "
+                               "modes on one layer. Set 'mode' to fuse on this loader too (or bypass on both)")
+        param = "bias" if k.endswith(".bias") else "weight"
+        new.setdefault(k, []).append(adapter_bypass.Entry(
+            param, it.kind, it.parts, float(it.scale) * float(strength), it.row_map, it.target.rows,
+            f"{source}: {it.module.prefix}"))
+    gates = core.assigned_gates(plan, model.get_attachment(GATE_ATTACHMENT) or {}, float(strength), source) \
+        if plan.gates else None
+    m = model.clone()
+    if regular:
+        m.add_patches(regular, strength_patch=float(strength))
+        plan.notes.append(f"mode bypass: {len(regular)} non-Linear weights (norm .diff) patched as regular weight "
+                          "patches, as ComfyUI's own bypass loader does: " + ", ".join(sorted(regular)))
+    lines = adapter_bypass.install(m, new)
+    if gates is not None:
+        m.set_attachments(GATE_ATTACHMENT, gates)
+    plan.notes.append(f"mode bypass: {len(lines)} layers run the adapter beside their untouched weights "
+                      "(y = base(x) + s·ΔW x each call; no requantization, no weight copy)")
+    plan.notes.extend(lines)
+    return m
 
 
 def report_text(plan: core.Plan, file: str, strength: float, scale: float | None, qkv_layout: str) -> str:
@@ -151,6 +203,11 @@ class DitKitAdapterLoader(io.ComfyNode):
                                        "convention; the report names which). Any other value replaces the alpha/rank "
                                        "scale of every low-rank module: set it when the loader says the file does "
                                        "not determine the scale."),
+                io.Combo.Input("mode", options=list(MODES), default="fuse", optional=True,
+                               tooltip="fuse: the adapter is added into the weights (quantized layers requantized "
+                                       "exactly in their own format). bypass: the weights stay untouched and the "
+                                       "adapter runs beside each layer at run time, y = base(x) + s·ΔW x (no "
+                                       "requantization error, no weight copy: for nvfp4 and stacks of LoRAs). H3 only."),
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model with the adapter patches registered."),
                      io.String.Output(display_name="report",
@@ -160,7 +217,7 @@ class DitKitAdapterLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, adapter_name: str, strength: float, qkv_layout: str = "auto",
-                scale: float = 0.0) -> io.NodeOutput:
+                scale: float = 0.0, mode: str = "fuse") -> io.NodeOutput:
         from ..loaders import lokr_apply as lokr_core
 
         override = None if lokr_core.check_scale_input(scale, "scale") == 0.0 else float(scale)
@@ -169,7 +226,12 @@ class DitKitAdapterLoader(io.ComfyNode):
             raise AdapterError(f"{NODE_ID}: qkv_layout {qkv_layout!r} is not one of {list(core.QKV_LAYOUTS)}")
         path = _files.safetensors_path("loras", adapter_name, NODE_ID)
         uid = cls.hidden.unique_id if cls.hidden is not None else None
+        if mode not in MODES:
+            raise AdapterError(f"{NODE_ID}: mode {mode!r} is not one of {list(MODES)}")
         if not is_h3(model):
+            if mode != "fuse":
+                raise AdapterError(f"{NODE_ID}: mode {mode!r} applies to MiniMax H3 models only; this model is not H3 "
+                                   "(use mode fuse for Z-Image / FLUX.2 LoKr)")
             if qkv_layout != "auto":
                 raise AdapterError(f"{NODE_ID}: qkv_layout {qkv_layout!r} applies to MiniMax H3 models only; this model "
                                    "is not H3 (leave it on auto for Z-Image / FLUX.2 LoKr)")
@@ -178,11 +240,11 @@ class DitKitAdapterLoader(io.ComfyNode):
             payload = send_report(uid, NODE_ID, "adapter", lplan.summary(),
                                   {**lplan.as_dict(), "file": adapter_name, "strength": strength, "scale_input": override})
             return io.NodeOutput(patched, text, ui=ui_report(payload))
-        patched, plan = apply_h3_adapter(model, path, strength, adapter_name, qkv_layout, override)
+        patched, plan = apply_h3_adapter(model, path, strength, adapter_name, qkv_layout, override, mode)
         text = report_text(plan, adapter_name, strength, override, qkv_layout)
         payload = send_report(uid, NODE_ID, "adapter", plan.summary(),
                               {**plan.as_dict(), "file": adapter_name, "strength": strength, "scale_input": override,
-                               "qkv_layout_input": qkv_layout})
+                               "qkv_layout_input": qkv_layout, "mode": mode})
         return io.NodeOutput(patched, text, ui=ui_report(payload))
 
 

@@ -151,3 +151,86 @@ def test_contract_probe_holds_on_this_host(comfy):
     from ditkit.bridge import quant_requant
 
     assert quant_requant._host_layouts().state == "holds"
+
+
+# ------------------------------------------------------------------ bypass mode
+def _swiglu(a):
+    g, v = a.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * v
+
+
+def _run_injected(m, fn):
+    for inj in m.injections["ditkit_bypass"]:
+        inj.inject(m)
+    try:
+        return fn()
+    finally:
+        for inj in m.injections["ditkit_bypass"]:
+            inj.eject(m)
+
+
+@pytest.mark.parametrize("fmt", FORMATS + ("float",))
+@pytest.mark.parametrize("adapter", ["diffsynth", "diffusers", "lokr", "loha"])
+def test_bypass_output_equals_float64_reference(comfy, tmp_path, fmt, adapter):
+    """y = base(x) + s·ΔW x with the weight untouched: qkv (row maps / thirds), out_proj, fc1 and fc2 (the mlp hook;
+    the host's linear_input_act would skip a hook on fc2 of an int8 base) within float32 rounding of float64."""
+    import comfy.sd
+    import comfy.utils
+
+    from ditkit.nodes.adapters import apply_h3_adapter, report_text
+
+    q = comfy.sd.load_diffusion_model_state_dict(c.base_state_dict()) if fmt == "float" else quant_base(fmt)
+    sd, meta, cfg, expect = build(adapter, seed=8)
+    lay = "interleaved" if adapter in ("lokr", "loha") else "auto"
+    before = {k: comfy.utils.get_attr(q.model, k).detach().clone() for k in expect}
+    m, plan = apply_h3_adapter(q, str(write(tmp_path, adapter, sd, meta, cfg)), 0.6, qkv_layout=lay, mode="bypass")
+    assert not m.patches and not m.object_patches
+    g = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for k in expect:
+        mod_key = k.rsplit(".", 1)[0]
+        lin = comfy.utils.get_attr(m.model, mod_key)
+        d = _expect_full(expect, k, tuple(lin.weight.shape), 0.6)
+        if mod_key.endswith("mlp.fc2"):
+            mlp = comfy.utils.get_attr(m.model, mod_key[: -len(".fc2")])
+            x = torch.randn(5, mlp.fc1.weight.shape[1], generator=g)
+            base = mlp(x)
+            a = mlp.fc1(x)
+            ref = base.double() + _swiglu(a.double()) @ d.T
+            got = _run_injected(m, lambda: mlp(x))
+        else:
+            x = torch.randn(5, lin.weight.shape[1], generator=g)
+            base = lin(x)
+            ref = base.double() + x.double() @ d.T
+            got = _run_injected(m, lambda: lin(x))
+        err = (got.double() - ref).abs().max().item() / ref.abs().max().item()
+        worst = max(worst, err)
+        assert err <= 2e-6, (k, err)
+        assert torch.equal(bits(comfy.utils.get_attr(q.model, k).detach()), bits(before[k]))
+    text = report_text(plan, "f", 0.6, None, lay)
+    assert adapter == "diffusers" or ("bypass layer blocks.0.mlp.fc2" in text and "hooked on the parent mlp" in text)
+    print(f"bypass {fmt} {adapter}: worst relative error {worst:.3g}")
+
+
+def test_fused_then_bypassed_on_one_layer_refused(comfy, tmp_path):
+    from ditkit.nodes.adapters import apply_h3_adapter
+
+    q = quant_base("int8_convrot")
+    sd, meta, cfg, _ = build("diffsynth", seed=4)
+    p = str(write(tmp_path, "diffsynth", sd, meta, cfg))
+    fused, _ = apply_h3_adapter(q, p, 1.0)
+    with pytest.raises(AdapterError, match=r"layer 'diffusion_model\.blocks\.\d\.[a-z_.0-9]+\.weight' already carries a "
+                                           r"fused adapter.*Set 'mode' to fuse"):
+        apply_h3_adapter(fused, p, 1.0, mode="bypass")
+    byp, _ = apply_h3_adapter(q, p, 1.0, mode="bypass")
+    with pytest.raises(AdapterError, match=r"already carries an adapter in bypass mode.*Set 'mode' to bypass"):
+        apply_h3_adapter(byp, p, 1.0)
+    two, plan = apply_h3_adapter(byp, p, 0.5, mode="bypass")     # two bypassed: stacked on one hook per layer
+    assert any("2 deltas" in n for n in plan.notes)
+    assert not byp.patches and not q.injections
+
+
+def test_bypass_contract_probe_holds(comfy):
+    from ditkit.bridge import adapter_bypass
+
+    assert adapter_bypass._bypass_contract().state == "holds"
