@@ -234,3 +234,45 @@ def test_bypass_contract_probe_holds(comfy):
     from ditkit.bridge import adapter_bypass
 
     assert adapter_bypass._bypass_contract().state == "holds"
+
+
+def _sample(m):
+    import nodes as cn
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+    latent = EmptyMiniMaxH3LatentAV.execute(64, 64, 5).result[0]
+    cond = [[torch.randn(1, 6, c.CONFIG["text_dim"], generator=torch.Generator().manual_seed(0)), {}]]
+    return cn.common_ksampler(m, 3, 2, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS + ("float",))
+def test_bypass_runs_in_host_sampling_and_ejects(comfy, tmp_path, fmt):
+    """A 2-step KSampler run: the host injects ditkit's hooks while the clone is loaded (the sample moves), and
+    ejects them after (the base samples as before, every forward restored). On a float base the bypass sample
+    equals the fused one within float32 rounding."""
+    import comfy.model_management
+    import comfy.sd
+
+    from ditkit.nodes.adapters import apply_h3_adapter
+
+    q = comfy.sd.load_diffusion_model_state_dict(c.base_state_dict()) if fmt == "float" else quant_base(fmt)
+    sd, meta, cfg, _ = build("diffsynth", seed=9)
+    p = str(write(tmp_path, "diffsynth", sd, meta, cfg))
+    base0 = _sample(q)
+    m, _ = apply_h3_adapter(q, p, 0.8, mode="bypass")
+    got = _sample(m)
+    comfy.model_management.unload_all_models()
+    base1 = _sample(q)
+    comfy.model_management.unload_all_models()
+    assert all(torch.equal(x, y) for x, y in zip(base0.unbind(), base1.unbind()))
+    diff = max((x - y).abs().max().item() for x, y in zip(got.unbind(), base0.unbind()))
+    assert diff > 1e-3
+    for mod in q.model.modules():   # the host's eject re-assigns the bound original: it must be the class's own
+        f = vars(mod).get("forward")
+        assert f is None or (getattr(f, "__func__", None) is type(mod).forward and f.__self__ is mod), mod
+    if fmt == "float":
+        f, _ = apply_h3_adapter(q, p, 0.8)
+        ref = _sample(f)
+        comfy.model_management.unload_all_models()
+        err = max((x - y).abs().max().item() / y.abs().max().item() for x, y in zip(got.unbind(), ref.unbind()))
+        assert err <= 1e-4, err
