@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ditkit.errors import AdapterError
+from ditkit.loaders.safetensors_io import save_file
 from ditkit.tiny import ckpt_h3 as c
 from tests.integration.test_h3_adapters_host import build, write
 from tests.support.quant_oracle import bits, host_quantize_layer, host_requant_whole, saved_weights
@@ -276,3 +277,50 @@ def test_bypass_runs_in_host_sampling_and_ejects(comfy, tmp_path, fmt):
         comfy.model_management.unload_all_models()
         err = max((x - y).abs().max().item() / y.abs().max().item() for x, y in zip(got.unbind(), ref.unbind()))
         assert err <= 1e-4, err
+
+
+# ------------------------------------------------------------------ Turbo-style LoRA (AdaLN pairs)
+def _turbo(tmp_path, adaln=True):
+    p = tmp_path / "turbo" / "minimax_h3_fl2v_turbo_tiny.safetensors"
+    p.parent.mkdir(exist_ok=True)
+    save_file(c.turbo_lora_state_dict(adaln=adaln), p)
+    return str(p)
+
+
+@pytest.mark.parametrize("mode", ["fuse", "bypass"])
+def test_turbo_lora_adaln_pairs_on_pruned_base_refused_naming_the_file(comfy, tmp_path, mode):
+    from ditkit.nodes.adapters import apply_h3_adapter
+
+    q = quant_base("int8_convrot", curve=True)
+    with pytest.raises(AdapterError, match=r"'diffusion_model\.blocks\.0\.adaln_proj\.linear\.lora_down\.weight' is an "
+                                           r"AdaLN pair of a Turbo.*32-wide silu\(t_emb\).*8-wide adaln_t_table.*"
+                                           r"Load the unpruned checkpoint.*minimax_h3_fl2va_int8_convrot\.safetensors"):
+        apply_h3_adapter(q, _turbo(tmp_path), 1.0, mode=mode)
+    assert not q.patches and not q.object_patches and not q.injections
+
+
+@pytest.mark.parametrize("mode", ["fuse", "bypass"])
+def test_turbo_lora_on_unpruned_int8_convrot_base(comfy, tmp_path, mode):
+    """The Turbo-style LoRA with AdaLN pairs on the unpruned int8 ConvRot repack (AdaLN quantized, group 16 at the
+    tiny width 32): fused code for code / bypassed within float32 rounding on the AdaLN layer."""
+    import comfy.utils
+
+    from ditkit.nodes.adapters import apply_h3_adapter
+
+    q = quant_base("int8_convrot")
+    k = "diffusion_model.blocks.1.adaln_proj.linear.weight"
+    base = _qt(q, k)
+    assert base.__class__.__name__ == "QuantizedTensor" and base._params.convrot_groupsize == 16
+    sd = c.turbo_lora_state_dict()
+    pre = "diffusion_model.blocks.1.adaln_proj.linear."
+    d = sd[pre + "lora_up.weight"].double() @ sd[pre + "lora_down.weight"].double()   # alpha = rank: scale 1
+    m, plan = apply_h3_adapter(q, _turbo(tmp_path), 0.9, mode=mode)
+    if mode == "fuse":
+        _same_qt(m.object_patches[k].data, host_requant_whole(base, 0.9 * d), k)
+    else:
+        lin = comfy.utils.get_attr(m.model, k[: -len(".weight")])
+        x = torch.randn(3, d.shape[1], generator=torch.Generator().manual_seed(2))
+        ref = lin(x).double() + 0.9 * (x.double() @ d.T)
+        got = _run_injected(m, lambda: lin(x))
+        assert (got.double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+        assert any("bypass layer blocks.1.adaln_proj.linear" in n for n in plan.notes)
