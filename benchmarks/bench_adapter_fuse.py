@@ -25,6 +25,17 @@ copy of the layer ever raised the peak before the measurement:
                             calculate_weight``, then the layer's ``set_weight``: ``requantize_from_float(scale=
                             "recalculate", stochastic_rounding=seed, inplace_ops=True)``.
 
+On an int8 ConvRot base (comfy_quant ``int8_tensorwise``, ``convrot``, group 256, one scale per row: the
+Comfy-Org H3 repack format), codes written chunk by chunk (``--only convrot``):
+
+* ``ditkit-convrot``     -- DitKitAdapterLoader fuse: ``bridge/quant_requant.requantize_layer`` (float64 row chunks,
+                            the host's own ConvRot quantize per chunk);
+* ``native-convrot``     -- ComfyUI's patch path as above (whole-layer dequantize, LoRAAdapter, requantize_from_float
+                            with stochastic rounding);
+* ``bypass-convrot``     -- mode bypass: nothing is done to the weight; the peak is that of one ``h`` call on 64
+                            tokens, and the per-call time of (int8 ConvRot linear + h) over the linear alone,
+                            5 interleaved pairs per run.
+
 Runs are interleaved (one of each mode per round, in a fixed order) ``--repeat`` times; the median and min-max of
 each and the ditkit/native ratios are printed from this one run (``--only fp8`` / ``--only float`` runs one group).
 Quality delta: float: max |ditkit - native| / max |ΔW| (contiguous layout, same arithmetic up to fp32 summation
@@ -66,6 +77,68 @@ if comfyui:
 g = torch.Generator().manual_seed(0)
 a = (torch.randn(rank, cols, generator=g) * 0.02).to(torch.bfloat16)
 b = (torch.randn(rows, rank, generator=g) * 0.02).to(torch.bfloat16)
+if mode.endswith("-convrot"):
+    import statistics, types
+    from comfy.quant_ops import QuantizedTensor, get_layout_class
+    from ditkit.bridge import adapter_bypass, quant_requant
+    key = "diffusion_model.blocks.0.attn.qkv_proj.weight"
+    codes = torch.empty(rows, cols, dtype=torch.int8)
+    for r0 in range(0, rows, 512):                     # codes written chunk by chunk: no float copy of the layer
+        codes[r0:r0 + 512] = torch.randint(-127, 128, (min(512, rows - r0), cols), generator=g, dtype=torch.int8)
+    lay_name = "TensorWiseINT8Layout"
+    params = get_layout_class(lay_name).Params(scale=torch.rand(rows, 1, generator=g) * 1e-4 + 1e-4,
+                                               orig_dtype=torch.float32, orig_shape=(rows, cols), convrot=True,
+                                               convrot_groupsize=256)
+    qt = QuantizedTensor(codes, lay_name, params)
+    lay = quant_requant.classify(qt, key)
+    dl_parts = (b.float(), a.float())
+    if mode == "ditkit-convrot":
+        from ditkit.kernels import delta_fuse
+        from ditkit.nodes.lokr import fuse_quantized
+        fake = types.SimpleNamespace(get_model_object=lambda k: qt, patches={})
+        run = lambda: fuse_quantized(fake, {key: [delta_fuse.Delta("lowrank", dl_parts, 1.0)]}, {key: lay})[0][key].data
+    elif mode == "native-convrot":
+        import comfy.model_management, comfy.utils
+        from comfy.weight_adapter.lora import LoRAAdapter
+        def run():
+            temp = comfy.model_management.cast_to_device(qt, torch.device("cpu"), torch.float32, copy=True)
+            if isinstance(temp, QuantizedTensor):
+                temp = temp.dequantize()
+            temp = LoRAAdapter(set(), (b, a, None, None, None, None)).calculate_weight(
+                temp, key, 1.0, 1.0, None, lambda x: x, torch.float32)
+            return qt.requantize_from_float(temp, scale="recalculate", stochastic_rounding=comfy.utils.string_to_seed(key),
+                                            inplace_ops=True)
+    else:   # bypass-convrot: what bypass holds and adds per call: the entry, one h() on TOKENS tokens
+        tokens = 64
+        x = torch.randn(tokens, cols, generator=g)
+        ent = adapter_bypass.Entry("weight", "lowrank", dl_parts, 1.0, None, None, "bench")
+        h0 = hwm_kib()
+        t = time.perf_counter()
+        y = adapter_bypass.h_sum([ent], x, rows, torch.float32)
+        sec = time.perf_counter() - t
+        peak = (hwm_kib() - h0) / 1024
+        base_t, byp_t = [], []
+        for _ in range(5):                             # interleaved: base forward, base forward + h
+            t = time.perf_counter(); yb = torch.nn.functional.linear(x, qt); base_t.append(time.perf_counter() - t)
+            t = time.perf_counter(); yb = torch.nn.functional.linear(x, qt); yb = yb + adapter_bypass.h_sum([ent], x, rows, yb.dtype); byp_t.append(time.perf_counter() - t)
+        exact = x.double() @ (b[:512].double() @ a.double()).T          # h alone vs float64 ΔW x (the base's own
+        err = (y[:, :512].double() - exact).abs().max() / exact.abs().max()  # int8 activation rounding is not h's)
+        print(json.dumps({"seconds": sec, "peak_extra_mib": peak, "base_step_s": statistics.median(base_t),
+                          "bypass_step_s": statistics.median(byp_t),
+                          "step_ratios": [bb / aa for aa, bb in zip(base_t, byp_t)], "rel_max_err_vs_float64": err.item(),
+                          "layout": "untouched " + lay.describe()}))
+        raise SystemExit(0)
+    h0 = hwm_kib()
+    t = time.perf_counter()
+    new = run()
+    sec = time.perf_counter() - t
+    peak = (hwm_kib() - h0) / 1024
+    exact = quant_requant.base_rows64(qt, lay, 0, 512) + b[:512].double() @ a.double()
+    got = quant_requant.base_rows64(new, quant_requant.classify(new, key), 0, 512)
+    err = (got - exact).pow(2).mean().sqrt() / (b[:512].double() @ a.double()).pow(2).mean().sqrt()
+    print(json.dumps({"seconds": sec, "peak_extra_mib": peak, "rel_rms_err": err.item(),
+                      "layout": quant_requant.classify(new, key).describe()}))
+    raise SystemExit(0)
 if mode.endswith("-fp8"):
     import types
     from comfy.quant_ops import QuantizedTensor, get_layout_class
@@ -132,8 +205,21 @@ print(json.dumps({"seconds": sec, "peak_extra_mib": peak}))
 """
 
 
+def _view() -> str:
+    """A folder whose ``ditkit`` is this checkout (the repository root is the package, under any folder name):
+    the child's ``import ditkit`` must not resolve to another installed copy."""
+    v = Path(tempfile.gettempdir()) / f"bench-adapter-view-{os.getuid()}-{abs(hash(str(REPO))) % 10**10}"
+    v.mkdir(exist_ok=True)
+    link = v / "ditkit"
+    if not link.is_symlink() or link.resolve() != REPO.resolve():
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(REPO, target_is_directory=True)
+    return str(v)
+
+
 def run(mode, a, out=""):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_view(), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     r = subprocess.run([sys.executable, "-c", CHILD, mode, str(a.rows), str(a.cols), str(a.rank), a.comfyui or "",
                         str(out)], capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env)
     if r.returncode:
@@ -147,7 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cols", type=int, default=5376)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--only", choices=("float", "fp8"), default=None, help="run one group of modes")
+    ap.add_argument("--only", choices=("float", "fp8", "convrot"), default=None, help="run one group of modes")
     ap.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH", ""))
     ap.add_argument("--rows-out", dest="rows_out", metavar="FILE",
                     help="also write every figure as a row (benchmarks/_harness.py): .jsonl or .csv")
@@ -155,7 +241,8 @@ def main(argv=None) -> int:
     a.rows = a.nrows
     if not a.comfyui:
         raise SystemExit("needs the ComfyUI source tree (--comfyui or COMFYUI_PATH) for the native path")
-    groups = {"float": ("ditkit", "native", "ditkit-interleaved"), "fp8": ("ditkit-fp8", "native-fp8")}
+    groups = {"float": ("ditkit", "native", "ditkit-interleaved"), "fp8": ("ditkit-fp8", "native-fp8"),
+              "convrot": ("ditkit-convrot", "native-convrot", "bypass-convrot")}
     modes = tuple(m for gname, ms in groups.items() if a.only in (None, gname) for m in ms)
     rows = Rows(a.rows_out, "bench_adapter_fuse")
     res = {m: [] for m in modes}
@@ -180,6 +267,7 @@ def main(argv=None) -> int:
         rows.add_stats(m, "time", sc, "s")
     pairs = [(m, "native") for m in ("ditkit", "ditkit-interleaved") if m in modes]
     pairs += [("ditkit-fp8", "native-fp8")] if "ditkit-fp8" in modes else []
+    pairs += [(m, "native-convrot") for m in ("ditkit-convrot", "bypass-convrot") if m in modes]
     for m, base in pairs:
         pr = ratio_stats([r["peak_extra_mib"] for r in res[m]], [q["peak_extra_mib"] for q in res[base]])
         tr = ratio_stats([r["seconds"] for r in res[m]], [q["seconds"] for q in res[base]])
@@ -189,7 +277,15 @@ def main(argv=None) -> int:
     if qual is not None:
         print(f"  quality: max |ditkit - native| / max |ΔW| = {qual:.2e} (contiguous layout, fp32)")
         rows.add("ditkit/native", "max_abs_diff_over_max_delta", qual)
-    for m in ("ditkit-fp8", "native-fp8"):
+    if "bypass-convrot" in modes:
+        st = ratio_stats([r["bypass_step_s"] for r in res["bypass-convrot"]], [r["base_step_s"] for r in res["bypass-convrot"]])
+        allr = stats(x for r in res["bypass-convrot"] for x in r["step_ratios"])
+        print(f"  bypass time per call on the int8 ConvRot layer (64 tokens, base forward vs base + h, interleaved): "
+              f"ratio median {st['median']:.3f} {spread(st)} (all {len(list(x for r in res['bypass-convrot'] for x in r['step_ratios']))} "
+              f"pairs: median {allr['median']:.3f}, min {allr['min']:.3f}, max {allr['max']:.3f}); "
+              f"h error vs float64 ΔW x (first 512 rows) {res['bypass-convrot'][0]['rel_max_err_vs_float64']:.2e}")
+        rows.add_stats("bypass-convrot/base", "step_time_ratio", st, "x")
+    for m in ("ditkit-fp8", "native-fp8", "ditkit-convrot", "native-convrot"):
         if m in modes:
             e = stats(r["rel_rms_err"] for r in res[m])
             print(f"  quality {m}: RMS(result - exact update) / RMS(ΔW) = {e['median']:.3e} (first 512 rows; "

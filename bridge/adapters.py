@@ -17,10 +17,12 @@ from comfy.weight_adapter.base import WeightAdapterBase
 from ..errors import AdapterError
 from ..kernels import delta_fuse
 from ..loaders import h3_adapters as core
+from . import adapter_bypass, quant_requant
 from .loaders import GATE_ATTACHMENT
 from .lokr import check_weight_keys, fuse_quantized, quantized_note
 
 NODE_ID = "DitKitAdapterLoader"
+MODES = ("fuse", "bypass")
 
 
 class DitKitAdapterPatch(WeightAdapterBase):
@@ -41,11 +43,14 @@ class DitKitAdapterPatch(WeightAdapterBase):
 
 
 def apply_h3_adapter(model, path: str, strength: float, source: str | None = None, qkv_layout: str = "auto",
-                     scale: float | None = None):
-    """-> (patched clone, plan). Raises a DitKitError before touching anything on bad input."""
+                     scale: float | None = None, mode: str = "fuse"):
+    """-> (patched clone, plan). Raises a DitKitError before touching anything on bad input. ``mode`` "fuse"
+    patches the weights; "bypass" runs the adapter beside the untouched weights (``bridge/adapter_bypass``)."""
+    if mode not in MODES:
+        raise AdapterError(f"{NODE_ID}: mode {mode!r} is not one of {list(MODES)}")
     source = source or os.path.basename(path)
     sd = model.model_state_dict(filter_prefix="diffusion_model.")
-    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    shapes = quant_requant.logical_shapes(model, sd)
     base_gates = model.get_attachment(GATE_ATTACHMENT) or {}
     g = core.geometry(shapes, {int(i): tuple(w.shape) for i, w in dict(base_gates).items()})
 
@@ -60,11 +65,20 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
             p = w._params
             if getattr(p, "scale", None) is not None and p.scale.numel() == 1:
                 return w._qdata.double() * p.scale.double()   # per-tensor: exact
-            return w.dequantize()
+            exact = quant_requant.dequantize64(w, k)       # int8 ConvRot / per-channel, mxfp8, nvfp4: exact
+            return exact if exact is not None else w.dequantize()
         return sd[k]
 
     af = core.read_adapter_file(path, g, input_name="adapter_name")
     plan = core.plan(af, g, base_weight, source=source, qkv_layout=qkv_layout, scale_override=scale)
+    if mode == "bypass":
+        return _apply_bypass(model, plan, strength, source), plan
+    bypassed = set(adapter_bypass.current(model))
+    for it in plan.items:
+        if it.target.key.rsplit(".", 1)[0] in bypassed:
+            raise AdapterError(f"{NODE_ID}: layer '{it.target.key}' already carries an adapter in bypass mode (an "
+                               f"earlier loader); fusing '{source}' onto it as well mixes the two modes on one layer. "
+                               "Set 'mode' to bypass on this loader too (or fuse on both)")
     quant = check_weight_keys(model, sorted({it.target.key for it in plan.items}), "H3 adapters", NODE_ID)
     qdeltas: dict[str, list] = {}
     for it in plan.items:
@@ -93,3 +107,43 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
     if gates is not None:
         m.set_attachments(GATE_ATTACHMENT, gates)
     return m, plan
+
+
+def _apply_bypass(model, plan: core.Plan, strength: float, source: str):
+    """The plan's items as bypass entries on a clone; fused / bypassed on one layer and the host's own bypass
+    injection are refused before anything is registered."""
+    if model.get_injections("bypass_lora"):
+        raise AdapterError(f"{NODE_ID}: the model carries ComfyUI's own bypass LoRA (LoraLoaderBypass); its hooks and "
+                           "ditkit's would eject in the wrong order. Put this loader before LoraLoaderBypass, or use "
+                           "mode fuse")
+    new: dict[str, list] = {}
+    regular: dict = {}
+    for it in plan.items:
+        k = it.target.key
+        if k.startswith("gate:"):
+            continue
+        if not k.endswith(".bias") and len(it.target.shape) != 2:   # norms' .diff: not a Linear; patched as the
+            regular[k] = DitKitAdapterPatch(set(it.module.keys), it)  # host's own bypass loader does
+            continue
+        if k in model.patches or k in model.object_patches:
+            raise AdapterError(f"{NODE_ID}: layer '{k}' already carries a fused adapter (an earlier loader in mode "
+                               f"fuse or ComfyUI's LoraLoader); bypassing '{source}' on it as well mixes the two "
+                               "modes on one layer. Set 'mode' to fuse on this loader too (or bypass on both)")
+        param = "bias" if k.endswith(".bias") else "weight"
+        new.setdefault(k, []).append(adapter_bypass.Entry(
+            param, it.kind, it.parts, float(it.scale) * float(strength), it.row_map, it.target.rows,
+            f"{source}: {it.module.prefix}"))
+    gates = core.assigned_gates(plan, model.get_attachment(GATE_ATTACHMENT) or {}, float(strength), source) \
+        if plan.gates else None
+    m = model.clone()
+    if regular:
+        m.add_patches(regular, strength_patch=float(strength))
+        plan.notes.append(f"mode bypass: {len(regular)} non-Linear weights (norm .diff) patched as regular weight "
+                          "patches, as ComfyUI's own bypass loader does: " + ", ".join(sorted(regular)))
+    lines = adapter_bypass.install(m, new)
+    if gates is not None:
+        m.set_attachments(GATE_ATTACHMENT, gates)
+    plan.notes.append(f"mode bypass: {len(lines)} layers run the adapter beside their untouched weights "
+                      "(y = base(x) + s·ΔW x each call; no requantization, no weight copy)")
+    plan.notes.extend(lines)
+    return m

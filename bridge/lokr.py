@@ -18,6 +18,7 @@ from comfy.weight_adapter.base import WeightAdapterBase
 from ..errors import AdapterError
 from ..kernels import delta_fuse
 from ..loaders import lokr_apply as core
+from . import quant_requant
 from .loaders import quant_algos
 
 NODE_ID = "DitKitLoKrLoader"
@@ -46,8 +47,7 @@ class DitKitLoKrPatch(WeightAdapterBase):
 
 
 def model_shapes(model) -> dict[str, tuple[int, ...]]:
-    sd = model.model_state_dict(filter_prefix="diffusion_model.")
-    return {k: tuple(v.shape) for k, v in sd.items()}
+    return quant_requant.logical_shapes(model, model.model_state_dict(filter_prefix="diffusion_model."))
 
 
 def requant_formats() -> tuple[str, ...]:
@@ -80,18 +80,29 @@ def check_weight_keys(model, keys, what: str = "LoKr", node_id: str = NODE_ID) -
             continue
         convrot = bool(getattr(getattr(w, "_params", None), "convrot", False))
         layout = getattr(w, "_layout_cls", None)
+        qt = w.data if isinstance(w, torch.nn.Parameter) else w
         if (qfmt in ok_formats and not convrot and cls == "QuantizedTensor"
-                and layout == QUANT_ALGOS[qfmt]["comfy_tensor_layout"]):
+                and layout == QUANT_ALGOS[qfmt]["comfy_tensor_layout"]
+                and getattr(qt._params, "scale", torch.ones(())).numel() == 1):
             handled[wk] = qfmt
             continue
+        if cls == "QuantizedTensor" and layout == QUANT_ALGOS.get(qfmt, {}).get("comfy_tensor_layout"):
+            # int8 ConvRot / per-channel, mxfp8, nvfp4: the host's own layout quantize
+            try:
+                lay = quant_requant.classify(qt, wk)
+            except quant_requant.LayerRefused as e:
+                raise AdapterError(f"{node_id}: {e}; nothing was applied") from None
+            if lay is not None:
+                handled[wk] = lay
+                continue
         fmt = (f"comfy_quant format {qfmt}{' (ConvRot)' if convrot else ''}, layout {getattr(mod, 'layout_type', None)}"
                if qfmt is not None else f"{cls}, dtype {w.dtype}")
         raise AdapterError(
             f"{node_id}: layer '{wk}' is stored quantized/packed ({fmt}); ditkit merges {what} only into "
-            f"unquantized weights or the per-tensor comfy_quant schemes {', '.join(ok_formats)} (chunked dequantize "
-            "-> float64 add -> requantize, same layout, scale recomputed). Block-scaled formats (mxfp8, nvfp4) and "
-            "other packed layouts are refused, not approximated. Load the model unquantized, or quantize after "
-            "merging.")
+            f"unquantized weights, the per-tensor comfy_quant schemes {', '.join(ok_formats)} (chunked dequantize "
+            "-> float64 add -> requantize, same layout, scale recomputed) and the host layouts int8 ConvRot / "
+            "per-channel, mxfp8, nvfp4. Other packed layouts are refused, not approximated. Load the model "
+            "unquantized, or quantize after merging.")
     return handled
 
 
@@ -111,6 +122,16 @@ def fuse_quantized(model, deltas: dict[str, list], handled: dict[str, str], node
         fmt = handled[wk]
         w = model.get_model_object(wk)
         qt = w.data if isinstance(w, torch.nn.Parameter) else w
+        if isinstance(fmt, quant_requant.Layout):
+            try:
+                new_qt, chunks = quant_requant.requantize_layer(qt, fmt, ds)
+            except ValueError as e:
+                raise AdapterError(f"{node_id}: {what} onto quantized layer '{wk}' ({fmt.describe()}): {e}") from None
+            out[wk] = torch.nn.Parameter(new_qt, requires_grad=False)
+            lines.append(f"{wk[len('diffusion_model.'):] if wk.startswith('diffusion_model.') else wk}: requantized "
+                         f"{fmt.describe()} in {chunks} row chunks, host layout quantize ({len(ds)} "
+                         f"delta{'s' if len(ds) != 1 else ''})")
+            continue
         data, params = qt._qdata, qt._params
         shape = tuple(qt.shape)
         if len(shape) != 2:
@@ -192,7 +213,7 @@ def _kron_delta(it: core.PlanItem, strength: float) -> delta_fuse.Delta:
     from ..loaders.lokr_math import rebuild_w1, rebuild_w2
 
     f = it.module.factors
-    w1, w2 = rebuild_w1(f).contiguous(), rebuild_w2(f).contiguous()
+    w1, w2 = rebuild_w1(f, torch.float64).contiguous(), rebuild_w2(f, torch.float64).contiguous()
     t = it.target
     if w2.dim() != 2 or (w1.shape[0] * w2.shape[0], w1.shape[1] * w2.shape[1]) != tuple(t.shape):
         raise AdapterError(f"{NODE_ID}: module '{it.module.prefix}' onto quantized layer '{t.weight_key}': its "

@@ -253,6 +253,18 @@ def delta_sum_rows(deltas, r0: int, r1: int, cols: int, dtype=torch.float64, dev
     return out
 
 
+def check_deltas(deltas, rows: int, cols: int) -> None:
+    """Every delta fits a ``[rows, cols]`` weight at its row slice (``ValueError`` naming the first that does not)."""
+    for d in deltas:
+        if d.kind not in KINDS:
+            raise ValueError(f"delta kind {d.kind!r} is not one of {KINDS}")
+        n = _rows_of(d.kind, d.parts) if d.row_map is None else d.row_map.numel()
+        a, b = d.rows if d.rows is not None else (0, rows)
+        if _cols_of(d.kind, d.parts) != cols or b - a != n or not 0 <= a < b <= rows:
+            raise ValueError(f"{d.kind} delta [{n}, {_cols_of(d.kind, d.parts)}] does not fit rows {a}:{b} of a "
+                             f"[{rows}, {cols}] weight")
+
+
 def requantize_fuse(data: torch.Tensor, scales: dict, fmt: str, shape: tuple[int, int], deltas,
                     max_chunk_elems: int = DEFAULT_CHUNK_ELEMS, source_dtype=torch.float32, backend: str = "auto"
                     ) -> tuple[torch.Tensor, dict, int, str]:
@@ -275,14 +287,7 @@ def requantize_fuse(data: torch.Tensor, scales: dict, fmt: str, shape: tuple[int
     if fmt not in PER_TENSOR_FORMATS:
         raise ValueError(f"{fmt}: the chunked requantize covers the per-tensor formats {PER_TENSOR_FORMATS} only")
     rows, cols = shape
-    for d in deltas:
-        if d.kind not in KINDS:
-            raise ValueError(f"delta kind {d.kind!r} is not one of {KINDS}")
-        n = _rows_of(d.kind, d.parts) if d.row_map is None else d.row_map.numel()
-        a, b = d.rows if d.rows is not None else (0, rows)
-        if _cols_of(d.kind, d.parts) != cols or b - a != n or not 0 <= a < b <= rows:
-            raise ValueError(f"{d.kind} delta [{n}, {_cols_of(d.kind, d.parts)}] does not fit rows {a}:{b} of a "
-                             f"[{rows}, {cols}] weight")
+    check_deltas(deltas, rows, cols)
     chunk_rows = max(1, int(max_chunk_elems) // max(1, cols))
     new, new_scales = quant.requantize_add(
         data, scales, fmt, (rows, cols),

@@ -433,6 +433,31 @@ def requantize_add(data: torch.Tensor, scales: dict[str, torch.Tensor], fmt: str
     return new, {"weight_scale": to_blocked(torch.cat(sparts)), "weight_scale_2": scale}
 
 
+def dequant_rows64(data: torch.Tensor, scales: dict[str, torch.Tensor], fmt: str, r0: int, r1: int,
+                   cols: int) -> torch.Tensor:
+    """Rows ``r0:r1`` of a block-format weight (``mxfp8`` / ``nvfp4``, data and blocked scales as stored), cropped
+    to ``cols``, as their exact float64 values: an fp8 code times its E8M0 power of two, or an e2m1 code times
+    its fp8 block scale times the float32 tensor scale, are exact in float64 (not always in float32: subnormal
+    products, 2 + 4 + 24 significant bits)."""
+    rows_p = data.shape[0]
+    if fmt == "mxfp8":
+        cols_p = data.shape[1]
+        e = from_blocked(scales["weight_scale"].view(torch.uint8), rows_p, cols_p // 32)[r0:r1].to(torch.float64)
+        s = torch.where(e == 0, torch.zeros_like(e), torch.exp2(e - 127.0))
+        out = (data[r0:r1].to(torch.float64).reshape(r1 - r0, cols_p // 32, 32) * s.unsqueeze(-1))
+        return out.reshape(r1 - r0, cols_p)[:, :cols]
+    if fmt != "nvfp4":
+        raise ValueError(f"{fmt}: dequant_rows64 covers the block formats mxfp8 / nvfp4")
+    cols_p = 2 * data.shape[1]
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float64, device=data.device)
+    d = data[r0:r1]
+    codes = torch.stack([d >> 4, d & 0x0F], dim=-1).reshape(r1 - r0, cols_p).long()
+    vals = lut[codes].reshape(r1 - r0, cols_p // 16, 16)
+    bs = from_blocked(scales["weight_scale"].view(torch.float8_e4m3fn), rows_p, cols_p // 16)[r0:r1].to(torch.float64)
+    out = vals * (scales["weight_scale_2"].to(torch.float64) * bs).unsqueeze(-1)
+    return out.reshape(r1 - r0, cols_p)[:, :cols]
+
+
 def _dequant_rows(data, scales, fmt, r0, r1, cols):
     rows_p = data.shape[0]
     if fmt == "mxfp8":

@@ -567,6 +567,17 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
             if up.shape[1] != down.shape[0]:
                 raise AdapterError(f"{source}: module '{m.prefix}': up {tuple(up.shape)} and down {tuple(down.shape)} "
                                    "have different ranks")
+            if (g.curve and tgt.key.endswith("adaln_proj.linear.weight") and up.shape[0] == tgt.shape[0]
+                    and down.shape[1] != tgt.shape[1]):
+                raise AdapterError(
+                    f"{source}: key {next((k for k in m.keys if 'down' in k or 'lora_A' in k), m.keys[0])!r} is an "
+                    f"AdaLN pair of a Turbo / step-distillation LoRA: its factors "
+                    f"act on the {down.shape[1]}-wide silu(t_emb) space, but this base is curve-form (pruned: its "
+                    f"AdaLN reads the {tgt.shape[1]}-wide adaln_t_table and has no time embedder). Applying it "
+                    "exactly needs silu(t_emb) on the base's time grid, which a pruned file does not hold; ditkit "
+                    "does not approximate it. Load the unpruned checkpoint of the same partition (e.g. "
+                    "minimax_h3_fl2va_int8_convrot.safetensors instead of minimax_h3_fl2va_pruned_int8_convrot."
+                    "safetensors); nothing was applied")
             if (up.shape[0], down.shape[1]) != tuple(tgt.shape):
                 raise AdapterError(f"{source}: module '{m.prefix}' builds ΔW of shape {(up.shape[0], down.shape[1])} but "
                                    f"its target '{tgt.describe()}' has shape {tuple(tgt.shape)} (key {m.keys[0]!r}; "
@@ -611,7 +622,8 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
             if lm.undetermined is not None:
                 undetermined.append((m, lm.undetermined))
                 continue
-            w1, w2 = rebuild_w1(lm.factors).contiguous(), rebuild_w2(lm.factors).contiguous()
+            w1 = rebuild_w1(lm.factors, torch.float64).contiguous()   # float64: ΔW = kron(w1, w2_a @ w2_b) exact
+            w2 = rebuild_w2(lm.factors, torch.float64).contiguous()
             items.append(Item(m, tgt, "kron", (w1, w2), lm.scale, lm.scale_rule, row_map, lay))
         elif m.kind in ("diff", "diff_b"):
             v = m.tensors["value"]

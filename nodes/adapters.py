@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..bridge.adapters import DitKitAdapterPatch, apply_h3_adapter  # noqa: F401
+from ..bridge.adapters import MODES, DitKitAdapterPatch, apply_h3_adapter  # noqa: F401
 from ..bridge.lokr import apply_lokr
 from ..bridge.models import is_h3
 from ..errors import AdapterError
@@ -72,6 +72,11 @@ class DitKitAdapterLoader(io.ComfyNode):
                                        "convention; the report names which). Any other value replaces the alpha/rank "
                                        "scale of every low-rank module: set it when the loader says the file does "
                                        "not determine the scale."),
+                io.Combo.Input("mode", options=list(MODES), default="fuse", optional=True,
+                               tooltip="fuse: the adapter is added into the weights (quantized layers requantized "
+                                       "exactly in their own format). bypass: the weights stay untouched and the "
+                                       "adapter runs beside each layer at run time, y = base(x) + s·ΔW x (no "
+                                       "requantization error, no weight copy: for nvfp4 and stacks of LoRAs). H3 only."),
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model with the adapter patches registered."),
                      io.String.Output(display_name="report",
@@ -81,7 +86,7 @@ class DitKitAdapterLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, adapter_name: str, strength: float, qkv_layout: str = "auto",
-                scale: float = 0.0) -> io.NodeOutput:
+                scale: float = 0.0, mode: str = "fuse") -> io.NodeOutput:
         from ..loaders import lokr_apply as lokr_core
 
         override = None if lokr_core.check_scale_input(scale, "scale") == 0.0 else float(scale)
@@ -90,7 +95,12 @@ class DitKitAdapterLoader(io.ComfyNode):
             raise AdapterError(f"{NODE_ID}: qkv_layout {qkv_layout!r} is not one of {list(core.QKV_LAYOUTS)}")
         path = _files.safetensors_path("loras", adapter_name, NODE_ID)
         uid = cls.hidden.unique_id if cls.hidden is not None else None
+        if mode not in MODES:
+            raise AdapterError(f"{NODE_ID}: mode {mode!r} is not one of {list(MODES)}")
         if not is_h3(model):
+            if mode != "fuse":
+                raise AdapterError(f"{NODE_ID}: mode {mode!r} applies to MiniMax H3 models only; this model is not H3 "
+                                   "(use mode fuse for Z-Image / FLUX.2 LoKr)")
             if qkv_layout != "auto":
                 raise AdapterError(f"{NODE_ID}: qkv_layout {qkv_layout!r} applies to MiniMax H3 models only; this model "
                                    "is not H3 (leave it on auto for Z-Image / FLUX.2 LoKr)")
@@ -99,11 +109,11 @@ class DitKitAdapterLoader(io.ComfyNode):
             payload = send_report(uid, NODE_ID, "adapter", lplan.summary(),
                                   {**lplan.as_dict(), "file": adapter_name, "strength": strength, "scale_input": override})
             return io.NodeOutput(patched, text, ui=ui_report(payload))
-        patched, plan = apply_h3_adapter(model, path, strength, adapter_name, qkv_layout, override)
+        patched, plan = apply_h3_adapter(model, path, strength, adapter_name, qkv_layout, override, mode)
         text = report_text(plan, adapter_name, strength, override, qkv_layout)
         payload = send_report(uid, NODE_ID, "adapter", plan.summary(),
                               {**plan.as_dict(), "file": adapter_name, "strength": strength, "scale_input": override,
-                               "qkv_layout_input": qkv_layout})
+                               "qkv_layout_input": qkv_layout, "mode": mode})
         return io.NodeOutput(patched, text, ui=ui_report(payload))
 
 

@@ -507,3 +507,83 @@ def gen_h3_dit_fasth3_v2(out: Path) -> list[Path]:
         _write_json(root / name, obj)
         written.append(root / name)
     return written
+
+
+# ---------------------------------------------------------------- quantized repacks (Comfy-Org key set and markers)
+QUANT_REPACK_FORMATS = ("int8_convrot", "mxfp8", "nvfp4")
+CONVROT_GROUP = 256          # the Comfy-Org repacks' group (h3.md §9); AdaLN layers use 64
+CONVROT_ADALN_GROUP = 64
+
+
+def convrot_group_for(cols: int, want: int) -> int:
+    """The largest power of 4 <= ``want`` dividing ``cols`` (the tiny widths 64 / 96 / 128 / 32 are not all
+    multiples of 256; the real ones, 5376 / 7168 / 14336, and 2688 for AdaLN's 64, are)."""
+    g = want
+    while g > 4 and cols % g:
+        g //= 4
+    if cols % g:
+        raise ValueError(f"no ConvRot group (power of 4) divides width {cols}")
+    return g
+
+
+def quantized_layer_keys(sd: dict[str, torch.Tensor]) -> list[str]:
+    """The layers a Comfy-Org H3 repack stores quantized: every 2-D weight of the DiT and refiner blocks (qkv,
+    out_proj, fc1, fc2, and the full-width AdaLN of an unpruned file); the pruned file's 8-wide curve AdaLN, the
+    patch projections, condition_proj, time embedder and final layer stay as stored (h3.md §2.6 C, §9)."""
+    out = []
+    for k, v in sd.items():
+        if not (k.startswith("blocks.") or k.startswith("token_refiner.blocks.")) or not k.endswith(".weight"):
+            continue
+        if v.dim() != 2 or "to_gate_compress" in k:
+            continue
+        if "adaln_proj" in k and "adaln_t_table" in sd:
+            continue
+        out.append(k)
+    return out
+
+
+def comfy_quant_state_dict(sd: dict[str, torch.Tensor], fmt: str, quantize) -> dict[str, torch.Tensor]:
+    """A ComfyUI-layout H3 state dict as a Comfy-Org style repack in ``fmt`` (``int8_convrot``: ``{"format":
+    "int8_tensorwise", "convrot": true, "convrot_groupsize": g}``, one float32 scale per row; ``mxfp8``,
+    ``nvfp4``), every quantized layer with its ``weight`` / ``weight_scale`` (/ ``weight_scale_2``) /
+    ``comfy_quant`` keys. ``quantize(w_float32, fmt, group) -> {suffix: tensor}`` is the caller's quantizer: the
+    tests pass the host's own layout quantize (``tests/support/quant_oracle.host_quantize_layer``), so no scale
+    here is invented."""
+    if fmt not in QUANT_REPACK_FORMATS:
+        raise ValueError(f"{fmt!r} is not one of {QUANT_REPACK_FORMATS}")
+    out = dict(sd)
+    for k in quantized_layer_keys(sd):
+        w = sd[k].float()
+        p = k[: -len("weight")]
+        conf: dict = {"format": "int8_tensorwise" if fmt == "int8_convrot" else fmt}
+        group = 0
+        if fmt == "int8_convrot":
+            group = convrot_group_for(w.shape[1], CONVROT_ADALN_GROUP if "adaln_proj" in k else CONVROT_GROUP)
+            conf.update({"convrot": True, "convrot_groupsize": group})
+        parts = quantize(w, fmt, group)
+        del out[k]
+        for suffix, t in parts.items():
+            out[p + "weight" + suffix] = t
+        out[p + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+    return out
+
+
+def turbo_lora_state_dict(cfg=CONFIG, rank: int = ADAPTER_RANK, seed: int = SEED + 9, adaln: bool = True
+                          ) -> dict[str, torch.Tensor]:
+    """A Turbo-style (step-distillation) LoRA in ComfyUI naming (``diffusion_model.<module>.lora_up/lora_down``,
+    ``.alpha``, bf16): the block linears plus, with ``adaln``, AdaLN pairs on every ``blocks.N.adaln_proj.linear``
+    and ``final_layer.adaln_proj.linear`` acting on the ``time_embed_dim``-wide ``silu(t_emb)`` space (the real
+    files: 2688; h3.md §9 "Turbo LoRAs with AdaLN pairs")."""
+    g = torch.Generator("cpu").manual_seed(seed)
+    shapes = comfy_shapes(cfg)
+    mods = [f"blocks.{i}.{m}" for i in range(cfg["num_layers"])
+            for m in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")]
+    if adaln:
+        mods += [f"blocks.{i}.adaln_proj.linear" for i in range(cfg["num_layers"])] + ["final_layer.adaln_proj.linear"]
+    out = {}
+    for m in mods:
+        o, n = shapes[f"{m}.weight"]
+        out[f"diffusion_model.{m}.lora_down.weight"] = dyadic((rank, n), g).to(torch.bfloat16)
+        out[f"diffusion_model.{m}.lora_up.weight"] = dyadic((o, rank), g).to(torch.bfloat16)
+        out[f"diffusion_model.{m}.alpha"] = torch.tensor(float(rank))
+    return out

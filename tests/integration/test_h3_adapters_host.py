@@ -617,16 +617,3 @@ def test_assigned_weight_onto_quantized_h3_layer_uses_its_values(comfy, tmp_path
     s = got["weight_scale"].double()
     err = (got["weight"].double() * s - new.double()).abs()
     assert (err / new.double().abs().clamp_min(float(s))).max().item() <= 0.125 + 1e-6
-
-
-def test_convrot_h3_base_refused_by_layer(comfy, tmp_path):
-    import comfy.sd
-
-    from ditkit.nodes.adapters import apply_h3_adapter
-
-    q = comfy.sd.load_diffusion_model_state_dict(_h3_comfy_quant(c.base_state_dict(), "int8_tensorwise", convrot=True))
-    sd, meta, cfg, _ = build("diffsynth", seed=4)
-    with pytest.raises(AdapterError, match=r"layer 'diffusion_model\.blocks\.\d\.[a-z_.0-9]+\.weight' is stored "
-                                           r"quantized/packed \(comfy_quant format int8_tensorwise \(ConvRot\)"):
-        apply_h3_adapter(q, str(write(tmp_path, "diffsynth", sd, meta, cfg)), 1.0)
-    assert not q.patches

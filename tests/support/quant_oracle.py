@@ -63,3 +63,46 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def json_format(t: torch.Tensor) -> str:
     """The format name of a ``<layer>.comfy_quant`` tensor."""
     return json.loads(bytes(t.tolist()).decode())["format"]
+
+
+LAYOUTS = {"int8_convrot": "TensorWiseINT8Layout", "mxfp8": "TensorCoreMXFP8Layout", "nvfp4": "TensorCoreNVFP4Layout"}
+
+
+def host_quantize_layer(w: torch.Tensor, fmt: str, group: int = 0) -> dict[str, torch.Tensor]:
+    """The host's own layout quantize of one layer for the tiny repacks (``tiny/ckpt_h3.comfy_quant_state_dict``):
+    int8 ConvRot per-channel (``convrot_groupsize=group``), mxfp8, nvfp4 -> {suffix: tensor} as ComfyUI's state
+    dict writes them (``""``, ``"_scale"``, ``"_scale_2"``)."""
+    import comfy.quant_ops as q
+
+    cls = q.get_layout_class(LAYOUTS[fmt])
+    kw = dict(per_channel=True, convrot=True, convrot_groupsize=group) if fmt == "int8_convrot" else {}
+    qd, params = cls.quantize(w.clone(), scale="recalculate", **kw)
+    return q.QuantizedTensor(qd, LAYOUTS[fmt], params).state_dict("")
+
+
+def host_requant_whole(qt, delta64: torch.Tensor) -> "object":
+    """The host's layout quantize (its own ``requantize_kwargs``, no stochastic rounding) of the WHOLE updated
+    weight: float64 dequant(base) (codes x scales, the ConvRot rotation undone in float64 with the host's Hadamard)
+    + float64 ΔW, rounded once to float32 -> a QuantizedTensor."""
+    import comfy.quant_ops as q
+    from comfy_kitchen.tensor.int8_utils import _build_hadamard
+
+    cls = q.get_layout_class(qt._layout_cls)
+    p = qt._params
+    rows, cols = qt.shape
+    if qt._layout_cls == "TensorWiseINT8Layout":
+        w = qt._qdata.double() * p.scale.double().reshape(-1, 1 if p.scale.numel() > 1 else 1)
+        if p.convrot:
+            h = _build_hadamard(p.convrot_groupsize, dtype=torch.float64)
+            g = p.convrot_groupsize
+            w = (w.reshape(rows, cols // g, g) @ h.T).reshape(rows, cols)
+    elif qt._layout_cls == "TensorCoreNVFP4Layout":   # the host's eager decode, asked for float64: exact
+        from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4
+        w = dequantize_nvfp4(qt._qdata, p.scale, p.block_scale, torch.float64)[:rows, :cols]
+    else:
+        from comfy_kitchen.backends.eager.quantization import dequantize_mxfp8
+        w = dequantize_mxfp8(qt._qdata, p.scale, torch.float64)[:rows, :cols]
+    w = w + delta64
+    kw = dict(cls.requantize_kwargs(qt))
+    d, params = cls.quantize(w.float(), scale="recalculate", **kw)
+    return q.QuantizedTensor(d, qt._layout_cls, params)
