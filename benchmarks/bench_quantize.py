@@ -387,7 +387,7 @@ def error_table(official: Path, rows=None) -> list[str]:
         src = qc.open_source(str(official))
         plan = qc.make_plan("h3", fmt, src.inventory)
         rep = qc.QuantReport("h3", fmt, "")
-        for _ in qc.quantize_stream(src.reader(), plan, rep, str(official)):
+        for _ in qc.quantize_stream(src.reader(), plan, rep, str(official), measure_error="full"):
             pass
         for cls, st in rep.classes.items():
             d = st.as_dict()
