@@ -237,7 +237,33 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def _nvfp4_rows(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _e2m1_lut() -> torch.Tensor:
+    """:func:`e2m1_codes` of ``|v|`` by ``y = 4|v|``: every threshold of e2m1_codes is a multiple of 0.25, so the code
+    depends only on ``floor(y)`` and whether ``y`` is an integer; entry ``2 * floor(y) + (y not integral)``, for
+    ``y`` in [0, 24] (computed here with the same comparisons at ``y`` and ``y + 0.5``)."""
+    out = []
+    for fl in range(25):
+        for frac in (0.0, 0.5):
+            a = (fl + frac) / 4
+            out.append(int((a > 0.25) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)))
+    return torch.tensor(out, dtype=torch.uint8)
+
+
+_E2M1_LUT = _e2m1_lut()
+
+
+def _e2m1_codes_finite(v: torch.Tensor) -> torch.Tensor:
+    """:func:`e2m1_codes` for finite float32 values in [-6, 6] (no NaN: the index would be undefined), from one
+    table lookup instead of seven comparisons; the same codes (tested on every threshold and its neighbours)."""
+    sign = torch.signbit(v).view(torch.uint8) << 3
+    y = v.abs().mul_(4.0)                          # exact: a power-of-two scaling of values <= 6
+    fl = y.to(torch.int32)                         # truncation == floor for y >= 0
+    idx = (fl * 2).add_(y != fl)
+    lut = _E2M1_LUT if v.device.type == "cpu" else _E2M1_LUT.to(v.device)
+    return torch.index_select(lut, 0, idx.reshape(-1)).reshape(v.shape) | sign
+
+
+def _nvfp4_rows(x: torch.Tensor, s2: torch.Tensor, finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded rows -> (packed uint8 data [rows, cols/2], unswizzled fp8 block scales [rows, cols/16]); the
     zero-block ``where`` only where a block's scale is 0, the clamp in place (same bits as the one-shot ops)."""
     rows, cols = x.shape
@@ -251,7 +277,7 @@ def _nvfp4_rows(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.
     if any_zero:
         d.masked_fill_(zero.unsqueeze(-1), 0.0)
     d = d.clamp_(-FP4_E2M1_MAX, FP4_E2M1_MAX).reshape(rows, cols)
-    c = e2m1_codes(d)
+    c = _e2m1_codes_finite(d) if finite else e2m1_codes(d)
     packed = (c[:, 0::2] << 4) | c[:, 1::2]
     return packed, sbs.to(torch.float8_e4m3fn)
 
@@ -349,7 +375,13 @@ def quantize(w: torch.Tensor, fmt: str, backend: str = "reference",
         if finite and not bool(torch.isfinite(amax)):
             raise NonFiniteWeight(f"{fmt}: the weight holds NaN or Inf values")
         scale = per_tensor_scale(w, fmt, amax)
-        return quantize_per_tensor_triton(w, scale, fmt), {"weight_scale": scale}
+        out = quantize_per_tensor_triton(w, scale, fmt)
+        if error is not None:
+            step = _row_step(cols)
+            for i, r0 in enumerate(range(0, rows, step)):
+                if i % error.every == 0:
+                    _add_error(error, out[r0:r0 + step].float() * scale.float(), w[r0:r0 + step])
+        return out, {"weight_scale": scale}
     make = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=w.device))
     step = _row_step(cols)
     spans = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
@@ -394,7 +426,7 @@ def quantize(w: torch.Tensor, fmt: str, backend: str = "reference",
     for i, (r0, r1) in enumerate(spans):
         x = w[r0:r1]
         xp = _pad_rows_cols(x, (pr - rows) if r1 == rows else 0, pc - cols)
-        d, sc = _mxfp8_rows(xp) if fmt == "mxfp8" else _nvfp4_rows(xp, s2)
+        d, sc = _mxfp8_rows(xp) if fmt == "mxfp8" else _nvfp4_rows(xp, s2, finite)
         data[r0:r0 + d.shape[0]] = d
         sparts.append(sc)
         if error is not None and i % error.every == 0:

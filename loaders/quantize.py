@@ -354,17 +354,54 @@ def _refuse_non_finite(key: str, t: torch.Tensor, where: str) -> None:
                           "quantized (nor used); re-download or re-export the checkpoint")
 
 
+class _Staging:
+    """One page-locked host buffer, grown to the largest tensor, through which weights go to a CUDA device
+    (``non_blocking`` copies need page-locked memory to overlap; one buffer, not one per tensor: pinning is slow)."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        if self.buf is None or self.buf.numel() < n:
+            self.buf = None
+            self.buf = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        stage = self.buf[:n].view(t.dtype).view(t.shape)
+        stage.copy_(t)
+        out = stage.to(device, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()   # the staging buffer is reused by the next tensor
+        return out
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return x
+    out = host_memory.empty(x.shape, x.dtype)
+    out.copy_(x)
+    return out
+
+
 def quantize_stream(items: Iterator[tuple[str, torch.Tensor]], plan: QuantPlan, report: QuantReport,
                     where: str, measure_error="sampled",
-                    progress: Callable[[int, int, int], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    progress: Callable[[int, int, int], None] | None = None,
+                    device: "torch.device | str | None" = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(key, tensor)`` in source order -> ``(key, tensor)`` in :meth:`QuantPlan.output_inventory` order.
 
     Each quantized weight (and its block scales) is made by :func:`host_memory.empty`, so the outputs a loader
     keeps do not fragment the heap the per-tensor working copies come from (docs/quantize.md, "Peak RSS"); the
     heap is trimmed once per tensor (not per slice: the slices' working copies are reused from one slice to the
     next). ``measure_error``: one of :data:`ERROR_MODES` (the error is measured while quantizing, no second
-    pass). ``progress(done, total, bytes_in)`` after each source tensor (``bytes_in``: source bytes so far)."""
+    pass). ``progress(done, total, bytes_in)`` after each source tensor (``bytes_in``: source bytes so far).
+    ``device`` (a CUDA device): each weight to quantize goes there through one page-locked staging buffer, is
+    quantized there (the per-tensor formats by the Triton kernel, the block formats by the same torch operations as
+    on the CPU) and its results come back into host memory; the kept tensors stay on the host either way.
+    ``benchmarks/gpu_check.py`` section ``quant_load`` checks it bit for bit against the CPU path (not yet run on a
+    GPU)."""
     every = _error_every(measure_error)
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type != "cuda":
+        raise ValueError(f"device {device!r}: the streaming quantizer runs on the CPU (device=None) or a CUDA device")
+    staging = _Staging() if dev is not None else None
     total = len(plan.source_inventory)
     done = bytes_done = 0
     for key, t in items:
@@ -387,7 +424,14 @@ def quantize_stream(items: Iterator[tuple[str, torch.Tensor]], plan: QuantPlan, 
             continue
         err = Q.ErrorSample(every) if every else None
         try:
-            data, scales = Q.quantize(t, plan.fmt, empty=host_memory.empty, error=err, finite=True)
+            if staging is not None:
+                td = staging.to_device(t, dev)
+                backend = "triton" if (Q.HAS_TRITON and Q.get_format(plan.fmt).block == 0) else "reference"
+                data, scales = Q.quantize(td, plan.fmt, backend=backend, error=err, finite=True)
+                del td
+                data, scales = _to_host(data), {k: _to_host(v) for k, v in scales.items()}
+            else:
+                data, scales = Q.quantize(t, plan.fmt, empty=host_memory.empty, error=err, finite=True)
         except Q.NonFiniteWeight:
             _refuse_non_finite(key, t, where)
             raise

@@ -210,3 +210,34 @@ def test_stream_checks_kept_tensors_too():
     with pytest.raises(CheckpointError, match="holds 0 NaN and 1 Inf"):
         list(QC.quantize_stream(iter([("blocks.0.attn.qkv_proj.bias", b)]), plan, QC.QuantReport("h3", "nvfp4", ""),
                                 "src"))
+
+
+def test_stream_device_must_be_cuda():
+    plan = _plan({"blocks.0.mlp.fc1.weight": (32, 32)})
+    with pytest.raises(ValueError, match="CUDA"):
+        list(QC.quantize_stream(iter([("blocks.0.mlp.fc1.weight", torch.ones(32, 32))]), plan,
+                                QC.QuantReport("h3", "float8_e4m3fn", ""), "x", device="cpu"))
+
+
+def test_e2m1_table_equals_the_comparisons_on_every_threshold_and_neighbour():
+    th = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 1e-30, 1e-45])
+    near = [th]
+    for _ in range(3):
+        near += [torch.nextafter(near[-1], torch.full_like(th, 10.0))]
+    lo = [th]
+    for _ in range(3):
+        lo += [torch.nextafter(lo[-1], torch.full_like(th, -10.0))]
+    v = torch.cat(near + lo).clamp(0, 6)
+    v = torch.cat([v, -v, torch.rand(1 << 16, generator=torch.Generator().manual_seed(7)) * 12 - 6])
+    assert torch.equal(Q._e2m1_codes_finite(v), Q.e2m1_codes(v))
+    assert torch.equal(Q._e2m1_codes_finite(v.reshape(-1, 2).t()), Q.e2m1_codes(v.reshape(-1, 2).t()))
+
+
+def test_nvfp4_finite_path_equals_the_comparison_path():
+    w = (torch.randn(260, 96, generator=torch.Generator().manual_seed(8)) * 0.05).to(torch.bfloat16)
+    w[0, :16] = 0.0
+    w[1, :16] = -0.0
+    a = Q.quantize(w, "nvfp4")
+    b = Q.quantize(w, "nvfp4", finite=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1]["weight_scale"].view(torch.uint8),
+                                                   b[1]["weight_scale"].view(torch.uint8))
