@@ -13,6 +13,7 @@ host; :func:`load_progress` binds them to the running server.
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 from typing import Callable
 
@@ -93,8 +94,13 @@ def load_progress(what: str, node_id: str | None = None) -> LoadProgress:
 @entry("server.PromptServer.send_progress_text", nodes=NODES, what="signature",
        doc="a node's progress text: send_progress_text(text, node_id, sid=None)")
 def _send_progress_text_probe() -> Probe:
-    import server
-
+    server = sys.modules.get("server")
+    if server is None:
+        try:
+            import server
+        except Exception as e:  # noqa: BLE001 - outside a running ComfyUI (e.g. a CUDA build on a CPU box)
+            return Probe.adapted(f"ComfyUI's server module does not import in this process ({type(e).__name__}): "
+                                 "no progress text, the progress bar only")
     fn = getattr(getattr(server, "PromptServer", None), "send_progress_text", None)
     if fn is None:
         return Probe.adapted("no PromptServer.send_progress_text: quantizing loads show the progress bar only")

@@ -56,3 +56,12 @@ def test_load_progress_outside_a_server_sends_nothing():
     p = LP.load_progress("quantizing to mxfp8")
     p(1, 2, 3)
     assert p.send is None and p.last.startswith("quantizing to mxfp8: 1/2")
+
+
+def test_probes_outside_a_host_are_named_adaptations_not_crashes(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "server", raising=False)
+    monkeypatch.setitem(sys.modules, "server", None)          # `import server` raises ImportError
+    p = LP._send_progress_text_probe()
+    assert p.state == "adapted" and "progress bar only" in p.note
