@@ -229,8 +229,10 @@ def child(mode: str, path: str, comfyui: str, warm: str) -> None:
     family); then the peak RSS during the measured load (:func:`peak_during`)."""
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("DITKIT_BENCH_THREADS", "1")))
     convert = mode.startswith("convert:")
+    stock_cq = mode.startswith("cq:")                 # a stock comfy_quant load: UNETLoader's path on a quantized file
+    cached = mode.startswith("cache:") or mode.startswith("cachewrite:")
     family, _, fam_fmt = mode.partition(":")
     if family not in FAMILY_MODES:
         family = None
@@ -262,6 +264,10 @@ def child(mode: str, path: str, comfyui: str, warm: str) -> None:
     def load():
         if mode == "stock":
             return comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float8_e4m3fn})
+        if stock_cq:
+            return comfy.sd.load_diffusion_model(path)
+        if cached:
+            return h3_loaders.load_h3_model(path, weight_format=mode.split(":", 1)[1], quantized_cache=True)[0]
         if convert:
             run_convert(path, os.path.join(out_dir, "out.safetensors"), mode.split(":", 1)[1], hash_sources=False,
                         log=lambda *a: None)
@@ -278,7 +284,8 @@ def child(mode: str, path: str, comfyui: str, warm: str) -> None:
     else:
         sd = m.model.diffusion_model.state_dict()
         resident = sum(t.numel() * t.element_size() for t in sd.values())
-    out = {"mode": mode, "peak_growth": growth, "before": before, "resident": resident, "seconds": seconds}
+    out = {"mode": mode, "peak_growth": growth, "before": before, "resident": resident, "seconds": seconds,
+           "threads": torch.get_num_threads()}
     if family:
         out["host_recast"] = host_recast(sd, path)
     print(json.dumps(out))
@@ -322,22 +329,41 @@ def mode_name(m: str) -> str:
         return "stock UNETLoader fp8 cast (ComfyUI file)"
     if m.startswith("convert:"):
         return f"python -m ditkit.quantize {m.split(':', 1)[1]} (official shards -> file)"
+    if m.startswith("cq:"):
+        return f"stock UNETLoader of a comfy_quant {m[3:]} file (the converter's)"
+    if m.startswith("cache:"):
+        return f"ditkit {m[6:]} from its quantized cache (2nd load)"
     return f"ditkit {m} (official shards)"
 
 
+CACHE_FORMATS = ("float8_e4m3fn", "nvfp4")
+
+
 def rss_table(label: str, case: str, official: Path, comfy_file: Path, comfyui: str, python: str, repeats: int,
-              warm: Path, rows, jobs: int = 1) -> list[str]:
+              warm: Path, rows, jobs: int = 1, cache: bool = False, convert: bool = True) -> list[str]:
     from benchmarks._harness import ratio_stats, stats
     from ditkit.loaders.safetensors_io import read_header
 
     hdr = read_header(comfy_file)
     largest = sorted((ti.nbytes for ti in hdr.tensors.values()), reverse=True)[:2]
     src_bytes = sum(ti.nbytes for ti in hdr.tensors.values())
-    modes = ["stock"] + list(FORMATS) + [CONVERT]
+    modes = ["stock"] + list(FORMATS) + ([CONVERT] if convert else [])
+    cq_files: dict[str, Path] = {}
+    if cache:                                     # the cache written once before the rounds; the stock comfy_quant
+        from ditkit.quantize import convert as run_convert   # load reads the converter's file of the same weights
+
+        for f in CACHE_FORMATS:
+            cq_files[f] = comfy_file.parent / f"cq_{f}.safetensors"
+            if not cq_files[f].exists():
+                run_convert(str(official), str(cq_files[f]), f, hash_sources=False, log=lambda *a: None)
+            r = run_child(f"cachewrite:{f}", official, comfyui, python, warm)
+            print(f"  cache written ({f}): {json.dumps(r)}", file=sys.stderr, flush=True)
+        modes += [m for f in CACHE_FORMATS for m in (f"cq:{f}", f"cache:{f}")]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for rnd in range(repeats):                    # interleaved: stock, fmt1, ..., stock, fmt1, ...
         def one(m):
-            return run_child(m, comfy_file if m == "stock" else official, comfyui, python, warm)
+            path = comfy_file if m == "stock" else cq_files[m[3:]] if m.startswith("cq:") else official
+            return run_child(m, path, comfyui, python, warm)
 
         if jobs > 1:                              # a round's children side by side (peak RSS is per process)
             from concurrent.futures import ThreadPoolExecutor
@@ -355,14 +381,19 @@ def rss_table(label: str, case: str, official: Path, comfy_file: Path, comfyui: 
            f"{repeats} interleaved run(s) per row" + (f", {jobs} loads at a time (load times include the contention)"
                                                      if jobs > 1 else ""),
            "| path | resident after load | peak RSS growth median (min-max) | target (resident + 2 largest) | "
-           "peak / stock median (min-max) | load s median |", "|---|---|---|---|---|---|"]
+           "peak / stock median (min-max) | load s median (min-max) | time / stock fp8 cast median (min-max) | "
+           "MB/s of source |", "|---|---|---|---|---|---|---|---|"]
     stock = [r["peak_growth"] for r in runs["stock"]]
+    stock_t = [r["seconds"] for r in runs["stock"]]
     for m in modes:
         peaks = [r["peak_growth"] for r in runs[m]]
         res = runs[m][0]["resident"]
         st = stats(peaks)
         rs = ratio_stats(peaks, stock)
         ts = stats(r["seconds"] for r in runs[m])
+        base_t = [r["seconds"] for r in runs[f"cq:{m[6:]}"]] if m.startswith("cache:") else stock_t
+        tr = ratio_stats([r["seconds"] for r in runs[m]], base_t)
+        mbs = src_bytes / ts["median"] / 1e6
         target = res + sum(largest)
         met = st["median"] <= target
         key = f"{case}/{m}"
@@ -372,9 +403,15 @@ def rss_table(label: str, case: str, official: Path, comfy_file: Path, comfyui: 
         rows.add(key, "target_met", met, note="median peak growth <= target")
         rows.add_stats(key, "peak_over_stock", rs)
         rows.add_stats(key, "load_seconds", ts, "s")
+        rows.add_stats(key, "time_over_base", tr, note="cache: over the stock comfy_quant load of the same format; "
+                                                          "else over the stock fp8 cast")
+        rows.add(key, "source_mb_per_s", mbs, "MB/s")
+        base = "comfy_quant" if m.startswith("cache:") else ""
         out.append(f"| {mode_name(m)} | {res / 2**20:.1f} MiB | {st['median'] / 2**20:.1f} ({st['min'] / 2**20:.1f}-"
                    f"{st['max'] / 2**20:.1f}) MiB | {target / 2**20:.1f} MiB {'met' if met else 'NOT met'} | "
-                   f"{rs['median']:.2f} ({rs['min']:.2f}-{rs['max']:.2f}) | {ts['median']:.1f} |")
+                   f"{rs['median']:.2f} ({rs['min']:.2f}-{rs['max']:.2f}) | {ts['median']:.2f} ({ts['min']:.2f}-"
+                   f"{ts['max']:.2f}) | {tr['median']:.2f} ({tr['min']:.2f}-{tr['max']:.2f}){' vs ' + base if base else ''}"
+                   f" | {mbs:.0f} |")
     return out
 
 
@@ -387,7 +424,7 @@ def error_table(official: Path, rows=None) -> list[str]:
         src = qc.open_source(str(official))
         plan = qc.make_plan("h3", fmt, src.inventory)
         rep = qc.QuantReport("h3", fmt, "")
-        for _ in qc.quantize_stream(src.reader(), plan, rep, str(official)):
+        for _ in qc.quantize_stream(src.reader(), plan, rep, str(official), measure_error="full"):
             pass
         for cls, st in rep.classes.items():
             d = st.as_dict()
@@ -411,6 +448,11 @@ def main(argv=None) -> int:
                                                         "process; load times then include the contention)")
     ap.add_argument("--no-rss", action="store_true", help="skip part 1 (no host needed)")
     ap.add_argument("--skip-tiny-rss", action="store_true", help="part 1 on the scaled-up model only")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in every child (stock and ditkit alike; "
+                                                           "default 1: the machine is shared)")
+    ap.add_argument("--no-convert", action="store_true", help="leave the converter out of the rounds")
+    ap.add_argument("--cache", action="store_true", help="also the quantized cache's 2nd load vs a stock comfy_quant "
+                                                        f"load of the same weights ({', '.join(CACHE_FORMATS)})")
     ap.add_argument("--error-on-scaled", action="store_true",
                     help="part 2 on the scaled-up model (default: the tiny one; same random-weight statistics)")
     add_rows_argument(ap)
@@ -420,6 +462,7 @@ def main(argv=None) -> int:
         return 0
     if a.quick:
         a.repeats = 1
+    os.environ["DITKIT_BENCH_THREADS"] = str(a.threads)
     rows = Rows(a.rows, "bench_quantize")
     print("## resident bytes, real-size models (computed from the key inventories)")
     print("\n".join(real_size_table(rows)))
@@ -461,7 +504,8 @@ def main(argv=None) -> int:
             return 0
         print()
         print("\n".join(rss_table(f"scaled-up H3 ({cfg['num_layers']} blocks, hidden 1024)", "scaled", b_off, b_comfy,
-                                  comfyui, python, a.repeats, t_comfy, rows, a.jobs)), flush=True)
+                                  comfyui, python, a.repeats, t_comfy, rows, a.jobs, a.cache,
+                                  not a.no_convert)), flush=True)
     return 0
 
 

@@ -24,6 +24,11 @@ Sections (``--only`` / ``--skip`` take these names; a section that fails prints 
 * ``video_save`` streaming save (decode chunks -> uint8 on the device -> PyAV) vs the whole-float-video path:
                  equal frames, peak device memory, device->host bytes;
 * ``t1_decode``  H3 T=1 repeat-decode: equal to the full-clip decode's frame, peak device memory;
+* ``quant_load`` (opt-in: ``--only quant_load``, its own 300 s budget; about 4 GB of disk in the temp folder)
+                 quantize-on-load through the device (issue #34): a generated H3 (official shards, ``gb`` GB
+                 of bf16) streamed through ``loaders/quantize.py`` ``quantize_stream(device=cuda)`` (page-locked
+                 staging, quantized on the GPU, results back in host memory) in each format; time vs reading the
+                 file, GB/s, and every ``sample``-th quantized layer bit-equal to the CPU path;
 * ``lokr``       LoKr fusion on CUDA (FLUX.2-dev ``linear1`` size) vs float64; fp8 / int8 bases through
                  comfy_kitchen's QuantizedTensor (ComfyUI's QUANT_ALGOS layouts when ComfyUI is importable) when
                  installed, else SKIP with the reason.
@@ -60,7 +65,8 @@ HARD_STOP_AFTER_BUDGET_S = 30
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))   # the checkout: benchmarks (plain Python at import: the dry-run needs no torch)
 from benchmarks._harness import CudaMem as Mem, Timer, interleave, ratio_stats  # noqa: E402
-SECTIONS = ("kernels", "int64", "vsa_perf", "te_stream", "adaln", "video_save", "t1_decode", "lokr")
+SECTIONS = ("kernels", "int64", "vsa_perf", "te_stream", "adaln", "video_save", "t1_decode", "lokr", "quant_load")
+OPT_IN = ("quant_load",)   # not in the default run (whose budget the other sections fill): --only quant_load
 TILE = 64
 I32_LIMIT = 2 ** 31            # an i32 index * stride product at or above this wraps
 LN2 = math.log(2.0)
@@ -94,6 +100,8 @@ def mode_config(mode: str) -> dict:
         "t1_decode": dict(latent=(16, 1, 48, 84), batch=1, ratio=16, tile=512, overlap=64, est_s=10,
                           budget_s=25),
         "lokr": dict(hidden=6144, factor=16, rank=16, scale=0.5, dtype="bfloat16", est_s=15, budget_s=30),
+        "quant_load": dict(gb=4.0, sample=5, formats=("float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4"),
+                           est_s=150, budget_s=300),
     }
     if mode == "full":
         return full
@@ -108,6 +116,7 @@ def mode_config(mode: str) -> dict:
     quick["video_save"].update(latent=(16, 9, 24, 40), est_s=8, budget_s=25)
     quick["t1_decode"].update(latent=(16, 1, 24, 40), est_s=5, budget_s=15)
     quick["lokr"].update(hidden=3072, est_s=8, budget_s=20)
+    quick["quant_load"].update(gb=1.0, est_s=45, budget_s=120)
     if mode == "quick":
         return quick
     if mode != "tiny":
@@ -130,6 +139,8 @@ def mode_config(mode: str) -> dict:
                            est_s=1, budget_s=30),
         "t1_decode": dict(latent=(4, 1, 6, 5), batch=2, ratio=2, tile=8, overlap=2, est_s=1, budget_s=30),
         "lokr": dict(hidden=32, factor=4, rank=2, scale=0.5, dtype="float32", est_s=1, budget_s=30),
+        "quant_load": dict(gb=0.0, sample=1, formats=("float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4"),
+                           est_s=10, budget_s=120),
     }
 
 
@@ -292,6 +303,12 @@ def plan_section(name: str, c: dict, mode: str) -> list[dict]:
         for fmt in ("float8_e4m3fn", "int8_tensorwise"):
             add(f"{fmt} base: dequantize -> fp32 add -> requantize", shp, fmt,
                 "comfy_kitchen QuantizedTensor (ComfyUI QUANT_ALGOS layouts if importable); SKIP if not installed")
+    elif name == "quant_load":
+        what = f"generated H3 {c['gb']} GB bf16, official shards" if c["gb"] else "tiny H3, official shards"
+        add("read the file (no quantize)", what, "bf16", "GB/s of the page-cached file")
+        for f in c["formats"]:
+            add(f"{f}: quantize through the device", what, f,
+                f"time / read; every {c['sample']}-th quantized layer == CPU path (torch.equal of the bits)")
     return rows
 
 
@@ -1392,8 +1409,76 @@ def sec_lokr(ctx: Ctx, c: dict) -> None:
             base = deq = temp = outq = want = e = None
 
 
+def sec_quant_load(ctx: Ctx, c: dict) -> None:
+    import torch
+
+    from benchmarks.bench_quantize import make_checkpoints, scaled_cfg
+    from ditkit.kernels import quant as Q
+    from ditkit.loaders import h3 as h3core
+    from ditkit.loaders import quantize as qc
+
+    sec = "quant_load"
+    dev = ctx.device if ctx.cuda else None
+    tmp = Path(tempfile.mkdtemp(prefix="ditkit-gpuq-"))
+    try:
+        what = f"H3 {c['gb']} GB" if c["gb"] else "tiny H3"
+        with ctx.guard(sec, "generate", what):
+            official, _ = make_checkpoints(tmp, scaled_cfg(c["gb"]) if c["gb"] else None)
+        official = str(official)
+
+        def read_all() -> int:
+            n = 0
+            for _, t in h3core.iter_h3_tensors(h3core.plan_h3(official)):
+                n += t.numel() * t.element_size()
+            return n
+
+        with ctx.guard(sec, "read the file (no quantize)", what, "bf16"):
+            read_all()                                           # page cache warm, as for every load below
+            t0 = time.perf_counter()
+            nbytes = read_all()
+            t_read = time.perf_counter() - t0
+            ctx.add(sec, "read the file (no quantize)", "INFO", what, "bf16", seconds=t_read,
+                    gb_per_s=nbytes / t_read / 1e9, gib=nbytes / 2**30)
+        for fmt in c["formats"]:
+            check = f"{fmt}: quantize through the device"
+            if ctx.skip_if_over(sec, check, what, fmt):
+                continue                                         # a SKIP row per remaining format
+            with ctx.guard(sec, check, what, fmt):
+                src = qc.open_source(official)
+                plan = qc.make_plan(src.family, fmt, src.inventory, src.prefix)
+                rep = qc.QuantReport(src.family, fmt, "")
+                if ctx.cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                sd = dict(qc.quantize_stream(src.reader(), plan, rep, official, device=dev))
+                if ctx.cuda:
+                    torch.cuda.synchronize()
+                secs = time.perf_counter() - t0
+                layers = plan.quantized_layers()[:: max(1, int(c["sample"]))]
+                want = {f"{k}.weight" for k in layers}
+                same, checked = True, 0
+                for k, t in h3core.iter_h3_tensors(h3core.plan_h3(official)):
+                    if k not in want:
+                        continue
+                    data, scales = Q.quantize(t, fmt)
+                    layer = k[: -len(".weight")]
+                    for sfx, ref in (("weight", data), *scales.items()):
+                        got = sd[f"{layer}.{sfx}"]
+                        same = same and got.shape == ref.shape and torch.equal(
+                            got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8))
+                    checked += 1
+                ctx.add(sec, check, "PASS" if same and checked == len(layers) else "FAIL", what, fmt,
+                        target="sampled layers == CPU path bit for bit", seconds=secs, time_over_read=secs / t_read,
+                        gb_per_s=nbytes / secs / 1e9, layers_checked=checked, layers=len(plan.quantized_layers()),
+                        note=("quantized on " + str(dev)) if dev is not None else "CPU path (--tiny smoke)")
+                sd = None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 SECTION_FNS = {"kernels": sec_kernels, "int64": sec_int64, "vsa_perf": sec_vsa_perf, "te_stream": sec_te_stream,
-               "adaln": sec_adaln, "video_save": sec_video_save, "t1_decode": sec_t1_decode, "lokr": sec_lokr}
+               "adaln": sec_adaln, "video_save": sec_video_save, "t1_decode": sec_t1_decode, "lokr": sec_lokr,
+               "quant_load": sec_quant_load}
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -1515,7 +1600,8 @@ def main(argv=None) -> int:
         return 2
     mode = "tiny" if args.tiny else ("quick" if args.quick else "full")
     cfg = mode_config(mode)
-    selected = [s for s in SECTIONS if (not only or s in only) and s not in skip]
+    # opt-in sections (their own budget: --only quant_load) run by default only in the --tiny CPU smoke
+    selected = [s for s in SECTIONS if (s in only if only else (mode == "tiny" or s not in OPT_IN)) and s not in skip]
     budget = float(args.budget) if args.budget else float(cfg["budget_s"])
     cfg["budget_s"] = budget
     plan = build_plan(cfg, selected, mode)

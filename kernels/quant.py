@@ -143,24 +143,24 @@ def _check_source(w: torch.Tensor, fmt: str) -> None:
 
 
 def _amax_abs(w: torch.Tensor) -> torch.Tensor:
-    """``torch.amax(w.abs())`` (a 0-d tensor of ``w``'s dtype) taken over row slices of about ``CHUNK_ELEMS``
-    elements, so no full-size ``abs`` copy is made; the maximum of exact values is exact, the bits are the same."""
-    if w.dim() != 2 or w.numel() <= CHUNK_ELEMS:
+    """``torch.amax(w.abs())`` (a 0-d tensor of ``w``'s dtype) from one ``torch.aminmax`` pass: ``max(|min|, |max|)``
+    is the same exact value, and no full-size ``abs`` copy is made (NaN propagates: a NaN anywhere gives NaN, an
+    Inf gives Inf, which is how :func:`quantize` ``finite=True`` sees a non-finite weight)."""
+    if w.numel() == 0:
         return torch.amax(w.abs())
-    step = _row_step(w.shape[1])
-    out = None
-    for r0 in range(0, w.shape[0], step):
-        m = torch.amax(w[r0:r0 + step].abs())
-        out = m if out is None else torch.maximum(out, m)
-    return out
+    mn, mx = torch.aminmax(w)
+    return torch.maximum(mn.abs(), mx.abs())
 
 
-def per_tensor_scale(w: torch.Tensor, fmt: str) -> torch.Tensor:
+def per_tensor_scale(w: torch.Tensor, fmt: str, amax: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 0-d ``weight_scale`` (``weight_scale_2`` for nvfp4) the host computes with "recalculate"
-    (1.0 for an all-zero fp8 / nvfp4 tensor, see the module doc)."""
+    (1.0 for an all-zero fp8 / nvfp4 tensor, see the module doc). ``amax``: ``w``'s :func:`_amax_abs` when the
+    caller has it already."""
+    if amax is None:
+        amax = _amax_abs(w)
     if fmt in ("float8_e4m3fn", "float8_e5m2"):
         dt = torch.float8_e4m3fn if fmt == "float8_e4m3fn" else torch.float8_e5m2
-        amax = _amax_abs(w).to(torch.float32)
+        amax = amax.to(torch.float32)
         if amax == 0:
             return torch.ones((), dtype=torch.float32, device=w.device)
         scale = amax / torch.finfo(dt).max
@@ -169,9 +169,8 @@ def per_tensor_scale(w: torch.Tensor, fmt: str) -> torch.Tensor:
             scale = 1.0 / torch.clamp(1.0 / scale, min=fi.min, max=fi.max)
         return scale
     if fmt == "int8_tensorwise":
-        return (_amax_abs(w).float() / INT8_MAX).clamp(min=1e-30)
+        return (amax.float() / INT8_MAX).clamp(min=1e-30)
     if fmt == "nvfp4":
-        amax = _amax_abs(w)
         s = (amax / (FP8_E4M3_MAX * FP4_E2M1_MAX)).to(torch.float32)
         return torch.ones((), dtype=torch.float32, device=w.device) if amax == 0 else s
     raise ValueError(f"{fmt} has no per-tensor weight scale")
@@ -201,7 +200,11 @@ def _pad_to(w: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def _mxfp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded rows -> (fp8 data, unswizzled uint8 E8M0 exponents [rows, cols/32])."""
+    """Padded rows -> (fp8 data, unswizzled uint8 E8M0 exponents [rows, cols/32]).
+
+    The zero-block ``where`` and the clamp run only where they can change a value (a block with amax 0; a block
+    whose ``amax / scale`` exceeds 448, from the small per-block arrays: division by the positive scale and
+    rounding are monotonic, so no element of a block exceeds its amax's quotient); the bits are the same."""
     rows, cols = x.shape
     xb = x.reshape(rows, cols // 32, 32)
     amax = torch.amax(torch.abs(xb), dim=-1)
@@ -210,11 +213,16 @@ def _mxfp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e8 = e.to(torch.uint8)
     s = torch.where(e == 0, torch.zeros_like(e), e << 23).view(torch.float32)
     zero = amax == 0
-    s = torch.where(zero, torch.ones_like(s), s)
-    d = xb.float() / s.unsqueeze(-1)
-    d = torch.where(zero.unsqueeze(-1), torch.zeros_like(d), d)
-    data = torch.clamp(d, -FP8_E4M3_MAX, FP8_E4M3_MAX).reshape(rows, cols).to(torch.float8_e4m3fn)
-    return data, torch.where(zero, torch.zeros_like(e8), e8)
+    any_zero = bool(zero.any())
+    if any_zero:
+        s = torch.where(zero, torch.ones_like(s), s)
+    d = xb.float().div_(s.unsqueeze(-1))
+    if any_zero:
+        d.masked_fill_(zero.unsqueeze(-1), 0.0)
+    if not bool((amax.float() / s).amax() <= FP8_E4M3_MAX):
+        d.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    data = d.reshape(rows, cols).to(torch.float8_e4m3fn)
+    return data, (torch.where(zero, torch.zeros_like(e8), e8) if any_zero else e8)
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
@@ -229,18 +237,47 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def _nvfp4_rows(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded rows -> (packed uint8 data [rows, cols/2], unswizzled fp8 block scales [rows, cols/16])."""
+def _e2m1_lut() -> torch.Tensor:
+    """:func:`e2m1_codes` of ``|v|`` by ``y = 4|v|``: every threshold of e2m1_codes is a multiple of 0.25, so the code
+    depends only on ``floor(y)`` and whether ``y`` is an integer; entry ``2 * floor(y) + (y not integral)``, for
+    ``y`` in [0, 24] (computed here with the same comparisons at ``y`` and ``y + 0.5``)."""
+    out = []
+    for fl in range(25):
+        for frac in (0.0, 0.5):
+            a = (fl + frac) / 4
+            out.append(int((a > 0.25) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)))
+    return torch.tensor(out, dtype=torch.uint8)
+
+
+_E2M1_LUT = _e2m1_lut()
+
+
+def _e2m1_codes_finite(v: torch.Tensor) -> torch.Tensor:
+    """:func:`e2m1_codes` for finite float32 values in [-6, 6] (no NaN: the index would be undefined), from one
+    table lookup instead of seven comparisons; the same codes (tested on every threshold and its neighbours)."""
+    sign = torch.signbit(v).view(torch.uint8) << 3
+    y = v.abs().mul_(4.0)                          # exact: a power-of-two scaling of values <= 6
+    fl = y.to(torch.int32)                         # truncation == floor for y >= 0
+    idx = (fl * 2).add_(y != fl)
+    lut = _E2M1_LUT if v.device.type == "cpu" else _E2M1_LUT.to(v.device)
+    return torch.index_select(lut, 0, idx.reshape(-1)).reshape(v.shape) | sign
+
+
+def _nvfp4_rows(x: torch.Tensor, s2: torch.Tensor, finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded rows -> (packed uint8 data [rows, cols/2], unswizzled fp8 block scales [rows, cols/16]); the
+    zero-block ``where`` only where a block's scale is 0, the clamp in place (same bits as the one-shot ops)."""
     rows, cols = x.shape
     xb = x.reshape(rows, cols // 16, 16)
     bs = torch.amax(torch.abs(xb), dim=-1).to(torch.float32) / FP4_E2M1_MAX
     sbs = torch.clamp(bs / s2, max=FP8_E4M3_MAX)
     total = s2 * sbs.to(torch.float8_e4m3fn).to(torch.float32)
     zero = total == 0
-    d = xb.float() / torch.where(zero, torch.ones_like(total), total).unsqueeze(-1)
-    d = torch.where(zero.unsqueeze(-1), torch.zeros_like(d), d)
-    d = torch.clamp(d, -FP4_E2M1_MAX, FP4_E2M1_MAX).reshape(rows, cols)
-    c = e2m1_codes(d)
+    any_zero = bool(zero.any())
+    d = xb.float().div_((torch.where(zero, torch.ones_like(total), total) if any_zero else total).unsqueeze(-1))
+    if any_zero:
+        d.masked_fill_(zero.unsqueeze(-1), 0.0)
+    d = d.clamp_(-FP4_E2M1_MAX, FP4_E2M1_MAX).reshape(rows, cols)
+    c = _e2m1_codes_finite(d) if finite else e2m1_codes(d)
     packed = (c[:, 0::2] << 4) | c[:, 1::2]
     return packed, sbs.to(torch.float8_e4m3fn)
 
@@ -255,53 +292,147 @@ def _row_step(cols: int) -> int:
     return max(128, (CHUNK_ELEMS // max(cols, 1)) // 128 * 128)
 
 
+class NonFiniteWeight(ValueError):
+    """:func:`quantize` with ``finite=True`` met a NaN or Inf in the weight (seen in its amax, no extra pass)."""
+
+
+@dataclass
+class ErrorSample:
+    """The reconstruction error :func:`quantize` measures while it quantizes (no second pass over the weight, no
+    dequantize of the stored layout): every ``every``-th row slice (1 = all rows) adds ``sum((deq(Q(w)) - w)^2)`` to
+    ``e2`` and ``sum(w^2)`` to ``r2``, with the rows it covered in ``rows`` (``total_rows``: all rows seen). With
+    ``every=1`` the sums are those of :func:`reconstruction_error` (same slices, same float32 operations)."""
+
+    every: int = 1
+    e2: float = 0.0
+    r2: float = 0.0
+    rows: int = 0
+    total_rows: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+            raise ValueError(f"ErrorSample.every must be an integer >= 1, got {self.every!r}")
+
+
+_FUSED_CAST: dict[tuple[torch.dtype, torch.dtype], bool] = {}
+
+
+def _fused_cast_ok(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether ``torch.mul(x, s, out=<dst tensor>)`` gives, on this torch, exactly ``(x * s).to(dst)`` (the product
+    rounded to ``src`` first, then cast): checked once per process over every finite ``src`` bit pattern (fp16 /
+    bf16; 2^16 values, a random 2^16 sample for float32) and two multipliers; else the two-step path is used."""
+    key = (src, dst)
+    if key not in _FUSED_CAST:
+        if src == torch.float32:
+            x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0)) * 37.0
+        else:
+            x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(src)
+            x = x[torch.isfinite(x)]
+        ok = True
+        for m in (1.0 / 3.0, 1234.5678):
+            sc = torch.tensor(m, dtype=src)
+            lim = FP8_E4M3_MAX if dst == torch.float8_e4m3fn else FP8_E5M2_MAX
+            xx = x[(x.float() * sc.float()).abs() < lim]
+            got = torch.empty(xx.shape, dtype=dst)
+            torch.mul(xx, sc, out=got)
+            ok = ok and torch.equal(got.view(torch.uint8), (xx * sc).to(dst).view(torch.uint8))
+        _FUSED_CAST[key] = bool(ok)
+    return _FUSED_CAST[key]
+
+
 def quantize(w: torch.Tensor, fmt: str, backend: str = "reference",
              empty: Callable[..., torch.Tensor] | None = None,
-             release: Callable[[], object] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             release: Callable[[], object] | None = None, error: ErrorSample | None = None,
+             finite: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A 2-D float weight -> (``weight`` data, ``{"weight_scale": ..., ["weight_scale_2": ...]}``), exactly what
     ComfyUI's layout quantize produces (see the module doc). ``backend="triton"`` runs the per-tensor formats'
     elementwise step in the Triton kernel (same bits); the block formats are reference-only.
 
     Rows are processed in slices of about ``CHUNK_ELEMS`` elements (the per-tensor scale is taken over the whole
-    weight first, itself in slices; every later step is per element or per row block) and written into the
+    weight first, from one ``aminmax`` pass; every later step is per element or per row block) and written into the
     output, so the working copies stay a few slices big whatever the weight; the bits are those of the one-shot
     computation. ``empty(shape, dtype)`` makes the outputs (the weight data and the block scales; default
     ``torch.empty`` on ``w``'s device): a loader that keeps them passes an allocator of its own
-    (``loaders/host_memory.empty``); ``release()`` is called after each slice, once its working copies are freed
-    (the loaders return the freed heap pages there, ``loaders/host_memory.release_free_heap``)."""
+    (``loaders/host_memory.empty``); ``release()`` is called after each slice, once its working copies are freed.
+    ``error``: an :class:`ErrorSample` the reconstruction error of the sampled slices is added to. ``finite``:
+    raise :class:`NonFiniteWeight` (before any output is returned) when the weight holds a NaN or Inf.
+
+    Fast paths with the same bits (tested against the reference operations and the host): the clamp of the fp8
+    product / int8 quotient is skipped when the amax's own rounded product is within range (rounding is monotonic,
+    so no element can exceed it), and the fp8 product is cast straight into the output where this torch is checked
+    to round it to the source dtype first (:func:`_fused_cast_ok`)."""
     _check_source(w, fmt)
     if backend not in ("reference", "triton"):
         raise ValueError(f"unknown backend {backend!r}")
-    make = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=w.device))
+    get_format(fmt)
     rows, cols = w.shape
+    if error is not None:
+        error.total_rows += rows
+    if backend == "triton":
+        if fmt not in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise"):
+            raise ValueError(f"{fmt}: no Triton kernel (block formats run the reference)")
+        amax = _amax_abs(w)
+        if finite and not bool(torch.isfinite(amax)):
+            raise NonFiniteWeight(f"{fmt}: the weight holds NaN or Inf values")
+        scale = per_tensor_scale(w, fmt, amax)
+        out = quantize_per_tensor_triton(w, scale, fmt)
+        if error is not None:
+            step = _row_step(cols)
+            for i, r0 in enumerate(range(0, rows, step)):
+                if i % error.every == 0:
+                    _add_error(error, out[r0:r0 + step].float() * scale.float(), w[r0:r0 + step])
+        return out, {"weight_scale": scale}
+    make = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=w.device))
     step = _row_step(cols)
     spans = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    amax = _amax_abs(w)
+    if finite and not bool(torch.isfinite(amax)):
+        raise NonFiniteWeight(f"{fmt}: the weight holds NaN or Inf values")
     if fmt in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise"):
-        scale = per_tensor_scale(w, fmt)
-        if backend == "triton":
-            return quantize_per_tensor_triton(w, scale, fmt), {"weight_scale": scale}
+        scale = per_tensor_scale(w, fmt, amax)
         out = make((rows, cols), get_format(fmt).storage)
-        for r0, r1 in spans:
-            out[r0:r1] = _int8_ref(w[r0:r1], scale) if fmt == "int8_tensorwise" else _fp8_ref(w[r0:r1], scale, fmt)
+        if fmt == "int8_tensorwise":
+            div = _int8_scale_math(scale, w)
+            clamp = not bool((amax / div).round() <= INT8_MAX)
+        else:
+            mul = (1.0 / scale).to(w.dtype)
+            lp = FP8_E4M3_MAX if fmt == "float8_e4m3fn" else FP8_E5M2_MAX
+            clamp = not bool((amax * mul) <= lp)
+            fused = not clamp and _fused_cast_ok(w.dtype, out.dtype)
+        buf = None
+        for i, (r0, r1) in enumerate(spans):
+            x = w[r0:r1]
+            if clamp:
+                out[r0:r1] = _int8_ref(x, scale) if fmt == "int8_tensorwise" else _fp8_ref(x, scale, fmt)
+            elif fmt == "int8_tensorwise":
+                buf = torch.div(x, div, out=buf if buf is not None and buf.shape == x.shape else None)
+                out[r0:r1].copy_(buf.round_())
+            elif fused:
+                torch.mul(x, mul, out=out[r0:r1])
+            else:
+                buf = torch.mul(x, mul, out=buf if buf is not None and buf.shape == x.shape else None)
+                out[r0:r1].copy_(buf)
+            if error is not None and i % error.every == 0:
+                rec = out[r0:r1].float() * scale.float()
+                _add_error(error, rec, x)
             if release:
                 release()
         return out, {"weight_scale": scale}
-    if backend == "triton":
-        raise ValueError(f"{fmt}: no Triton kernel (block formats run the reference)")
-    if fmt not in ("mxfp8", "nvfp4"):
-        raise ValueError(f"unknown quantization format {fmt!r}; known: {sorted(FORMATS)}")
     pad = get_format(fmt).pad
     pr, pc = _roundup(rows, pad), _roundup(cols, pad)
-    s2 = per_tensor_scale(w, fmt) if fmt == "nvfp4" else None
+    s2 = per_tensor_scale(w, fmt, amax) if fmt == "nvfp4" else None
     data = make((pr, pc if fmt == "mxfp8" else pc // 2), get_format(fmt).storage)
     sparts = []
-    for r0, r1 in spans:
+    for i, (r0, r1) in enumerate(spans):
         x = w[r0:r1]
-        x = torch.nn.functional.pad(x, (0, pc - cols, 0, (pr - rows) if r1 == rows else 0))
-        d, sc = _mxfp8_rows(x) if fmt == "mxfp8" else _nvfp4_rows(x, s2)
+        xp = _pad_rows_cols(x, (pr - rows) if r1 == rows else 0, pc - cols)
+        d, sc = _mxfp8_rows(xp) if fmt == "mxfp8" else _nvfp4_rows(xp, s2, finite)
         data[r0:r0 + d.shape[0]] = d
         sparts.append(sc)
-        del x, d
+        if error is not None and i % error.every == 0:
+            rec = _dequant_slice(fmt, d[: r1 - r0], sc[: r1 - r0], s2)[:, :cols]
+            _add_error(error, rec, x)
+        del x, xp, d
         if release:
             release()
     b = to_blocked(sparts[0] if len(sparts) == 1 else torch.cat(sparts))
@@ -312,6 +443,38 @@ def quantize(w: torch.Tensor, fmt: str, backend: str = "reference",
     if fmt == "mxfp8":
         return data, {"weight_scale": blocked.view(torch.float8_e8m0fnu)}
     return data, {"weight_scale": blocked, "weight_scale_2": s2}
+
+
+def _pad_rows_cols(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``F.pad(x, (0, cols, 0, rows))`` (zeros), ``x`` itself when nothing is padded."""
+    if rows == 0 and cols == 0:
+        return x
+    return torch.nn.functional.pad(x, (0, cols, 0, rows))
+
+
+def _add_error(error: ErrorSample, rec: torch.Tensor, x: torch.Tensor) -> None:
+    """``rec``: float32 dequantized rows of ``x`` (the source rows): add their squared error and norm."""
+    ref = x.to(torch.float32, copy=True)
+    error.e2 += float(rec.sub_(ref).pow_(2).sum())
+    error.r2 += float(ref.pow_(2).sum())
+    error.rows += x.shape[0]
+
+
+def _dequant_slice(fmt: str, d: torch.Tensor, sc: torch.Tensor, s2: torch.Tensor | None) -> torch.Tensor:
+    """float32 values of padded rows of a block format: ``d`` the stored data rows, ``sc`` their unswizzled block
+    scales (uint8 E8M0 exponents for mxfp8, fp8 for nvfp4), ``s2`` nvfp4's per-tensor scale."""
+    n = d.shape[0]
+    if fmt == "mxfp8":
+        cols_p = d.shape[1]
+        e = sc.view(torch.uint8).to(torch.int32)
+        s = torch.where(e == 0, torch.zeros_like(e), e << 23).view(torch.float32)
+        return (d.float().reshape(n, cols_p // 32, 32) * s.unsqueeze(-1)).reshape(n, cols_p)
+    cols_p = 2 * d.shape[1]
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=d.device)
+    codes = torch.stack([d >> 4, d & 0x0F], dim=-1).reshape(n, cols_p).long()
+    vals = lut[codes].reshape(n, cols_p // 16, 16)
+    bs = sc.view(torch.float8_e4m3fn).float()
+    return (vals * (s2.float() * bs).unsqueeze(-1)).reshape(n, cols_p)
 
 
 def reconstruction_error(w: torch.Tensor, data: torch.Tensor, scales: dict[str, torch.Tensor],
@@ -461,19 +624,10 @@ def dequant_rows64(data: torch.Tensor, scales: dict[str, torch.Tensor], fmt: str
 def _dequant_rows(data, scales, fmt, r0, r1, cols):
     rows_p = data.shape[0]
     if fmt == "mxfp8":
-        cols_p = data.shape[1]
-        e = from_blocked(scales["weight_scale"].view(torch.uint8), rows_p, cols_p // 32)[r0:r1].to(torch.int32)
-        s = torch.where(e == 0, torch.zeros_like(e), e << 23).view(torch.float32)
-        out = (data[r0:r1].float().reshape(r1 - r0, cols_p // 32, 32) * s.unsqueeze(-1)).reshape(r1 - r0, cols_p)
-        return out[:, :cols]
-    cols_p = 2 * data.shape[1]
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=data.device)
-    d = data[r0:r1]
-    codes = torch.stack([d >> 4, d & 0x0F], dim=-1).reshape(r1 - r0, cols_p).long()
-    vals = lut[codes].reshape(r1 - r0, cols_p // 16, 16)
-    bs = from_blocked(scales["weight_scale"].view(torch.float8_e4m3fn), rows_p, cols_p // 16)[r0:r1].float()
-    out = (vals * (scales["weight_scale_2"].float() * bs).unsqueeze(-1)).reshape(r1 - r0, cols_p)
-    return out[:, :cols]
+        sc = from_blocked(scales["weight_scale"].view(torch.uint8), rows_p, data.shape[1] // 32)[r0:r1]
+        return _dequant_slice(fmt, data[r0:r1], sc, None)[:, :cols]
+    sc = from_blocked(scales["weight_scale"].view(torch.float8_e4m3fn), rows_p, 2 * data.shape[1] // 16)[r0:r1]
+    return _dequant_slice(fmt, data[r0:r1], sc, scales["weight_scale_2"])[:, :cols]
 
 
 # ------------------------------------------------------------------------------------------------------ triton

@@ -206,16 +206,37 @@ class ClassStats(Report):
     bytes_out: int = 0
     quantized: int = 0
     kept_small: int = 0
-    max_rel_err: float = 0.0        # max over the class's quantized tensors of ||W - deq(Q(W))|| / ||W||
+    max_rel_err: float = 0.0        # max over the class's quantized tensors of ||W - deq(Q(W))|| / ||W|| (measured rows)
     err_sq: float = 0.0
     ref_sq: float = 0.0
+    err_rows: int = 0               # rows of the quantized weights the error was measured on
+    rows: int = 0                   # rows of the quantized weights
 
     @property
     def errors(self) -> dict:
-        """The reconstruction errors, for a class with quantized tensors (none otherwise)."""
+        """The reconstruction errors, for a class with quantized tensors whose error was measured (none otherwise);
+        ``error_rows`` says on how many of the rows (all of them, or a sample: see :data:`ERROR_MODES`)."""
         if not (self.quantized and self.ref_sq > 0):
             return {}
-        return {"rel_rms_error": math.sqrt(self.err_sq / self.ref_sq), "max_tensor_rel_error": self.max_rel_err}
+        return {"rel_rms_error": math.sqrt(self.err_sq / self.ref_sq), "max_tensor_rel_error": self.max_rel_err,
+                "error_rows": f"{self.err_rows}/{self.rows}"}
+
+
+# the reconstruction error the loaders / converter report, measured while quantizing (kernels/quant.py ErrorSample):
+# "full" every row, "sampled" every ERROR_EVERY-th row slice (about 1/8 of the rows, each tensor's first slice
+# included), "off" none. Reported with the rows measured, so a sampled figure never reads as a full one.
+ERROR_MODES = ("sampled", "full", "off")
+ERROR_EVERY = 8
+
+
+def _error_every(mode) -> int:
+    if mode is True or mode == "full":
+        return 1
+    if mode == "sampled":
+        return ERROR_EVERY
+    if mode is False or mode == "off" or mode is None:
+        return 0
+    raise ValueError(f"measure_error {mode!r}: one of {ERROR_MODES} (or True / False)")
 
 
 @dataclass
@@ -265,7 +286,8 @@ def make_plan(family: str, fmt: str, inventory: "OrderedDict[str, tuple[tuple[in
 
 @dataclass
 class QuantReport(Report):
-    KEYS = ("format=fmt", "family", "recipe", "activation_scales", "bytes_in", "bytes_out", "classes", "block_scales")
+    KEYS = ("format=fmt", "family", "recipe", "activation_scales", "bytes_in", "bytes_out", "classes", "block_scales",
+            "timing", "cache")
     VALUES = {"activation_scales": lambda r: "none"}   # weight-only: no input_scale is ever written
 
     family: str
@@ -275,6 +297,10 @@ class QuantReport(Report):
     # block formats loaded into the host: {"layers_kept", "layers", "bytes_not_copied"} (bridge/quant_scales.py:
     # layers whose block scales are the loader's tensors, not the host's clone); empty otherwise
     block_scales: dict = field(default_factory=dict)
+    # {"seconds", "source_bytes"} of the quantizing read (set by the loaders), empty otherwise
+    timing: dict = field(default_factory=dict)
+    # the write-once cache (loaders/quant_cache.py): {"state": "off" | "hit" | "written" | ..., ...}
+    cache: dict = field(default_factory=dict)
 
     def totals(self) -> tuple[int, int]:
         return (sum(c.bytes_in for c in self.classes.values()), sum(c.bytes_out for c in self.classes.values()))
@@ -293,6 +319,17 @@ class QuantReport(Report):
         kept = [name for name, c in self.classes.items() if not c.quantized]
         out = (f"{self.fmt} (weight-only): quantized {', '.join(q) or 'nothing'}; kept in stored precision: "
                f"{', '.join(kept) or 'nothing'}; {bi / 2**20:.1f} MiB -> {bo / 2**20:.1f} MiB")
+        t = self.timing
+        if t.get("seconds"):
+            out += (f"; read + quantized {t['source_bytes'] / 1e9:.2f} GB in {t['seconds']:.1f} s "
+                    f"({t['source_bytes'] / t['seconds'] / 1e6:.0f} MB/s)")
+        c = self.cache
+        if c:
+            out += f"; cache {c['state']}: {os.path.basename(c['file'])}"
+            if c.get("why"):
+                out += f" ({c['why']})"
+            if c.get("stale"):
+                out += f"; stale caches of this source left in place: {', '.join(c['stale'])}"
         b = self.block_scales
         if b:
             out += (f"; block scales not copied by the host: {b['layers_kept']}/{b['layers']} layers "
@@ -301,50 +338,118 @@ class QuantReport(Report):
 
 
 def _check_finite(key: str, t: torch.Tensor, where: str) -> None:
-    if not t.is_floating_point():
+    if not t.is_floating_point() or t.numel() == 0:
         return
+    if bool(torch.isfinite(Q._amax_abs(t))):     # one aminmax pass, no copy; NaN / Inf propagate into it
+        return
+    _refuse_non_finite(key, t, where)
+
+
+def _refuse_non_finite(key: str, t: torch.Tensor, where: str) -> None:
     flat = t.reshape(-1)
     step = Q.CHUNK_ELEMS
-    if all(bool(torch.isfinite(flat[i:i + step]).all()) for i in range(0, flat.numel(), step)):
-        return
     n_nan = sum(int(torch.isnan(flat[i:i + step]).sum()) for i in range(0, flat.numel(), step))
     n_inf = sum(int(torch.isinf(flat[i:i + step]).sum()) for i in range(0, flat.numel(), step))
     raise CheckpointError(f"'{where}': tensor {key!r} holds {n_nan} NaN and {n_inf} Inf values; it cannot be "
                           "quantized (nor used); re-download or re-export the checkpoint")
 
 
+class _Staging:
+    """One page-locked host buffer, grown to the largest tensor, through which weights go to a CUDA device
+    (``non_blocking`` copies need page-locked memory to overlap; one buffer, not one per tensor: pinning is slow)."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        if self.buf is None or self.buf.numel() < n:
+            self.buf = None
+            self.buf = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        stage = self.buf[:n].view(t.dtype).view(t.shape)
+        stage.copy_(t)
+        out = stage.to(device, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()   # the staging buffer is reused by the next tensor
+        return out
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return x
+    out = host_memory.empty(x.shape, x.dtype)
+    out.copy_(x)
+    return out
+
+
 def quantize_stream(items: Iterator[tuple[str, torch.Tensor]], plan: QuantPlan, report: QuantReport,
-                    where: str, measure_error: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                    where: str, measure_error="sampled",
+                    progress: Callable[[int, int, int], None] | None = None,
+                    device: "torch.device | str | None" = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(key, tensor)`` in source order -> ``(key, tensor)`` in :meth:`QuantPlan.output_inventory` order.
 
     Each quantized weight (and its block scales) is made by :func:`host_memory.empty`, so the outputs a loader
-    keeps do not fragment the heap the per-tensor working copies come from (docs/quantize.md, "Peak RSS")."""
+    keeps do not fragment the heap the per-tensor working copies come from (docs/quantize.md, "Peak RSS"); the
+    heap is trimmed once per tensor (not per slice: the slices' working copies are reused from one slice to the
+    next). ``measure_error``: one of :data:`ERROR_MODES` (the error is measured while quantizing, no second
+    pass). ``progress(done, total, bytes_in)`` after each source tensor (``bytes_in``: source bytes so far).
+    ``device`` (a CUDA device): each weight to quantize goes there through one page-locked staging buffer, is
+    quantized there (the per-tensor formats by the Triton kernel, the block formats by the same torch operations as
+    on the CPU) and its results come back into host memory; the kept tensors stay on the host either way.
+    ``benchmarks/gpu_check.py`` section ``quant_load`` checks it bit for bit against the CPU path (not yet run on a
+    GPU)."""
+    every = _error_every(measure_error)
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type != "cuda":
+        raise ValueError(f"device {device!r}: the streaming quantizer runs on the CPU (device=None) or a CUDA device")
+    staging = _Staging() if dev is not None else None
+    total = len(plan.source_inventory)
+    done = bytes_done = 0
     for key, t in items:
         cls, q, why = plan.decisions[key]
         st = report.classes.setdefault(cls, ClassStats())
+        nbytes = t.numel() * t.element_size()
         st.tensors += 1
         st.params += t.numel()
-        st.bytes_in += t.numel() * t.element_size()
-        _check_finite(key, t, where)
+        st.bytes_in += nbytes
+        done += 1
+        bytes_done += nbytes
         if not q:
+            _check_finite(key, t, where)
             if why.startswith("small layer"):
                 st.kept_small += 1
-            st.bytes_out += t.numel() * t.element_size()
+            st.bytes_out += nbytes
+            if progress:
+                progress(done, total, bytes_done)
             yield key, t
             continue
-        data, scales = Q.quantize(t, plan.fmt, empty=host_memory.empty, release=host_memory.release_free_heap)
+        err = Q.ErrorSample(every) if every else None
+        try:
+            if staging is not None:
+                td = staging.to_device(t, dev)
+                backend = "triton" if (Q.HAS_TRITON and Q.get_format(plan.fmt).block == 0) else "reference"
+                data, scales = Q.quantize(td, plan.fmt, backend=backend, error=err, finite=True)
+                del td
+                data, scales = _to_host(data), {k: _to_host(v) for k, v in scales.items()}
+            else:
+                data, scales = Q.quantize(t, plan.fmt, empty=host_memory.empty, error=err, finite=True)
+        except Q.NonFiniteWeight:
+            _refuse_non_finite(key, t, where)
+            raise
         st.quantized += 1
-        if measure_error:
-            e2, r2 = Q.reconstruction_error(t, data, scales, plan.fmt, release=host_memory.release_free_heap)
-            st.err_sq += e2
-            st.ref_sq += r2
-            if r2 > 0:
-                st.max_rel_err = max(st.max_rel_err, math.sqrt(e2 / r2))
+        st.rows += t.shape[0]
+        if err is not None:
+            st.err_sq += err.e2
+            st.ref_sq += err.r2
+            st.err_rows += err.rows
+            if err.r2 > 0:
+                st.max_rel_err = max(st.max_rel_err, math.sqrt(err.e2 / err.r2))
         layer = key[: -len(".weight")]
         marker = marker_tensor(plan.fmt)
         st.bytes_out += sum(x.numel() * x.element_size() for x in (data, *scales.values(), marker))
         del t
         host_memory.release_free_heap()    # the working copies of this tensor are gone: return their pages
+        if progress:
+            progress(done, total, bytes_done)
         yield f"{layer}.weight", data
         for suffix in ("weight_scale", "weight_scale_2"):
             if suffix in scales:

@@ -24,7 +24,8 @@ from ..loaders.safetensors_io import read_header
 from . import _families, _files
 from ._bars import lazy_bar
 from ._common import send_report, ui_report
-from .h3_loaders import AS_STORED, WEIGHT_FORMAT_TOOLTIP, check_weight_format, quantized_state_dict, weight_formats
+from .h3_loaders import (AS_STORED, CACHE_TOOLTIP, WEIGHT_FORMAT_TOOLTIP, check_weight_format, quantized_state_dict,
+                         weight_formats)
 
 FOLDER = "diffusion_models"
 LTX2_NODE_ID = "DitKitLTX2ModelLoader"
@@ -56,7 +57,8 @@ def check_family(node_id: str, family: str, path: str, name: str) -> dict[str, s
     return dict(hdr.metadata)
 
 
-def load_dit(node_id: str, family: str, path: str, name: str, weight_format: str = AS_STORED, progress=None):
+def load_dit(node_id: str, family: str, path: str, name: str, weight_format: str = AS_STORED, progress=None,
+             quantized_cache: bool = False):
     """-> (ModelPatcher, QuantReport or None). Bad input raises a DitKitError before the model is built (a
     NaN / Inf tensor: when it is read, before anything is handed to ComfyUI)."""
     fmt = check_weight_format(node_id, weight_format)
@@ -69,7 +71,8 @@ def load_dit(node_id: str, family: str, path: str, name: str, weight_format: str
             src = qcore.open_source(path)      # headers only: refuses an already quantized source, by tensor
         except CheckpointError as e:
             raise CheckpointError(f"{node_id}: unet_name {name!r}: {e}") from e
-        sd, quant = quantized_state_dict(family, fmt, src.inventory, src.reader(progress), path)
+        sd, quant = quantized_state_dict(family, fmt, src.inventory, src.reader(progress), path,
+                                         cache=(path, src.files) if quantized_cache else None)
         meta = src.metadata
     try:
         with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
@@ -97,14 +100,17 @@ def _config_text(model, family: str) -> tuple[str, dict]:
     return ", ".join(f"{k} {v}" for k, v in picked.items() if k != "image_model"), picked
 
 
-def _execute(cls, node_id: str, family: str, label: str, unet_name: str, weight_format: str) -> io.NodeOutput:
+def _execute(cls, node_id: str, family: str, label: str, unet_name: str, weight_format: str,
+             quantized_cache: bool = False) -> io.NodeOutput:
     check_weight_format(node_id, weight_format)
     path = _files.safetensors_path(FOLDER, unet_name, node_id)
     uid = cls.hidden.unique_id if cls.hidden is not None else None
-    model, quant = load_dit(node_id, family, path, unet_name, weight_format, progress=lazy_bar(uid))
+    model, quant = load_dit(node_id, family, path, unet_name, weight_format, progress=lazy_bar(uid),
+                            quantized_cache=quantized_cache)
     text, cfg = _config_text(model, family)
     summary = f"{label} ({cfg.get('image_model')}): {text}; loaded by ComfyUI's loader"
-    data = {"file": unet_name, "family": family, "config": cfg, "weight_format": weight_format}
+    data = {"file": unet_name, "family": family, "config": cfg, "weight_format": weight_format,
+            "quantized_cache": quantized_cache}
     if quant is not None:
         summary += "; quantized " + quant.summary()
         data["quantization"] = quant.as_dict()
@@ -121,6 +127,7 @@ def _inputs(family: str, what: str) -> list:
                                 "has this family's tensors are listed).")),
         io.Combo.Input("weight_format", options=weight_formats(), default=AS_STORED, optional=True,
                        tooltip=WEIGHT_FORMAT_TOOLTIP),
+        io.Boolean.Input("quantized_cache", default=False, optional=True, advanced=True, tooltip=CACHE_TOOLTIP),
     ]
 
 
@@ -155,8 +162,8 @@ class DitKitLTX2ModelLoader(io.ComfyNode):
         return _families.check_listed(LTX2_NODE_ID, "unet_name", FOLDER, "ltx2", unet_name)
 
     @classmethod
-    def execute(cls, unet_name: str, weight_format: str = AS_STORED) -> io.NodeOutput:
-        return _execute(cls, LTX2_NODE_ID, "ltx2", "LTX-2", unet_name, weight_format)
+    def execute(cls, unet_name: str, weight_format: str = AS_STORED, quantized_cache: bool = False) -> io.NodeOutput:
+        return _execute(cls, LTX2_NODE_ID, "ltx2", "LTX-2", unet_name, weight_format, quantized_cache)
 
 
 class DitKitFlux2ModelLoader(io.ComfyNode):
@@ -178,8 +185,8 @@ class DitKitFlux2ModelLoader(io.ComfyNode):
         return _families.check_listed(FLUX2_NODE_ID, "unet_name", FOLDER, "flux2", unet_name)
 
     @classmethod
-    def execute(cls, unet_name: str, weight_format: str = AS_STORED) -> io.NodeOutput:
-        return _execute(cls, FLUX2_NODE_ID, "flux2", "FLUX.2", unet_name, weight_format)
+    def execute(cls, unet_name: str, weight_format: str = AS_STORED, quantized_cache: bool = False) -> io.NodeOutput:
+        return _execute(cls, FLUX2_NODE_ID, "flux2", "FLUX.2", unet_name, weight_format, quantized_cache)
 
 
 NODES = [DitKitLTX2ModelLoader, DitKitFlux2ModelLoader]

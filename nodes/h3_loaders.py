@@ -17,8 +17,10 @@ from ..loaders import h3 as core
 from ..bridge.files import folder_roots
 from ..bridge.loaders import GATE_ATTACHMENT, image_model_of, load_diffusion_model, quant_algos
 from ..bridge.hostcompat import drop_model_gates, model_gates_equal, stock_keeps_gates
+from ..bridge.load_progress import load_progress
 from ..bridge.quant_scales import share_block_scales
 from ..loaders import host_memory
+from ..loaders import quant_cache
 from ..loaders import quantize as qcore
 from . import _families, _files
 from ._common import progress, send_report, ui_report
@@ -56,18 +58,41 @@ WEIGHT_FORMAT_TOOLTIP = ("Quantize while loading into one of ComfyUI's native co
                          "docs/quantize.md). 'as stored' keeps the file's dtypes.")
 
 
-def quantized_state_dict(family: str, fmt: str, inventory, items, where: str):
-    """Stream ``items`` through the quantizer -> (state dict as a comfy_quant file would give it, report)."""
-    plan = qcore.make_plan(family, fmt, inventory)
-    report = qcore.QuantReport(family, fmt, qcore.RECIPES[family]["source"])
-    sd = {}
-    try:
-        for k, t in qcore.quantize_stream(items, plan, report, where):
-            sd[k] = t
-    except BaseException:
-        sd.clear()
-        raise
+def quantized_state_dict(family: str, fmt: str, inventory, items, where: str, cache: tuple | None = None):
+    """Stream ``items`` through the quantizer -> (state dict as a comfy_quant file would give it, report); the node
+    shows tensors done / total and MB/s while it works (bridge/load_progress.py). ``cache``: ``(source path,
+    source files)`` to use the write-once cache next to the source (loaders/quant_cache.py; ``items`` is then not
+    read on a hit)."""
+    prog = load_progress(f"quantizing to {fmt}")
+
+    def run():
+        plan = qcore.make_plan(family, fmt, inventory)
+        report = qcore.QuantReport(family, fmt, qcore.RECIPES[family]["source"])
+        sd = {}
+        try:
+            for k, t in qcore.quantize_stream(items, plan, report, where, progress=prog):
+                sd[k] = t
+        except BaseException:
+            sd.clear()
+            raise
+        return sd, report
+
+    if cache is None:
+        sd, report = run()
+    else:
+        out_inv = qcore.make_plan(family, fmt, inventory).output_inventory()
+        prog.what = f"{fmt} (cache)"
+        sd, report = quant_cache.cached_quantize(cache[0], list(cache[1]), family, fmt, qcore.RECIPES[family], run,
+                                                 out_inv, progress=prog)
+    report.timing = {"seconds": round(prog.seconds, 3), "source_bytes": prog.bytes_done}
     return sd, report
+
+
+CACHE_TOOLTIP = ("Write-once cache (off by default): the first quantizing load writes the quantized weights next to "
+                 "the source (<name>.ditkit-<format>-<key>.safetensors, keyed by the source files' size, mtime and "
+                 "sampled SHA-256, the format and the recipe); later loads read that file, verified against the "
+                 "SHA-256 stored in it, at the speed of a stock comfy_quant load. A modified cache file is refused "
+                 "by name (delete it to re-quantize). See docs/quantize.md.")
 
 
 def _is_checkpoint_folder(path: str) -> bool:
@@ -148,7 +173,7 @@ def model_options(weight_dtype: str) -> dict:
 
 
 def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None = None,
-                  weight_format: str = AS_STORED):
+                  weight_format: str = AS_STORED, quantized_cache: bool = False):
     """-> (ModelPatcher, H3LoadReport); ``report.quant`` is the QuantReport (or None for ``as stored``).
     Raises CheckpointError before building anything on bad input."""
     opts = model_options(weight_dtype)
@@ -171,7 +196,8 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
         plan = core.plan_h3(path)
         src = plan.src
         qcore.refuse_quantized_source(src.path, {k: ti.dtype for k, (_, ti) in src.locations.items()}, src.metadata)
-        sd, quant = quantized_state_dict("h3", fmt, plan.inventory, core.iter_h3_tensors(plan, progress=cb), src.path)
+        sd, quant = quantized_state_dict("h3", fmt, plan.inventory, core.iter_h3_tensors(plan, progress=cb), src.path,
+                                         cache=(path, src.files) if quantized_cache else None)
         report = plan.report(len(sd))
     report.quant = quant
     # ComfyUI 0.33 has no module for FastH3's trained VSA gates and drops them as unexpected keys: keep them as an
@@ -229,6 +255,8 @@ class DitKitH3ModelLoader(io.ComfyNode):
                                tooltip="Same as UNETLoader: cast weights to fp8 at load (default keeps the file's dtypes)."),
                 io.Combo.Input("weight_format", options=weight_formats(), default=AS_STORED, optional=True,
                                tooltip=WEIGHT_FORMAT_TOOLTIP),
+                io.Boolean.Input("quantized_cache", default=False, optional=True, advanced=True,
+                                 tooltip=CACHE_TOOLTIP),
             ],
             outputs=[io.Model.Output(tooltip="The stock ComfyUI MiniMax H3 model."),
                      io.String.Output(display_name="report", tooltip="Layout detected, conversions applied, config.")],
@@ -242,14 +270,16 @@ class DitKitH3ModelLoader(io.ComfyNode):
         return _families.check_listed(NODE_ID, "model_name", FOLDER, "h3_dit", model_name)
 
     @classmethod
-    def execute(cls, model_name: str, weight_dtype: str = "default", weight_format: str = AS_STORED) -> io.NodeOutput:
+    def execute(cls, model_name: str, weight_dtype: str = "default", weight_format: str = AS_STORED,
+                quantized_cache: bool = False) -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         check_weight_format(NODE_ID, weight_format)
         path = resolve(model_name)
-        model, report = load_h3_model(path, weight_dtype, node_id, weight_format)
+        model, report = load_h3_model(path, weight_dtype, node_id, weight_format, quantized_cache=quantized_cache)
         summary = report.summary() + (f"; weights cast to {weight_dtype}" if weight_dtype != "default" else "")
         data = report.as_dict()
-        data.update(model_name=model_name, weight_dtype=weight_dtype, weight_format=weight_format)
+        data.update(model_name=model_name, weight_dtype=weight_dtype, weight_format=weight_format,
+                    quantized_cache=quantized_cache)
         if report.quant is not None:
             summary += "; quantized " + report.quant.summary()
             data["quantization"] = report.quant.as_dict()

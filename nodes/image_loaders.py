@@ -17,7 +17,8 @@ from ..loaders import quantize as qcore
 from ..loaders.read_progress import load_with_progress
 from ..loaders.safetensors_io import DTYPES
 from . import _families, _files
-from .h3_loaders import AS_STORED, WEIGHT_FORMAT_TOOLTIP, check_weight_format, quantized_state_dict, weight_formats
+from .h3_loaders import (AS_STORED, CACHE_TOOLTIP, WEIGHT_FORMAT_TOOLTIP, check_weight_format, quantized_state_dict,
+                         weight_formats)
 from ._bars import lazy_bar
 from ._common import send_report, ui_report
 
@@ -44,7 +45,7 @@ def _zimage_config(sd: dict, path: str) -> dict:
     return cfg
 
 
-def _quantized_zimage(path: str, fmt: str, progress):
+def _quantized_zimage(path: str, fmt: str, progress, cache: bool = False):
     """Config from the header (shapes only), then read -> quantize -> keep, one tensor at a time."""
     import torch
 
@@ -55,11 +56,12 @@ def _quantized_zimage(path: str, fmt: str, progress):
     meta = {k: torch.empty(shape, dtype=DTYPES[dt][0], device="meta") for k, (shape, dt) in src.inventory.items()}
     cfg = _zimage_config(meta, path)
     del meta
-    sd, report = quantized_state_dict("zimage", fmt, src.inventory, src.reader(progress), path)
+    sd, report = quantized_state_dict("zimage", fmt, src.inventory, src.reader(progress), path,
+                                      cache=(path, src.files) if cache else None)
     return sd, cfg, report
 
 
-def load_zimage(path: str, progress=None, weight_format: str = AS_STORED):
+def load_zimage(path: str, progress=None, weight_format: str = AS_STORED, quantized_cache: bool = False):
     """-> (model patcher, config, load path[, QuantReport when quantized]). ``progress(done, total)``: optional,
     after each tensor read. With a ``weight_format`` the state dict is what a comfy_quant file gives ComfyUI."""
     fmt = check_weight_format(NODE_ID, weight_format)
@@ -68,7 +70,7 @@ def load_zimage(path: str, progress=None, weight_format: str = AS_STORED):
         sd, _ = load_with_progress(path, progress)
         cfg = _zimage_config(sd, path)
     else:
-        sd, cfg, report = _quantized_zimage(path, fmt, progress)
+        sd, cfg, report = _quantized_zimage(path, fmt, progress, quantized_cache)
     if cfg["dim"] == 3840:
         with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
             out = load_diffusion_model(sd), cfg, "stock"
@@ -103,6 +105,8 @@ class DitKitZImageLoader(io.ComfyNode):
                                tooltip="Z-Image DiT file in models/diffusion_models (ComfyUI fused-qkv layout)."),
                 io.Combo.Input("weight_format", options=weight_formats(), default=AS_STORED, optional=True,
                                tooltip=WEIGHT_FORMAT_TOOLTIP),
+                io.Boolean.Input("quantized_cache", default=False, optional=True, advanced=True,
+                                 tooltip=CACHE_TOOLTIP),
             ],
             outputs=[io.Model.Output(tooltip="The Z-Image model."),
                      io.String.Output(display_name="report", tooltip="Detected config and load path.")],
@@ -114,14 +118,16 @@ class DitKitZImageLoader(io.ComfyNode):
         return _families.check_listed(NODE_ID, "unet_name", "diffusion_models", "zimage", unet_name)
 
     @classmethod
-    def execute(cls, unet_name: str, weight_format: str = AS_STORED) -> io.NodeOutput:
+    def execute(cls, unet_name: str, weight_format: str = AS_STORED, quantized_cache: bool = False) -> io.NodeOutput:
         check_weight_format(NODE_ID, weight_format)
         path = _files.safetensors_path("diffusion_models", unet_name, NODE_ID)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        model, cfg, how, *quant = load_zimage(path, progress=lazy_bar(node_id), weight_format=weight_format)
+        model, cfg, how, *quant = load_zimage(path, progress=lazy_bar(node_id), weight_format=weight_format,
+                                              quantized_cache=quantized_cache)
         summary = (f"Z-Image dim {cfg['dim']}, {cfg['n_layers']} layers, {cfg.get('n_heads')} heads, "
                    f"loaded via {how}")
-        data = {"file": unet_name, "config": cfg, "path": how, "weight_format": weight_format}
+        data = {"file": unet_name, "config": cfg, "path": how, "weight_format": weight_format,
+                "quantized_cache": quantized_cache}
         if quant:
             summary += "; quantized " + quant[0].summary()
             data["quantization"] = quant[0].as_dict()

@@ -21,7 +21,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-SECTIONS = ("kernels", "int64", "vsa_perf", "te_stream", "adaln", "video_save", "t1_decode", "lokr")
+SECTIONS = ("kernels", "int64", "vsa_perf", "te_stream", "adaln", "video_save", "t1_decode", "lokr", "quant_load")
 
 # runs the script in-process with `import triton` made impossible, then reports what was imported
 NO_TRITON = r"""
@@ -66,12 +66,14 @@ def test_dry_run_prints_the_plan_without_triton_and_writes_json(tmp_path):
     assert imported == [], f"the dry-run imported {imported[:5]} (it must need neither triton nor torch)"
     out = p.stdout
     for s in SECTIONS:
-        assert re.search(rf"^{s}\s+\[est \d+ s, budget \d+ s\]", out, flags=re.M), f"section {s} missing:\n{out}"
+        sel = "; NOT SELECTED" if s == "quant_load" else ""            # opt-in: --only quant_load
+        assert re.search(rf"^{s}\s+\[est \d+ s, budget \d+ s{sel}\]", out, flags=re.M), f"section {s} missing:\n{out}"
     doc = json.loads(js.read_text())
     plan = doc["plan"]
     assert doc["dry_run"] is True and [s["section"] for s in plan["sections"]] == list(SECTIONS)
     for s in plan["sections"]:
-        assert s["selected"] and s["est_s"] > 0 and s["budget_s"] >= s["est_s"], s
+        assert s["selected"] == (s["section"] != "quant_load"), s      # opt-in: --only quant_load
+        assert s["est_s"] > 0 and s["budget_s"] >= s["est_s"], s
         checks = [c for c in s["checks"] if c["check"] != "note"]
         assert checks and all(c["shape"] for c in checks), s
         # every check row of the JSON is also a printed row
@@ -80,7 +82,10 @@ def test_dry_run_prints_the_plan_without_triton_and_writes_json(tmp_path):
     # the whole run (budgets + the hard stop 30 s after the global budget) stays under 8 minutes
     assert plan["est_total_s"] <= plan["budget_s"] and plan["budget_s"] + 30 < 8 * 60
     assert "hard limit stops the process at budget + 30 s" in plan["note"]
-    assert sum(s["budget_s"] for s in plan["sections"]) <= plan["budget_s"]
+    assert sum(s["budget_s"] for s in plan["sections"] if s["selected"]) <= plan["budget_s"]
+    q = next(s for s in plan["sections"] if s["section"] == "quant_load")
+    assert q["budget_s"] + 30 < 8 * 60 and [c["check"] for c in q["checks"]][1:] == [
+        f"{f}: quantize through the device" for f in ("float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4")]
 
     # int64: the plan's offsets are H * rows * D - 1 of its own shape and cross 2**31 for input and output
     c = next(c for s in plan["sections"] if s["section"] == "int64" for c in s["checks"] if c["check"] == "pack past 2**31")
@@ -189,6 +194,14 @@ def test_tiny_cpu_mode_runs_every_section(tiny_run):
             expect("lokr", f"{fmt} base", "PASS")
         else:
             expect("lokr", f"{fmt} base", "SKIP", note="comfy_kitchen is not installed")
+    expect("quant_load", "read the file", "INFO")
+    for i, fmt in enumerate(("float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4")):
+        (row,) = _rows(doc, "quant_load", f"{fmt}: quantize")
+        if i and row["result"] == "SKIP":              # the last section of the tiny run: a loaded machine may
+            assert "budget" in row["note"], row          # use up its budget after the first format, never silently
+            continue
+        assert row["result"] == "PASS" and "CPU path (--tiny smoke)" in row["note"], row
+        assert row["figures"]["layers_checked"] == row["figures"]["layers"] > 0, row
 
 
 # ------------------------------------------------------------------------------------------------ checks can fail

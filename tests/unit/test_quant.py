@@ -247,3 +247,17 @@ def test_row_sliced_quantize_equals_one_slice(fmt, shape, monkeypatch):
     rec = Q.dequantize(*one, fmt, shape)
     assert e2 == pytest.approx(float(((rec - w.float()) ** 2).sum()), rel=1e-5)
     assert r2 == pytest.approx(float((w.float() ** 2).sum()), rel=1e-5)
+
+
+def test_triton_backend_measures_the_same_error_and_sees_non_finite(interp, monkeypatch):
+    monkeypatch.setattr(interp, "CHUNK_ELEMS", 1)
+    w = (torch.randn(300, 64, generator=torch.Generator().manual_seed(6)) * 0.02).to(torch.bfloat16)
+    ref, tri = interp.ErrorSample(2), interp.ErrorSample(2)
+    a = interp.quantize(w, "float8_e4m3fn", error=ref)
+    b = interp.quantize(w, "float8_e4m3fn", backend="triton", error=tri)
+    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+    assert (ref.e2, ref.r2, ref.rows, ref.total_rows) == (tri.e2, tri.r2, tri.rows, tri.total_rows) == \
+        (ref.e2, ref.r2, 128 + 44, 300)
+    w[299, 0] = float("nan")
+    with pytest.raises(interp.NonFiniteWeight):
+        interp.quantize(w, "int8_tensorwise", backend="triton", finite=True)

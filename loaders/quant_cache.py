@@ -1,0 +1,254 @@
+"""Write-once cache of a quantize-on-load (opt-in, off by default; issue #34).
+
+The first quantizing load of a source writes its comfy_quant state dict next to the source; every later load of
+the same source, format and recipe reads that file instead (a plain read of the quantized bytes: no bf16 read, no
+quantize), verified before anything is handed over.
+
+* **where**: in the source's own folder (the official / diffusers shard folder, or the single file's folder),
+  through :mod:`.safe_fs` only (validated name, no symlink followed, temp file + no-replace publish; nothing outside
+  that folder, nothing replaced, nothing partial left on a failure);
+* **name**: ``<source stem>.ditkit-<format>-<key[:16]>.safetensors``; the full key is in the file's metadata;
+* **key** (:func:`source_key`): SHA-256 over the cache format version, the family, the format, the recipe's
+  source line and rule set, and per source file: its name, size, ``mtime_ns`` and a *sampled* SHA-256 (the
+  safetensors header, which holds every key, dtype, shape and offset, plus :data:`SAMPLES` chunks of
+  :data:`SAMPLE_BYTES` spread evenly over the data). Why sampled and not a full hash: the point of a hit is not to
+  read the source at all; a full hash would read all of it again (the hour this cache saves). A rewrite of the
+  file changes its mtime (and nearly always its size / header); the sampled bytes catch a same-size, same-mtime
+  copy of other weights (``cp -p`` / ``rsync -t``) unless it differs from the original in none of the ~4 MiB read.
+  Not caught: an in-place edit that keeps size and mtime and touches no sampled byte (that needs deliberately
+  resetting the mtime). Costs about 4 MiB of reads per file;
+* **verified on read** (:func:`read`): the file must be a regular file (no symlink), its metadata must carry the
+  expected key, format and recipe, and the SHA-256 of its header and every tensor's bytes, computed while reading,
+  must equal the digest stored as its last tensor (``ditkit.sha256``, 32 bytes, hashed last when written). Any
+  mismatch raises :class:`QuantCacheError` naming the file: a tampered or damaged cache is never used, nor silently
+  replaced (delete it to re-quantize). The digest detects any change made without recomputing it (damage, a partial
+  copy, an edit, another file under the name); it is not a signature: whoever can write the model folder can also
+  forge it (as they can replace the source model itself);
+* **stale**: a changed source gives another key, so another name: the old file is not read (it is left in place and
+  reported; ditkit deletes nothing it did not just write).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from typing import Callable
+
+import torch
+
+from ..errors import DitKitError
+from . import host_memory
+from .safe_fs import SafeDir, open_model_file, write_stream
+from .safetensors_io import SafeFile, stream_chunks
+
+VERSION = 1
+SAMPLES = 64
+SAMPLE_BYTES = 64 << 10
+DIGEST_KEY = "ditkit.sha256"
+META_KEY = "ditkit_quant_cache"
+
+
+class QuantCacheError(DitKitError):
+    """A cache file that cannot be used as it is (modified, damaged, not ditkit's, or for another source)."""
+
+
+def _sampled_sha256(path: str) -> tuple[int, int, str]:
+    """(size, mtime_ns, sampled SHA-256) of one source file, read through one descriptor (fstat of the opened file)."""
+    fd = open_model_file(path)
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        h = hashlib.sha256()
+        head = os.pread(fd, 8, 0)
+        h.update(head)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        hdr_end = min(size, 8 + n)
+        pos = 8
+        while pos < hdr_end:                       # the whole header (shapes, dtypes, offsets, metadata)
+            b = os.pread(fd, min(1 << 20, hdr_end - pos), pos)
+            if not b:
+                break
+            h.update(b)
+            pos += len(b)
+        data = size - hdr_end
+        if data > 0:
+            for i in range(SAMPLES):
+                off = hdr_end + (data - min(SAMPLE_BYTES, data)) * i // max(1, SAMPLES - 1)
+                h.update(os.pread(fd, min(SAMPLE_BYTES, data), off))
+        return size, st.st_mtime_ns, h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def source_key(files: list[str], family: str, fmt: str, recipe: dict) -> tuple[str, list[dict]]:
+    """-> (hex key, per-file records) for the cache of ``files`` quantized to ``fmt`` by ``recipe``."""
+    recs = []
+    for f in files:
+        size, mtime, sample = _sampled_sha256(f)
+        recs.append({"name": os.path.basename(f), "bytes": size, "mtime_ns": mtime, "sampled_sha256": sample})
+    rules = [[r.pattern.pattern, r.layer_class, r.quantize] for r in recipe["rules"]]
+    blob = json.dumps({"version": VERSION, "family": family, "format": fmt, "recipe": recipe["source"],
+                       "rules": rules, "files": recs}, sort_keys=True)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest(), recs
+
+
+def cache_location(source_path: str, fmt: str, key: str) -> tuple[str, str]:
+    """-> (folder, file name) of the cache of ``source_path`` (a file or a shard folder)."""
+    p = os.path.realpath(source_path)
+    if os.path.isdir(p):
+        folder, stem = p, os.path.basename(p.rstrip(os.sep)) or "model"
+    else:
+        folder, base = os.path.split(p)
+        stem = base.rsplit(".", 1)[0]
+    return folder, f"{stem}.ditkit-{fmt}-{key[:16]}.safetensors"
+
+
+def write(folder: str, name: str, inventory, sd: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """Write the quantized state dict ``sd`` (every key of ``inventory``, in that order) to ``name`` in ``folder``,
+    the digest tensor last, through :func:`.safe_fs.write_stream` (temp file, no-replace publish). The loader keeps
+    ``sd`` anyway, so nothing is copied: each chunk is the tensor's own bytes. -> the published path."""
+    inv = dict(inventory)
+    inv[DIGEST_KEY] = ((32,), "U8")
+    h = hashlib.sha256()
+
+    def tensors():
+        for k in inventory:
+            yield k, sd[k]
+        yield DIGEST_KEY, torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
+
+    def chunks():
+        for i, c in enumerate(stream_chunks(inv, tensors(), meta, where=os.path.join(folder, name))):
+            if i <= len(inventory):            # the header and every tensor but the digest itself
+                h.update(memoryview(c).cast("B"))
+            yield c
+
+    d = SafeDir.open_root(folder, error=QuantCacheError, what="cache folder")
+    try:
+        return write_stream(d, name, chunks())
+    finally:
+        d.close()
+
+
+def lookup(folder: str, name: str) -> str | None:
+    """The cache file's path when ``name`` exists in ``folder``; None when it does not; a symlink or anything but
+    a regular file there is refused (never followed)."""
+    d = SafeDir.open_root(folder, error=QuantCacheError, what="cache folder")
+    try:
+        st = d.lstat(name)
+    finally:
+        d.close()
+    if st is None:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise QuantCacheError(f"quantized cache '{os.path.join(folder, name)}' is not a regular file (a symlink or "
+                              "other entry); ditkit does not follow it: remove it to re-quantize")
+    return os.path.join(folder, name)
+
+
+def read(path: str, key: str, fmt: str, recipe_source: str,
+         progress: Callable[[int, int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read and verify a cache file -> (state dict without the digest, the ``ditkit_quant_cache`` record).
+    Raises :class:`QuantCacheError` naming the file and what differs; nothing is returned unless the whole file
+    matched its digest. ``progress(done, total, bytes)`` after each tensor."""
+    where = f"quantized cache '{path}'"
+    with SafeFile(path) as f:
+        hdr = f.header
+        try:
+            rec = json.loads(hdr.metadata.get(META_KEY, ""))
+        except ValueError:
+            raise QuantCacheError(f"{where}: no '{META_KEY}' record in its metadata; not a ditkit cache file "
+                                  "(remove it to re-quantize)") from None
+        for field, want in (("key", key), ("format", fmt), ("recipe", recipe_source), ("version", VERSION)):
+            if not isinstance(rec, dict) or rec.get(field) != want:
+                got = rec.get(field) if isinstance(rec, dict) else None
+                raise QuantCacheError(f"{where}: its {field} is {got!r}, expected {want!r}; it was not written for "
+                                      "this source (remove it to re-quantize)")
+        order = sorted(hdr.tensors.values(), key=lambda ti: ti.begin)
+        if not order or order[-1].name != DIGEST_KEY or order[-1].shape != (32,) or order[-1].dtype != "U8":
+            raise QuantCacheError(f"{where}: the digest tensor '{DIGEST_KEY}' is not its last tensor; modified or "
+                                  "not written by ditkit (remove it to re-quantize)")
+        h = hashlib.sha256(_raw_header_bytes(path, hdr.header_len))
+        sd: dict[str, torch.Tensor] = {}
+        done = nbytes = 0
+        total = len(order) - 1
+        try:
+            for ti in order[:-1]:
+                t = f.get(ti.name, alloc=host_memory.empty)
+                if ti.nbytes:
+                    h.update(t.reshape(-1).view(torch.uint8).numpy())
+                sd[ti.name] = t
+                done += 1
+                nbytes += ti.nbytes
+                if progress:
+                    progress(done, total, nbytes)
+            stored = bytes(f.get(DIGEST_KEY).numpy().tobytes())
+        except BaseException:
+            sd.clear()
+            raise
+    if stored != h.digest():
+        sd.clear()
+        raise QuantCacheError(f"{where}: its bytes do not match the SHA-256 stored in it (modified or damaged since "
+                              "ditkit wrote it); it is not used. Remove it to re-quantize from the source")
+    return sd, rec
+
+
+def _raw_header_bytes(path: str, header_len: int) -> bytes:
+    fd = open_model_file(path)
+    try:
+        b = os.pread(fd, 8 + header_len, 0)
+    finally:
+        os.close(fd)
+    return b
+
+
+def cached_quantize(source_path: str, files: list[str], family: str, fmt: str, recipe: dict,
+                    quantize: Callable[[], tuple[dict, object]], inventory, progress=None):
+    """The cache around one quantizing load -> (state dict, QuantReport with ``cache`` filled in).
+
+    Hit: the verified cache file's tensors (``quantize`` is not called). Miss: ``quantize()`` -> (sd, report), then
+    the cache is written from ``sd`` (the digest last) and published; a write that fails (read-only folder, out of
+    space) leaves nothing behind and is reported in ``report.cache`` (the load itself stands). Other cache files
+    of the same source and format (an older key: the source changed) are listed as stale, never read or deleted."""
+    import dataclasses
+    import time
+
+    from .quantize import ClassStats, QuantReport
+
+    t0 = time.monotonic()
+    key, recs = source_key(files, family, fmt, recipe)
+    folder, name = cache_location(source_path, fmt, key)
+    stale = _stale(folder, name, fmt)
+    found = lookup(folder, name)
+    if found is not None:
+        sd, rec = read(found, key, fmt, recipe["source"], progress)
+        report = QuantReport(family, fmt, recipe["source"])
+        report.classes = {c: ClassStats(**v) for c, v in rec.get("classes", {}).items()}
+        report.cache = {"state": "hit", "file": found, "key": key[:16], "seconds": round(time.monotonic() - t0, 3),
+                        "stale": stale}
+        return sd, report
+    sd, report = quantize()
+    record = {"version": VERSION, "key": key, "format": fmt, "family": family, "recipe": recipe["source"],
+              "files": recs, "classes": {c: dataclasses.asdict(v) for c, v in report.classes.items()}}
+    meta = {META_KEY: json.dumps(record, sort_keys=True),
+            "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {
+                k[: -len(".comfy_quant")]: {"format": fmt} for k in inventory if k.endswith(".comfy_quant")}})}
+    t1 = time.monotonic()
+    try:
+        path = write(folder, name, inventory, sd, meta)
+    except (OSError, DitKitError) as e:
+        report.cache = {"state": "not written", "file": os.path.join(folder, name), "why": str(e), "stale": stale}
+    else:
+        report.cache = {"state": "written", "file": path, "key": key[:16],
+                        "seconds_write": round(time.monotonic() - t1, 3), "stale": stale}
+    return sd, report
+
+
+def _stale(folder: str, name: str, fmt: str) -> list[str]:
+    stem = name[: name.index(f".ditkit-{fmt}-")]
+    prefix = f"{stem}.ditkit-{fmt}-"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(n for n in names if n.startswith(prefix) and n.endswith(".safetensors") and n != name)

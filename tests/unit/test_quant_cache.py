@@ -1,0 +1,236 @@
+"""The write-once quantized cache (loaders/quant_cache.py, issue #34) without ComfyUI: miss -> written, hit ->
+the same tensors without quantizing, a changed source -> another key (the old file left, reported stale), a
+tampered / foreign / symlinked cache file refused by name, a failed write reported and leaving nothing.
+
+Oracle: the state dict the streaming quantizer produces for the same source (bit for bit), and the bytes of the
+written file re-hashed here with hashlib."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+import pytest
+import torch
+
+from ditkit.loaders import quant_cache as C
+from ditkit.loaders import quantize as QC
+from ditkit.loaders.safetensors_io import read_header, save_file
+from ditkit.tiny import ckpt_h3
+
+FMT = "nvfp4"
+
+
+@pytest.fixture()
+def source(tmp_path):
+    """A single-file H3 (ComfyUI layout) in its own models folder."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    save_file(ckpt_h3.base_state_dict(), folder / "h3.safetensors")
+    return folder / "h3.safetensors"
+
+
+def _load(path, fmt=FMT, calls=None):
+    src = QC.open_source(str(path))
+    plan = QC.make_plan(src.family, fmt, src.inventory, src.prefix)
+
+    def run():
+        if calls is not None:
+            calls.append(1)
+        rep = QC.QuantReport(src.family, fmt, QC.RECIPES[src.family]["source"])
+        return dict(QC.quantize_stream(src.reader(), plan, rep, str(path))), rep
+
+    return C.cached_quantize(str(path), src.files, src.family, fmt, QC.RECIPES[src.family], run,
+                             plan.output_inventory())
+
+
+def _same(a, b):
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+
+
+def _cache_files(folder):
+    return sorted(p.name for p in folder.iterdir() if ".ditkit-" in p.name)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4"])
+def test_miss_writes_then_hit_reads_the_same_bits_without_quantizing(source, fmt):
+    calls = []
+    sd1, rep1 = _load(source, fmt, calls)
+    assert rep1.cache["state"] == "written" and calls == [1]
+    files = _cache_files(source.parent)
+    assert len(files) == 1 and files[0].startswith(f"h3.ditkit-{fmt}-")
+    assert rep1.cache["file"] == str(source.parent / files[0])
+    sd2, rep2 = _load(source, fmt, calls)
+    assert calls == [1], "a hit must not quantize"
+    assert rep2.cache["state"] == "hit" and rep2.cache["file"] == rep1.cache["file"]
+    _same(sd1, sd2)
+    assert {c: s.as_dict() for c, s in rep2.classes.items()} == {c: s.as_dict() for c, s in rep1.classes.items()}
+    assert "cache hit" in rep2.summary()
+
+
+def test_written_file_digest_is_sha256_of_everything_before_it(source):
+    _, rep = _load(source)
+    path = rep.cache["file"]
+    hdr = read_header(path)
+    raw = open(path, "rb").read()
+    digest = hdr.tensors[C.DIGEST_KEY]
+    body = raw[: 8 + hdr.header_len + digest.begin]
+    assert raw[8 + hdr.header_len + digest.begin:] == hashlib.sha256(body).digest()
+    assert max(ti.end for ti in hdr.tensors.values()) == digest.end        # the digest is the last tensor
+    assert "_quantization_metadata" in hdr.metadata and C.META_KEY in hdr.metadata
+
+
+def test_changed_source_is_a_miss_and_the_stale_file_is_left(source):
+    _, rep1 = _load(source)
+    old = rep1.cache["file"]
+    before = open(old, "rb").read()
+    sd = ckpt_h3.base_state_dict()
+    k = next(k for k in sd if k.startswith("final_layer") and k.endswith("weight"))
+    sd[k] = sd[k] * 2
+    save_file(sd, source)                                             # same size, new bytes and mtime
+    calls = []
+    _, rep2 = _load(source, calls=calls)
+    assert calls == [1] and rep2.cache["state"] == "written" and rep2.cache["file"] != old
+    assert rep2.cache["stale"] == [os.path.basename(old)]
+    assert "stale caches of this source left in place" in rep2.summary()
+    assert open(old, "rb").read() == before
+    assert len(_cache_files(source.parent)) == 2
+
+
+def test_key_sees_mtime_and_sampled_bytes_and_documents_what_it_misses(source):
+    key0, _ = C.source_key([str(source)], "h3", FMT, QC.RECIPES["h3"])
+    st = os.stat(source)
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 1))          # only the mtime
+    key1, _ = C.source_key([str(source)], "h3", FMT, QC.RECIPES["h3"])
+    assert key1 != key0
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert C.source_key([str(source)], "h3", FMT, QC.RECIPES["h3"])[0] == key0
+    hdr = read_header(source)
+    data = os.path.getsize(source) - 8 - hdr.header_len
+    with open(source, "r+b") as f:                                    # a byte inside the first sample, mtime kept
+        f.seek(8 + hdr.header_len + 5)
+        b = f.read(1)
+        f.seek(8 + hdr.header_len + 5)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert C.source_key([str(source)], "h3", FMT, QC.RECIPES["h3"])[0] != key0
+    if data > C.SAMPLES * C.SAMPLE_BYTES:                             # a byte between samples: not seen (documented)
+        with open(source, "r+b") as f:
+            f.seek(8 + hdr.header_len + 5)
+            f.write(b)
+            f.seek(8 + hdr.header_len + C.SAMPLE_BYTES + 1)
+            f.write(b"\x00")
+        os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for other in ("mxfp8",):
+        assert C.source_key([str(source)], "h3", other, QC.RECIPES["h3"])[0] != \
+            C.source_key([str(source)], "h3", FMT, QC.RECIPES["h3"])[0]
+    assert C.source_key([str(source)], "ltx2", FMT, QC.RECIPES["ltx2"])[0] != \
+        C.source_key([str(source)], "h3", FMT, QC.RECIPES["h3"])[0]
+
+
+def _tamper_at(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("where", ["first tensor", "middle tensor", "digest"])
+def test_tampered_cache_file_is_refused_by_name(source, where):
+    _, rep = _load(source)
+    path = rep.cache["file"]
+    hdr = read_header(path)
+    order = sorted(hdr.tensors.values(), key=lambda ti: ti.begin)
+    ti = {"first tensor": order[0], "middle tensor": order[len(order) // 2], "digest": order[-1]}[where]
+    _tamper_at(path, 8 + hdr.header_len + ti.begin + (ti.end - ti.begin) // 2)
+    calls = []
+    with pytest.raises(C.QuantCacheError, match=r"do not match the SHA-256 stored in it.*Remove it") as e:
+        _load(source, calls=calls)
+    assert path in str(e.value) and calls == []
+
+
+def test_cache_for_another_key_or_format_under_the_name_is_refused(source):
+    _, rep = _load(source)
+    path = rep.cache["file"]
+    hdr = read_header(path)
+    raw = open(path, "rb").read()
+    head = raw[8: 8 + hdr.header_len].decode()
+    key = hdr.metadata[C.META_KEY]
+    i = head.index('\\"key\\": \\"') + len('\\"key\\": \\"')
+    forged = head[:i] + ("0" if head[i] != "0" else "1") + head[i + 1:]
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(forged.encode())
+    assert read_header(path).metadata[C.META_KEY] != key
+    with pytest.raises(C.QuantCacheError, match="its key is .* expected"):
+        _load(source)
+
+
+def test_a_symlink_under_the_cache_name_is_refused_not_followed(source, tmp_path):
+    _, rep = _load(source)
+    path = rep.cache["file"]
+    target = tmp_path / "elsewhere.safetensors"
+    shutil.move(path, target)
+    os.symlink(target, path)
+    with pytest.raises(C.QuantCacheError, match="not a regular file"):
+        _load(source)
+
+
+def test_a_file_without_the_cache_record_is_refused(source):
+    _, rep = _load(source)
+    path = rep.cache["file"]
+    os.unlink(path)
+    save_file({"a": torch.zeros(3)}, path)
+    with pytest.raises(C.QuantCacheError, match="not a ditkit cache file"):
+        _load(source)
+
+
+def test_a_failed_write_is_reported_and_leaves_nothing(source, monkeypatch):
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(C, "write", boom)
+    sd, rep = _load(source)
+    assert rep.cache["state"] == "not written" and "No space left" in rep.cache["why"]
+    assert "cache not written" in rep.summary()
+    assert _cache_files(source.parent) == []
+    assert sd                                                         # the load itself stands
+
+
+def test_a_write_that_fails_midway_leaves_no_file(source, monkeypatch):
+    real = C.stream_chunks
+
+    def failing(*a, **k):
+        for i, c in enumerate(real(*a, **k)):
+            if i == 3:
+                raise OSError(28, "No space left on device")
+            yield c
+
+    monkeypatch.setattr(C, "stream_chunks", failing)
+    _, rep = _load(source)
+    assert rep.cache["state"] == "not written"
+    assert os.listdir(source.parent) == ["h3.safetensors"]
+
+
+def test_cache_location_is_next_to_the_source(tmp_path):
+    d = tmp_path / "H3" / "transformer"
+    d.mkdir(parents=True)
+    assert C.cache_location(str(d), "mxfp8", "ab" * 32) == (str(d), "transformer.ditkit-mxfp8-abababababababab.safetensors")
+    f = tmp_path / "m.v2.safetensors"
+    f.write_bytes(b"")
+    assert C.cache_location(str(f), "nvfp4", "0f" * 32) == (str(tmp_path), "m.v2.ditkit-nvfp4-0f0f0f0f0f0f0f0f.safetensors")
+
+
+def test_official_shard_folder_cache_is_written_inside_the_folder(tmp_path):
+    ckpt_h3.gen_h3_dit_official(tmp_path)
+    folder = tmp_path / ckpt_h3.OFFICIAL_DIR
+    calls = []
+    sd1, rep1 = _load(folder, "float8_e4m3fn", calls)
+    assert os.path.dirname(rep1.cache["file"]) == str(folder.resolve())
+    sd2, rep2 = _load(folder, "float8_e4m3fn", calls)
+    assert calls == [1] and rep2.cache["state"] == "hit"
+    _same(sd1, sd2)
