@@ -158,7 +158,7 @@ def require(node_id: str) -> list[Result]:
 
 
 # Modules that declare entries (imported by check_all so the registry is complete whichever node ran first).
-ENTRY_MODULES: tuple[str, ...] = ("chunking",)
+ENTRY_MODULES: tuple[str, ...] = ("chunking", "preflight")
 
 
 def _load_entry_modules() -> None:
