@@ -179,3 +179,22 @@ def test_plan_needs_two_changes_then_length():
     none = plan(D2, w, tok, opts, 1, "x", False)
     assert not none.suggestions and "nothing ditkit can set fits" in none.summary()
     assert math.isfinite(none.prediction.gib())
+
+
+def test_fits_table_real_h3_weights_match_the_official_size():
+    from ditkit.memory import fits
+
+    dims, weights = fits._h3_model()
+    # metadata.total_size of the official FL2VA transformer index (h3.md): 66,280,430,144 bytes; ComfyUI's keys
+    # drop the rope buffer and keep the same tensors
+    assert abs(weights["bf16"].total - 66_280_430_144) / 66_280_430_144 < 0.01
+    assert weights["nvfp4"].total < weights["float8_e4m3fn"].total < weights["bf16"].total
+    rows = fits.fits_rows()
+    assert len(rows) == 8 * len(fits.CARDS_GB)
+    for r in rows:
+        for kind in ("resident", "streamed"):
+            setting, gib = r[kind]
+            assert gib is None or gib <= r["card_gb"] * 1e9 * 0.95 / GIB
+    h3_5s = [r for r in rows if r["job"] == "H3 T2VA 5 s 1344x768"]
+    assert h3_5s[-1]["resident"][0] == "bf16 as is"          # 141 GB holds it
+    assert "| H3 T2VA 10 s 1920x1088 |" in fits.fits_table()
