@@ -100,7 +100,10 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs:
         return (f"latent frames <= {max(1, int(t * frac))} of {t} at this resolution, or width and height x "
                 f"{frac ** 0.5:.2f} at this length")
 
-    return plan(dims, weights, tokens, opts, available, where, streaming_possible, video_scale=scale)
+    p = plan(dims, weights, tokens, opts, available, where, streaming_possible, video_scale=scale)
+    if installed and chunk is None:
+        p.where += " (feed-forward chunking is auto: predicted unchunked, an upper bound)"
+    return p
 
 
 def latent_shapes_of(samples):

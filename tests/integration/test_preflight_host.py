@@ -132,3 +132,13 @@ def test_bad_inputs_named_errors(model, monkeypatch):
     monkeypatch.setattr(mm, "get_free_memory", lambda *a, **k: 0)
     with pytest.raises(DitKitError, match="no usable memory"):
         DitKitPreflight.execute(model, latent(), limit_gib=0.0, text_tokens=0)
+
+
+def test_auto_chunking_is_predicted_as_an_upper_bound(model):
+    from ditkit.nodes.activation_chunking import DitKitActivationChunking
+
+    lat = latent()
+    auto = predicted(DitKitActivationChunking.execute(model, chunk_tokens=0).args[0], lat)
+    plain = predicted(model, lat)
+    assert auto.prediction.device == plain.prediction.device
+    assert "upper bound" in auto.summary() and "upper bound" not in plain.summary()
