@@ -205,3 +205,65 @@ def _object_patch_probe() -> Probe:
     if params[:3] != ["self", "name", "obj"]:
         return Probe.broken(f"add_object_patch{params}")
     return Probe.holds()
+
+
+ATTN_KEY = "optimized_attention_override"
+
+
+class HeadGroupAttention:
+    """An ``optimized_attention_override`` running packed self-attention (``skip_reshape`` ``[B, H, S, D]`` calls
+    without a mask) over groups of ``heads_per_call`` heads, each group's output copied into one ``[B, H, S, D]``
+    tensor: a backend that materialises scores (ComfyUI's ``attention_sub_quad`` / ``basic`` / ``split``) holds them
+    for one group at a time. Heads are independent, so the numbers are the same. Other calls, and every call when
+    the backend does not materialise scores, go through unchanged (to ``prev``, an override installed before this
+    one, else ComfyUI's function)."""
+
+    _ditkit_head_groups = True
+
+    def __init__(self, heads_per_call: int, prev=None):
+        self.heads_per_call = int(heads_per_call)
+        self.prev = prev
+        self.calls = 0
+        self.grouped = 0
+
+    def _down(self, func, q, k, v, heads, *a, **kw):
+        if self.prev is not None:
+            return self.prev(func, q, k, v, heads, *a, **kw)
+        return func(q, k, v, heads, *a, **kw)
+
+    def __call__(self, func, q, k, v, heads, *a, mask=None, skip_reshape=False, skip_output_reshape=False, **kw):
+        self.calls += 1
+        g = self.heads_per_call
+        if (not skip_reshape or mask is not None or q.dim() != 4 or heads <= g or q.shape[1] != heads
+                or k.shape[1] != heads or v.shape[1] != heads):
+            return self._down(func, q, k, v, heads, *a, mask=mask, skip_reshape=skip_reshape,
+                              skip_output_reshape=skip_output_reshape, **kw)
+        self.grouped += 1
+        out = None
+        for s in range(0, heads, g):
+            e = min(heads, s + g)
+            part = self._down(func, q[:, s:e], k[:, s:e], v[:, s:e], e - s, *a, mask=None, skip_reshape=True,
+                              skip_output_reshape=True, **kw)
+            if out is None:
+                out = part.new_empty((q.shape[0], heads) + tuple(part.shape[2:]))
+            out[:, s:e].copy_(part)
+            del part
+        if skip_output_reshape:
+            return out
+        b, _, n, d = out.shape
+        return out.transpose(1, 2).reshape(b, n, heads * d)
+
+
+def install_head_groups(m, heads_per_call: int) -> str:
+    """Chain a :class:`HeadGroupAttention` on the clone ``m`` (the override already there becomes its ``prev``).
+    A sparse-attention override already installed is refused: it must see every head (install this node first)."""
+    topts = m.model_options.setdefault("transformer_options", {})
+    prev = topts.get(ATTN_KEY)
+    if getattr(prev, "_ditkit_vsa", False):
+        raise UnsupportedModelError(f"{NODE_ID}: DitKitSparseAttention is already on this model; put "
+                                    "DitKitActivationChunking (with attention_heads_per_call) before it, so the sparse "
+                                    "attention sees every head and passes its dense calls to the head groups")
+    if getattr(prev, "_ditkit_head_groups", False):
+        prev = prev.prev
+    topts[ATTN_KEY] = HeadGroupAttention(heads_per_call, prev)
+    return "chained after another override" if prev is not None else "installed"

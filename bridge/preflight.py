@@ -88,12 +88,12 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs:
     tokens = h3_tokens(video_shape, audio_shape, text=text, refs=refs, keyframes=keyframes)
     dims, weights, current, compute = model_facts(model)
     installed, chunk = installed_chunk(model)
+    ov = (model.model_options.get("transformer_options") or {}).get("optimized_attention_override")
+    head_group = ov.heads_per_call if getattr(ov, "_ditkit_head_groups", False) else None
     available, where, streaming_possible = available_memory(model, limit)
+    # auto chunking (chunk None) is counted unchunked: the upper bound, said in the report
     opts = Options(compute=compute, weight_format=current, chunk=chunk if installed else None,
-                   attention=attention_class(), free_bytes=available)
-    if installed and chunk is None:
-        opts = Options(compute=compute, weight_format=current, chunk=None, attention=opts.attention,
-                       free_bytes=available)   # auto chunking: counted unchunked (the upper bound), reported
+                   attention=attention_class(), free_bytes=available, head_group=head_group)
 
     def scale(frac: float) -> str:
         t = int(video_shape[2])

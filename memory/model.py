@@ -101,6 +101,7 @@ class Options:
     free_bytes: int = 0                # free memory the sub_quad backend sizes its query chunk from
     upcast_attention: bool = False
     batch: int = 1                     # cond/uncond rows run together (ComfyUI batches CFG when memory allows)
+    head_group: int | None = None      # attention over groups of this many heads (None: all heads per call)
 
     def describe(self) -> str:
         parts = [f"format {self.weight_format}", f"chunk {self.chunk if self.chunk else 'off'}",
@@ -148,16 +149,25 @@ def activation_parts(d: DiTDims, tokens: Tokens, opts: Options) -> dict:
     fc1 = 2 * F if d.ffn_kind == "swiglu" else F
     persistent = s * (2 * D + ROPE_COLS) * b
     bh = d.heads * max(1, int(opts.batch))
+    g = d.heads if opts.head_group is None else int(opts.head_group)
+    if g <= 0:
+        raise MemoryModelError(f"head_group must be None (off) or a positive number of heads, got {opts.head_group!r}")
     sb = 4 if (opts.upcast_attention or b == 4) else b
     if opts.attention == "flash":
         attn = s * (2 * D + 6 * I) * b
     elif opts.attention == "sub_quad":
         # q/k/v reshaped to [B*H, S, hd] (three copies), the output and its head-merged copy; scores + softmax of one
         # query chunk ([B*H, q, S] twice); the chunk is ComfyUI's rule on the free memory
-        q = sub_quad_chunk(bh, sb, tokens.total, opts.free_bytes)
-        attn = s * (D + 8 * I) * b + 2 * bh * min(q, tokens.total) * tokens.total * sb
+        if g < d.heads:   # per group: its q/k/v copies and output; one [S, I] output filled group by group
+            bg = g * max(1, int(opts.batch))
+            q = sub_quad_chunk(bg, sb, tokens.total, opts.free_bytes)
+            attn = max(s * (D + 5 * I) * b + s * 4 * I * g // d.heads * b
+                       + 2 * bg * min(q, tokens.total) * tokens.total * sb, s * (D + 6 * I) * b)
+        else:
+            q = sub_quad_chunk(bh, sb, tokens.total, opts.free_bytes)
+            attn = s * (D + 8 * I) * b + 2 * bh * min(q, tokens.total) * tokens.total * sb
     else:
-        attn = s * (2 * D + 6 * I) * b + 2 * bh * tokens.total ** 2 * sb
+        attn = s * (2 * D + 6 * I) * b + 2 * min(g, d.heads) * max(1, int(opts.batch)) * tokens.total ** 2 * sb
     if opts.chunk is None or opts.chunk >= tokens.total:
         ff = s * (2 * D + fc1 + F) * b
     else:

@@ -153,3 +153,32 @@ def test_state_dict_keys_unchanged_and_refusals(env):
             DitKitActivationChunking.execute(base, chunk_tokens=bad)
     with pytest.raises(DitKitError, match="not an H3"):
         DitKitActivationChunking.execute(object(), chunk_tokens=16)
+
+
+def heads(m, n=1, tokens=64):
+    from ditkit.nodes.activation_chunking import DitKitActivationChunking
+
+    return DitKitActivationChunking.execute(m, chunk_tokens=tokens, attention_heads_per_call=n).args[0]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_attention_head_groups_bit_identical(env, n):
+    """The tiny H3 has 3 heads: groups of 1 and of 2 (+1) against ComfyUI's own attention on all heads at once."""
+    from ditkit.bridge.chunking import ATTN_KEY
+
+    base = load()
+    m = heads(base, n)
+    ov = m.model_options["transformer_options"][ATTN_KEY]
+    out = sample(m)
+    assert ov.grouped > 0                                   # the grouped path ran
+    assert_same(out, sample(base))
+
+
+def test_head_groups_compose_with_sparse_attention_and_teacache(env):
+    from ditkit.errors import DitKitError
+
+    base = load()
+    m = teacache(vsa(heads(base, 1)))                       # VSA's dense calls go to the head groups
+    assert_same(sample(m), sample(teacache(vsa(base))))
+    with pytest.raises(DitKitError, match="before it"):
+        heads(vsa(base), 1)                                 # the other order is refused, named

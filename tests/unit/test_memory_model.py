@@ -198,3 +198,17 @@ def test_fits_table_real_h3_weights_match_the_official_size():
     h3_5s = [r for r in rows if r["job"] == "H3 T2VA 5 s 1344x768"]
     assert h3_5s[-1]["resident"][0] == "bf16 as is"          # 141 GB holds it
     assert "| H3 T2VA 10 s 1920x1088 |" in fits.fits_table()
+
+
+def test_head_groups_shrink_score_workspace():
+    k = 4000
+    full = activation_parts(D, Tokens(video=k), Options(attention="math"))["attention"]
+    one = activation_parts(D, Tokens(video=k), Options(attention="math", head_group=1))["attention"]
+    assert full - one == 2 * 55 * k * k * 2
+    same = activation_parts(D, Tokens(video=k), Options(attention="math", head_group=56))["attention"]
+    assert same == full
+    sq = activation_parts(D, Tokens(video=k), Options(attention="sub_quad", free_bytes=1 << 40))["attention"]
+    sq1 = activation_parts(D, Tokens(video=k), Options(attention="sub_quad", free_bytes=1 << 40, head_group=8))
+    assert sq1["attention"] < sq
+    with pytest.raises(MemoryModelError, match="head_group"):
+        activation_parts(D, Tokens(video=k), Options(head_group=0))
