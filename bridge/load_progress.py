@@ -39,7 +39,7 @@ class LoadProgress:
         if not (every >= 0):
             raise ValueError(f"every must be a non-negative number of seconds, got {every!r}")
         self.what = what
-        self.send = send
+        self.emit = send
         self.every = every
         self.clock = clock
         self.t0 = clock()
@@ -54,12 +54,12 @@ class LoadProgress:
         self.seconds = now - self.t0
         self.bytes_done = bytes_done
         self.last = progress_text(self.what, done, total, bytes_done, self.seconds)
-        if self.send is None:
+        if self.emit is None:
             return
         if done >= total or self.sent_at is None or now - self.sent_at >= self.every:
             self.sent_at = now
             self.sent += 1
-            self.send(self.last)
+            self.emit(self.last)
 
 
 def _server():

@@ -55,7 +55,7 @@ def test_every_must_be_a_non_negative_number():
 def test_load_progress_outside_a_server_sends_nothing():
     p = LP.load_progress("quantizing to mxfp8")
     p(1, 2, 3)
-    assert p.send is None and p.last.startswith("quantizing to mxfp8: 1/2")
+    assert p.emit is None and p.last.startswith("quantizing to mxfp8: 1/2")
 
 
 def test_probes_outside_a_host_are_named_adaptations_not_crashes(monkeypatch):

@@ -170,6 +170,18 @@ export function badgeSpecs(p) {
       }
       return out;
     }
+    case "preflight": {  // DitKitPreflight: predicted peak vs the memory available, the shortfall when short
+      const gib = (b) => num((b || 0) / 1073741824);
+      const out = [{ text: `predicted ${gib(d.predicted_bytes)} GiB vs ${gib(d.available_bytes)} GiB ${d.where || ""}`.trim()
+                            + (d.fits ? " · fits" : ` · SHORT by ${gib(d.shortfall_bytes ?? (d.predicted_bytes - d.available_bytes))} GiB`),
+                     color: d.fits ? OK : BAD }];
+      if (d.tokens) out.push({ text: `${d.tokens.total} tokens`, color: INFO });
+      return out;
+    }
+    case "activation_chunking":  // DitKitActivationChunking: feed-forward sites chunked, chunk size, head groups
+      return [{ text: shorten(`${d.sites} feed-forwards chunked · ${d.chunk ? `${d.chunk} tokens` : "auto"}`
+                              + (d.attention_heads_per_call ? ` · ${d.attention_heads_per_call} heads/call` : "")),
+                color: d.sites ? OK : WARN }];
     default:
       return [{ text: shorten(p.summary), color: INFO }];
   }

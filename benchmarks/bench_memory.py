@@ -1,0 +1,363 @@
+"""Activation memory: feed-forward chunking (peak and time) and the memory model's predictions vs measured peaks.
+
+    COMFYUI_PATH=/path/to/ComfyUI nice -n 10 python benchmarks/bench_memory.py [--rounds 5] [--threads 1]
+        [--quick] [--rows FILE] [--fits]
+
+Parts, one run:
+
+1. **Prediction table**: for each configuration (H3 size, weight format, latent size, chunking on/off) one DiT
+   forward of ComfyUI 0.33's own ``MiniMaxH3Model`` (random weights, CPU) in a **fresh subprocess**; measured: the
+   RSS growth from before the model is built to the peak during the forward (``/proc/self/statm`` sampled every
+   0.5 ms + ``ru_maxrss``; ``bench_quantize.peak_during``) with ``MALLOC_MMAP_THRESHOLD_=65536`` so every tensor
+   above 64 KiB is its own mapping and RSS follows the live tensors; predicted: ``memory/model.py`` from the model's
+   resident weight bytes (its state dict), the packed token count and the options. Printed: both, the error, and
+   the activation part alone (peak growth during the forward vs predicted activations).
+2. **Chunking**: the same forward unchunked vs chunked (``DitKitActivationChunking``'s module) on the tiny H3 and a
+   hidden-1024 2-block H3: the peak ratio (part 1's children), the output equality (``torch.equal``, and the max
+   abs difference) and the time ratio chunked / unchunked (ABAB rounds in one process, process CPU time, median
+   and min-max).
+3. ``--fits``: the "what fits" table for real-size H3 and LTX-2 (``memory/fits.py``), computed, not measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _view() -> str:
+    """A folder whose ``ditkit`` entry is this checkout (never the checkout's own folder on sys.path)."""
+    view = Path(tempfile.gettempdir()) / f"ditkit-bench-view-{os.getuid()}-{abs(hash(str(REPO))) % 10**8}"
+    view.mkdir(exist_ok=True)
+    for name, target in (("ditkit", REPO), ("benchmarks", REPO / "benchmarks")):
+        link = view / name
+        if not link.is_symlink():
+            os.symlink(target, link, target_is_directory=True)
+    return str(view)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, _view())
+
+TINY = None   # filled from ditkit.tiny.ckpt_h3.CONFIG
+SCALED = {"hidden_size": 1024, "num_attention_heads": 8, "attention_head_dim": 128, "ffn_hidden_size": 2816,
+          "text_dim": 1024, "time_embed_hidden_size": 1024, "time_embed_dim": 512, "timestep_input_dim": 256,
+          "token_refiner_num_layers": 2, "rope_inv_freq_len": 16, "num_layers": 2}
+
+# (name, model, compute dtype, weight format, width, height, length, chunk)
+CONFIGS = [
+    ("tiny-fp32-512x512x124", "tiny", "float32", "as-stored", 512, 512, 124, None),
+    ("tiny-fp32-512x512x124-chunk512", "tiny", "float32", "as-stored", 512, 512, 124, 512),
+    ("h1024-fp32-512x512x56", "scaled", "float32", "as-stored", 512, 512, 56, None),
+    ("h1024-fp32-512x512x56-chunk256", "scaled", "float32", "as-stored", 512, 512, 56, 256),
+    ("h1024-bf16-512x384x56", "scaled", "bfloat16", "as-stored", 512, 384, 56, None),
+    ("h1024-bf16-512x384x56-chunk256", "scaled", "bfloat16", "as-stored", 512, 384, 56, 256),
+    ("h1024-fp8w-fp32-512x512x56", "scaled", "float32", "float8_e4m3fn", 512, 512, 56, None),
+    ("h1024-fp8w-fp32-512x512x56-chunk256", "scaled", "float32", "float8_e4m3fn", 512, 512, 56, 256),
+    # ComfyUI's own --use-pytorch-cross-attention (SDPA: no score matrix, as flash / sage on a GPU)
+    ("sdpa-h1024-fp32-512x512x56", "scaled", "float32", "as-stored", 512, 512, 56, None),
+    ("sdpa-h1024-fp32-512x512x56-chunk256", "scaled", "float32", "as-stored", 512, 512, 56, 256),
+    ("sdpa-h1024-bf16-512x384x56", "scaled", "bfloat16", "as-stored", 512, 384, 56, None),
+    ("sdpa-h1024-bf16-512x384x56-chunk256", "scaled", "bfloat16", "as-stored", 512, 384, 56, 256),
+]
+
+
+# --------------------------------------------------------------------------------------------- child
+
+def child(spec: dict) -> dict:
+    import torch
+
+    sys.path.insert(0, spec["comfyui"])
+    from comfy.cli_args import args as cargs
+
+    cargs.cpu = True
+    cargs.use_pytorch_cross_attention = spec["name"].startswith("sdpa-")
+    import comfy.ops
+    from comfy.ldm.minimax.model import MiniMaxH3Model
+    from comfy_extras.nodes_minimax_h3 import temporal_shape
+
+    from benchmarks.bench_quantize import _rss_now, peak_during
+    from ditkit.bridge.chunking import ChunkedFeedForward, ChunkStats
+    from ditkit.tiny import ckpt_h3
+
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    cfg = dict(ckpt_h3.CONFIG, **(SCALED if spec["model"] == "scaled" else {}))
+    cfg.pop("rope_theta", None)
+    compute = getattr(torch, spec["compute"])
+    fmt = spec["format"]
+
+    def build():
+        if fmt == "as-stored":
+            dm = MiniMaxH3Model(**cfg, dtype=compute, device="cpu", operations=comfy.ops.disable_weight_init)
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in dm.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * 0.02)
+            return dm
+        # quantized linears (ComfyUI's own layout, the host's quantize), the rest in the compute dtype
+        dm = MiniMaxH3Model(**cfg, dtype=compute, device="cpu", operations=comfy.ops.mixed_precision_ops(
+            {}, compute_dtype=compute))
+        return dm
+
+    # warm-up: a tiny forward with a tiny model (loads kernels, allocator arenas, lazy imports)
+    warm_cfg = dict(ckpt_h3.CONFIG)
+    warm_cfg.pop("rope_theta", None)
+    wm = MiniMaxH3Model(**warm_cfg, dtype=compute, device="cpu", operations=comfy.ops.disable_weight_init)
+    wm.requires_grad_(False)
+    for p in wm.parameters():
+        p.data.normal_(0, 0.02)
+    _forward(wm, 64, 64, 22, 8, compute, torch)
+    del wm
+
+    import gc
+
+    gc.collect()
+    base = _rss_now()
+    dm = build() if fmt == "as-stored" else _quantized(cfg, compute, fmt, torch)
+    dm.requires_grad_(False)
+    weights_rss = _rss_now() - base
+    sd = dm.state_dict()
+    blocks: dict[int, int] = {}
+    other = 0
+    largest = 0
+    for k, t in sd.items():
+        nb = t.numel() * t.element_size()
+        if t.dim() == 2:
+            largest = max(largest, t.numel())
+        if k.startswith("blocks."):
+            i = int(k.split(".")[1])
+            blocks[i] = blocks.get(i, 0) + nb
+        else:
+            other += nb
+    del sd
+    if spec["chunk"]:
+        st = ChunkStats()
+        for b in dm.blocks:
+            b.mlp = ChunkedFeedForward(b.mlp, spec["chunk"], 3 * b.mlp.fc2.in_features, st)
+    frames, lt, at = temporal_shape(spec["length"])
+    text = spec.get("text", 64)
+    x, ts, ctx = _inputs(cfg, spec["width"], spec["height"], lt, at, text, compute, torch)
+    import comfy.model_management as mm
+
+    free_bytes = int(mm.get_free_memory(torch.device("cpu")))
+    with torch.no_grad():
+        out, growth, before, secs = peak_during(lambda: dm(x, ts, ctx, transformer_options={}))
+    tokens = {"video": lt * (spec["height"] // 32) * (spec["width"] // 32), "audio": 2 * at, "text": text}
+    return {"name": spec["name"], "weights_rss": weights_rss, "weights_state": sum(blocks.values()) + other,
+            "blocks": [blocks[i] for i in sorted(blocks)], "other": other, "largest": largest,
+            "forward_growth": growth, "free_bytes": free_bytes, "total_growth": (before - base) + growth, "seconds": secs, "tokens": tokens,
+            "cfg": cfg}
+
+
+def _quantized(cfg, compute, fmt, torch):
+    """The H3 with its recipe's linears quantized in ``fmt`` by ditkit's loader path (``loaders/quantize.py``),
+    from a file written here (random bf16 weights with the real key layout)."""
+    from ditkit.nodes.h3_loaders import load_h3_model
+    from ditkit.tiny import ckpt_h3
+    from ditkit.loaders.safetensors_io import save_file
+
+    tmp = Path(tempfile.mkdtemp(prefix="ditkit-bench-mem-"))
+    c = dict(ckpt_h3.CONFIG, **cfg)
+    save_file(ckpt_h3.base_state_dict(c), tmp / "m.safetensors")
+    m, _ = load_h3_model(str(tmp / "m.safetensors"), weight_format=fmt)
+    (tmp / "m.safetensors").unlink()
+    tmp.rmdir()
+    return m.model.diffusion_model
+
+
+def _inputs(cfg, width, height, lt, at, text, compute, torch):
+    g = torch.Generator().manual_seed(1)
+    video = torch.randn(1, 24, lt, height // 16, width // 16, generator=g)
+    audio = torch.randn(1, 32, 2, at, generator=g)
+    ctx = torch.randn(1, text, cfg["text_dim"], generator=g).to(compute)
+    return [video, audio], torch.tensor([500.0]), ctx
+
+
+def _forward(dm, w, h, length, text, compute, torch):
+    from comfy_extras.nodes_minimax_h3 import temporal_shape
+
+    cfg = {"text_dim": dm.condition_proj.in_features}
+    _, lt, at = temporal_shape(length)
+    x, ts, ctx = _inputs(cfg, w, h, lt, at, text, compute, torch)
+    with torch.no_grad():
+        return dm(x, ts, ctx, transformer_options={})
+
+
+def run_child(spec: dict, python: str = sys.executable) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=_view())
+    r = subprocess.run([python, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env,
+                       timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"child {spec['name']} failed: {r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------------- prediction
+
+def predicted(res: dict, spec: dict):
+    from ditkit.memory.model import DiTDims, Options, Tokens, Weights, predict
+
+    c = res["cfg"]
+    d = DiTDims("h3", c["hidden_size"], c["num_attention_heads"], c["attention_head_dim"], c["ffn_hidden_size"],
+                c["num_layers"])
+    w = Weights(tuple(res["blocks"]), res["other"], res["largest"])
+    t = Tokens(**res["tokens"])
+    fmt = "bf16" if spec["format"] == "as-stored" else spec["format"]
+    return predict(d, w, t, Options(compute=spec["compute"], weight_format=fmt, chunk=spec["chunk"],
+                                    attention="flash" if spec["name"].startswith("sdpa-") else "sub_quad",
+                                    free_bytes=res["free_bytes"]))
+
+
+def prediction_table(comfyui: str, quick: bool, threads: int, rows, only=()) -> list[dict]:
+    out = []
+    configs = CONFIGS[:2] if quick else CONFIGS
+    if only:
+        configs = [c for c in configs if any(o in c[0] for o in only)]
+    print("| configuration | tokens | weights MiB | measured peak MiB | predicted MiB | error | activations "
+          "measured / predicted MiB | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, model, compute, fmt, w, h, length, chunk in configs:
+        spec = {"name": name, "model": model, "compute": compute, "format": fmt, "width": w, "height": h,
+                "length": length, "chunk": chunk, "comfyui": comfyui, "threads": threads}
+        res = run_child(spec)
+        p = predicted(res, spec)
+        act_pred = p.device - p.parts["weights_device"]
+        err = p.device / res["total_growth"] - 1
+        aerr = act_pred / res["forward_growth"] - 1
+        mib = 2 ** 20
+        print(f"| {name} | {sum(res['tokens'].values())} | {res['weights_state'] / mib:.1f} | "
+              f"{res['total_growth'] / mib:.1f} | {p.device / mib:.1f} | {err:+.1%} | "
+              f"{res['forward_growth'] / mib:.1f} / {act_pred / mib:.1f} | {aerr:+.1%} |")
+        rows.add(name, "measured_peak", res["total_growth"], "B")
+        rows.add(name, "predicted_peak", p.device, "B")
+        rows.add(name, "error", err, "ratio")
+        rows.add(name, "activation_error", aerr, "ratio")
+        out.append({"spec": spec, "res": res, "pred": p.device, "err": err, "aerr": aerr})
+    return out
+
+
+def chunk_table(table: list[dict], comfyui: str, rounds: int, threads: int, rows) -> None:
+    """Peak ratio from part 1's pairs; equality and time ratio measured here (one process, ABAB)."""
+    by = {t["spec"]["name"]: t for t in table}
+    print("\n| model | unchunked peak MiB | chunked peak MiB | chunked / unchunked |")
+    print("|---|---|---|---|")
+    for name, t in by.items():
+        if t["spec"]["chunk"]:
+            base = by.get(name.rsplit("-chunk", 1)[0])
+            if base:
+                r = t["res"]["total_growth"] / base["res"]["total_growth"]
+                print(f"| {name} | {base['res']['total_growth'] / 2**20:.1f} | {t['res']['total_growth'] / 2**20:.1f} "
+                      f"| {r:.3f} |")
+                rows.add(name, "peak_ratio_chunked_over_unchunked", r, "x")
+    env = dict(os.environ, PYTHONPATH=_view())
+    r = subprocess.run([sys.executable, __file__, "--time-child", json.dumps({"comfyui": comfyui, "rounds": rounds,
+                                                                              "threads": threads})],
+                       capture_output=True, text=True, env=env, timeout=7200)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-3000:])
+    for line in r.stdout.strip().splitlines():
+        res = json.loads(line)
+        print(f"{res['model']} {res['compute']} {res['tokens']} tokens, chunk {res['chunk']}: equal={res['equal']} "
+              f"max|diff|={res['max_abs_diff']:g}; time chunked/unchunked {res['ratio']['median']:.3f}x "
+              f"(min {res['ratio']['min']:.3f}, max {res['ratio']['max']:.3f}, {rounds} rounds)")
+        case = f"{res['model']}-{res['compute']}-chunk{res['chunk']}"
+        rows.add(case, "time_ratio_chunked_over_unchunked", res["ratio"]["median"], "x", min=res["ratio"]["min"],
+                 max=res["ratio"]["max"], n=rounds)
+        rows.add(case, "max_abs_diff", res["max_abs_diff"])
+
+
+def time_child(spec: dict) -> None:
+    import torch
+
+    sys.path.insert(0, spec["comfyui"])
+    from comfy.cli_args import args as cargs
+
+    cargs.cpu = True
+    import comfy.ops
+    from comfy.ldm.minimax.model import MiniMaxH3Model
+    from comfy_extras.nodes_minimax_h3 import temporal_shape
+
+    from benchmarks._harness import Timer, interleave, ratio_stats
+    from ditkit.bridge.chunking import ChunkedFeedForward, ChunkStats
+    from ditkit.tiny import ckpt_h3
+
+    torch.set_num_threads(int(spec["threads"]))
+    for model, compute, (w, h, length), chunk in (("tiny", "float32", (512, 512, 124), 512),
+                                                   ("scaled", "float32", (256, 256, 124), 256),
+                                                   ("scaled", "bfloat16", (256, 256, 124), 256)):
+        cfg = dict(ckpt_h3.CONFIG, **(SCALED if model == "scaled" else {}))
+        cfg.pop("rope_theta", None)
+        dt = getattr(torch, compute)
+        dm = MiniMaxH3Model(**cfg, dtype=dt, device="cpu", operations=comfy.ops.disable_weight_init)
+        dm.requires_grad_(False)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in dm.parameters():
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.02)
+        _, lt, at = temporal_shape(length)
+        x, ts, ctx = _inputs(cfg, w, h, lt, at, 32, dt, torch)
+        origs = [b.mlp for b in dm.blocks]
+        chunked = [ChunkedFeedForward(o, chunk, 3 * o.fc2.in_features, ChunkStats()) for o in origs]
+
+        def run(mods):
+            def f():
+                for b, m in zip(dm.blocks, mods):
+                    b.mlp = m
+                with torch.no_grad():
+                    return dm(x, ts, ctx, transformer_options={})
+            return f
+
+        keep: dict = {}
+        t = interleave({"chunked": run(chunked), "plain": run(origs)}, int(spec["rounds"]),
+                       timer=Timer(cpu_time=True), keep=keep)
+        a, b = keep["chunked"], keep["plain"]
+        equal = all(torch.equal(u, v) for u, v in zip(a, b))
+        diff = max(float((u.double() - v.double()).abs().max()) for u, v in zip(a, b))
+        tokens = lt * (h // 32) * (w // 32) + 2 * at + 32
+        print(json.dumps({"model": model, "compute": compute, "tokens": tokens, "chunk": chunk, "equal": equal,
+                          "max_abs_diff": diff, "ratio": ratio_stats(t["chunked"], t["plain"])}))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child")
+    ap.add_argument("--time-child")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--fits", action="store_true")
+    ap.add_argument("--no-chunk-time", action="store_true")
+    ap.add_argument("--only", nargs="*", default=(), help="configurations whose name contains one of these")
+    from benchmarks._harness import Rows, add_rows_argument
+
+    add_rows_argument(ap)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(json.loads(a.child))))
+        return 0
+    if a.time_child:
+        time_child(json.loads(a.time_child))
+        return 0
+    rows = Rows(a.rows, "bench_memory")
+    if a.fits:
+        from ditkit.memory.fits import fits_table
+
+        print(fits_table())
+        return 0
+    comfyui = os.environ.get("COMFYUI_PATH") or str(Path.home() / ".cache/ditkit/comfyui-783545f6")
+    table = prediction_table(comfyui, a.quick, a.threads, rows, a.only)
+    if not a.no_chunk_time:
+        chunk_table(table, comfyui, a.rounds, a.threads, rows)
+    worst = max(abs(t["err"]) for t in table)
+    print(f"\nworst prediction error {worst:.1%} (target <= 15%)")
+    return 0 if worst <= 0.15 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

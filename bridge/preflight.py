@@ -1,0 +1,181 @@
+"""The preflight on ComfyUI: the model's dimensions, weights and compute dtype, the device in use and its free
+memory, the attention backend class, and the OUTER_SAMPLE wrapper that repeats the check when sampling starts
+(before ``prepare_sampling`` loads anything). Core: ``memory/model.py`` and ``memory/preflight.py``."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import UnsupportedModelError
+from ..memory.model import DiTDims, MemoryModelError, Options, Weights, weights_from_inventory
+from ..memory.preflight import MemoryShortfallError, Plan, check_available, check_limit, h3_tokens, plan
+from .chunking import installed_chunk
+from .contract import Probe, entry
+from .models import diffusion_model, model_family
+
+NODE_ID = "DitKitPreflight"
+WRAPPER_KEY = "ditkit_preflight"
+GIB = 1024 ** 3
+_DT = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def attention_class() -> str:
+    """How ComfyUI's selected attention function holds scores: ``sub_quad`` (query-chunked full rows), ``math``
+    (the whole score matrix: attention_basic / split), ``flash`` (SDPA, flash, sage, xformers, kitchen)."""
+    from comfy.ldm.modules import attention as a
+
+    name = getattr(a.optimized_attention, "__name__", "")
+    if name == "attention_sub_quad":
+        return "sub_quad"
+    if name in ("attention_basic", "attention_split"):
+        return "math"
+    return "flash"
+
+
+def _compute_dtype(model) -> str:
+    bm = model.model
+    dt = getattr(bm, "manual_cast_dtype", None) or bm.get_dtype()
+    return {torch.float32: "float32", torch.float16: "float16"}.get(dt, "bfloat16")
+
+
+def model_facts(model):
+    """(dims, {format: Weights}, current format, compute dtype name) of an H3 MODEL."""
+    import comfy.model_management as mm
+
+    family = model_family(model)
+    if family != "h3":
+        raise UnsupportedModelError(f"{NODE_ID}: the memory model is checked for MiniMax H3 only; the MODEL input is "
+                                    f"{family or type(diffusion_model(model)).__name__} (LTX-2 figures in "
+                                    "docs/memory.md are computed, not measured)")
+    dm = diffusion_model(model)
+    b0 = dm.blocks[0]
+    dims = DiTDims("h3", int(dm.hidden_size), int(b0.attn.heads), int(b0.attn.head_dim), int(b0.mlp.fc2.in_features),
+                   len(dm.blocks))
+    blocks = tuple(int(mm.module_size(b)) for b in dm.blocks)
+    other = int(mm.module_size(dm)) - sum(blocks)
+    w = b0.mlp.fc1.weight
+    largest = int(w.shape[0]) * int(w.shape[1])
+    quantized = type(w).__name__ == "QuantizedTensor" or w.dtype not in _DT
+    current = "quantized (as loaded)" if quantized else "bf16"
+    weights = {current: Weights(blocks, other, largest)}
+    if not quantized:
+        inv = {k: (tuple(t.shape), _DT.get(t.dtype, "BF16")) for k, t in dm.state_dict().items()}
+        for fmt in ("float8_e4m3fn", "nvfp4"):
+            weights[fmt] = weights_from_inventory("h3", inv, fmt, "blocks.")
+    return dims, weights, current, _compute_dtype(model)
+
+
+def available_memory(model, limit_gib: float) -> tuple[int, str, bool]:
+    """(bytes the job may use, wording, whether streaming could help): ``limit_gib`` when > 0; else the free memory
+    of the model's load device plus what this model already holds there (ComfyUI reuses it)."""
+    import comfy.model_management as mm
+
+    dev = torch.device(model.load_device)
+    if limit_gib > 0:
+        return int(limit_gib * GIB), f"(limit_gib on {dev})", dev.type != "cpu"
+    free = mm.get_free_memory(dev)
+    if not isinstance(free, (int, float)) or free != free:
+        free = 0
+    held = int(mm.module_size(model.model)) if dev.type == "cpu" else int(model.loaded_size())
+    where = "of RAM free (CPU host)" if dev.type == "cpu" else f"free on {dev}"
+    return check_available(int(free) + held if free > 0 else int(free), where), where, dev.type != "cpu"
+
+
+def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs: int = 0, keyframes: int = 0
+             ) -> Plan:
+    limit = check_limit(limit_gib)
+    tokens = h3_tokens(video_shape, audio_shape, text=text, refs=refs, keyframes=keyframes)
+    dims, weights, current, compute = model_facts(model)
+    installed, chunk = installed_chunk(model)
+    ov = (model.model_options.get("transformer_options") or {}).get("optimized_attention_override")
+    head_group = ov.heads_per_call if getattr(ov, "_ditkit_head_groups", False) else None
+    available, where, streaming_possible = available_memory(model, limit)
+    # auto chunking (chunk None) is counted unchunked: the upper bound, said in the report
+    opts = Options(compute=compute, weight_format=current, chunk=chunk if installed else None,
+                   attention=attention_class(), free_bytes=available, head_group=head_group)
+
+    def scale(frac: float) -> str:
+        t = int(video_shape[2])
+        return (f"latent frames <= {max(1, int(t * frac))} of {t} at this resolution, or width and height x "
+                f"{frac ** 0.5:.2f} at this length")
+
+    p = plan(dims, weights, tokens, opts, available, where, streaming_possible, video_scale=scale)
+    if installed and chunk is None:
+        p.where += " (feed-forward chunking is auto: predicted unchunked, an upper bound)"
+    return p
+
+
+def latent_shapes_of(samples):
+    """(video shape, audio shape) of an H3 LATENT's samples (a NestedTensor of video + audio)."""
+    tensors = getattr(samples, "tensors", None)
+    if not tensors or len(tensors) != 2:
+        raise MemoryModelError(f"{NODE_ID}: the LATENT is not an H3 audio-video latent (video + audio); got "
+                               f"{type(samples).__name__} {tuple(getattr(samples, 'shape', ()))}")
+    return tuple(tensors[0].shape), tuple(tensors[1].shape)
+
+
+def refusal(p: Plan) -> MemoryShortfallError:
+    return MemoryShortfallError(f"{NODE_ID}: the job does not fit: {p.summary()}. Nothing was loaded or sampled.")
+
+
+def install(m, text: int, limit_gib: float, report) -> None:
+    import comfy.patcher_extension as pe
+
+    m.model_options.setdefault("transformer_options", {})[WRAPPER_KEY] = {"text": text, "limit_gib": limit_gib,
+                                                                         "report": report}
+    m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, outer_sample_wrapper)
+
+
+def _text_len(guider, default: int) -> int:
+    n = 0
+    for c in (getattr(guider, "conds", None) or {}).get("positive", []) or []:
+        ca = c.get("cross_attn") if isinstance(c, dict) else None
+        if torch.is_tensor(ca) and ca.dim() >= 2:
+            n = max(n, int(ca.shape[1]))
+    return n or default
+
+
+def outer_sample_wrapper(executor, *args, **kwargs):
+    """The same check when sampling starts, on the latent and conditioning the sampler got, before anything loads."""
+    guider = executor.class_obj
+    info = guider.model_options.get("transformer_options", {}).get(WRAPPER_KEY)
+    if not info:
+        return executor(*args, **kwargs)
+    t0 = time.perf_counter()
+    shapes = kwargs.get("latent_shapes") or (args[8] if len(args) > 8 else None)
+    if not shapes or len(shapes) != 2:
+        latent = args[1] if len(args) > 1 else kwargs.get("latent_image")
+        shapes = latent_shapes_of(latent)
+    p = run_plan(guider.model_patcher, tuple(shapes[0]), tuple(shapes[1]), _text_len(guider, info["text"]),
+                 info["limit_gib"])
+    target, send = info["report"]
+    data = dict(p.as_dict(), phase="sampler", seconds=time.perf_counter() - t0)
+    send(target, NODE_ID, "preflight", ("sampler check: " + p.summary()), data)
+    if not p.fits:
+        raise refusal(p)
+    return executor(*args, **kwargs)
+
+
+@entry("comfy.ldm.modules.attention.optimized_attention", nodes=(NODE_ID,), what="attributes",
+       doc="the selected attention function's name tells how it holds scores")
+def _attention_probe() -> Probe:
+    from comfy.ldm.modules import attention as a
+
+    name = getattr(a.optimized_attention, "__name__", "")
+    if not name.startswith("attention_"):
+        return Probe.broken(f"optimized_attention is {name!r}")
+    return Probe.holds(name)
+
+
+@entry("comfy.samplers.CFGGuider.outer_sample", nodes=(NODE_ID,), what="signature",
+       doc="outer_sample(noise, latent_image, sampler, sigmas, ..., latent_shapes): the check runs before it")
+def _outer_sample_probe() -> Probe:
+    import inspect
+
+    from comfy.samplers import CFGGuider
+
+    params = list(inspect.signature(CFGGuider.outer_sample).parameters)
+    if params[:5] != ["self", "noise", "latent_image", "sampler", "sigmas"]:
+        return Probe.broken(f"outer_sample{params}")
+    return Probe.holds("" if "latent_shapes" in params else "no latent_shapes: the latent is read")

@@ -1,0 +1,187 @@
+"""The preflight plan: the packed token count of a job, its predicted peak against the memory available, and when it
+does not fit, the smallest set of ditkit settings that does (each with its predicted peak). Plain python; the host
+side (which device, how much is free, the model's dimensions and weights) is ``bridge/preflight.py``."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+from .model import GIB, MAX_TOKENS, DiTDims, MemoryModelError, Options, Prediction, Tokens, Weights, predict
+
+CHUNKS = (4096, 1024, 256)
+SUGGEST_FORMATS = ("float8_e4m3fn", "nvfp4")
+MAX_LATENT_ELEMENTS = 1 << 40
+
+
+class MemoryShortfallError(MemoryModelError):
+    """The job does not fit the memory available (the message names the shortfall and the settings that fit)."""
+
+
+def check_limit(limit_gib, name: str = "limit_gib") -> float:
+    """A memory limit in GiB: finite and >= 0 (0 = the device's free memory)."""
+    if isinstance(limit_gib, bool) or not isinstance(limit_gib, (int, float)):
+        raise MemoryModelError(f"{name} must be a number of GiB, got {limit_gib!r}")
+    v = float(limit_gib)
+    if not math.isfinite(v):
+        raise MemoryModelError(f"{name} must be finite, got {limit_gib!r}")
+    if v < 0:
+        raise MemoryModelError(f"{name} must be >= 0 GiB (0 = the free memory of the device), got {v}")
+    return v
+
+
+def check_available(available: int, where: str) -> int:
+    if isinstance(available, bool) or not isinstance(available, int) or available <= 0:
+        raise MemoryModelError(f"{where} reports no usable memory ({available!r} bytes free): cannot plan the job; "
+                               "set limit_gib to the memory you want the job to fit")
+    return available
+
+
+def h3_tokens(video_shape, audio_shape, text: int = 0, refs: int = 0, keyframes: int = 0,
+              patch=(1, 2, 2)) -> Tokens:
+    """The packed rows of one H3 forward: video ``T * ceil(H/2) * ceil(W/2)`` (ComfyUI pads to the patch), stereo
+    audio ``2 * T_a``, text, reference and keyframe rows. Sizes checked with python ints before anything exists."""
+    if len(video_shape) != 5 or len(audio_shape) != 4:
+        raise MemoryModelError(f"H3 latent must be video [B, 24, T, H, W] + audio [B, 32, 2, T_a], got "
+                               f"{tuple(video_shape)} + {tuple(audio_shape)}")
+    dims = [int(x) for x in video_shape] + [int(x) for x in audio_shape]
+    if any(x <= 0 for x in dims):
+        raise MemoryModelError(f"latent has an empty or negative dimension: {tuple(video_shape)} + {tuple(audio_shape)}")
+    if math.prod(dims[:5]) > MAX_LATENT_ELEMENTS or math.prod(dims[5:]) > MAX_LATENT_ELEMENTS:
+        raise MemoryModelError(f"latent {tuple(video_shape)} is absurdly large ({math.prod(dims[:5]):.3g} elements)")
+    b, _, t, h, w = dims[:5]
+    pt, ph, pw = patch
+    video = -(-t // pt) * -(-h // ph) * -(-w // pw)
+    tok = Tokens(video=video, audio=2 * dims[8], text=int(text), refs=int(refs), keyframes=int(keyframes))
+    if tok.total > MAX_TOKENS:
+        raise MemoryModelError(f"latent {tuple(video_shape)} packs {tok.total:,} tokens (> {MAX_TOKENS:,}): absurd for "
+                               "any device; check the latent's frames / width / height")
+    return tok
+
+
+@dataclass
+class Suggestion:
+    settings: dict
+    prediction: Prediction
+
+    def line(self) -> str:
+        s = ", ".join(f"{k} {v}" for k, v in self.settings.items())
+        return f"{s}: predicted {self.prediction.device / GIB:.2f} GiB"
+
+
+@dataclass
+class Plan:
+    tokens: Tokens
+    prediction: Prediction
+    available: int
+    where: str
+    options: Options
+    suggestions: list[Suggestion] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.prediction.device <= self.available
+
+    @property
+    def shortfall(self) -> int:
+        return max(0, self.prediction.device - self.available)
+
+    def summary(self) -> str:
+        t = self.tokens
+        head = (f"{t.total:,} tokens (video {t.video:,}, audio {t.audio:,}, text {t.text:,}, refs {t.refs:,}, "
+                f"keyframes {t.keyframes:,}); predicted peak {self.prediction.device / GIB:.2f} GiB vs "
+                f"{self.available / GIB:.2f} GiB {self.where} [{self.options.describe()}]")
+        if self.fits:
+            return head + ": fits"
+        tail = "; ".join(s.line() for s in self.suggestions) or "nothing ditkit can set fits"
+        return head + f": SHORT by {self.shortfall / GIB:.2f} GiB. Settings that fit: {tail}"
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens.as_dict(), "predicted_bytes": self.prediction.device,
+                "available_bytes": self.available, "where": self.where, "fits": self.fits,
+                "shortfall_bytes": self.shortfall, "parts": self.prediction.parts,
+                "suggestions": [{"settings": s.settings, "predicted_bytes": s.prediction.device}
+                                for s in self.suggestions]}
+
+
+def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Options, available: int, where: str,
+         streaming_possible: bool, video_scale=None, max_suggestions: int = 3) -> Plan:
+    """The job's prediction and, when it does not fit, the fitting settings with the fewest changes (then the
+    cheapest: chunking before streaming before a lower-precision format), at most ``max_suggestions``; when no
+    setting fits, the longest video (fraction of the video tokens) that fits with every saving on.
+
+    ``weights``: the model's weights per format name (``opts.weight_format`` must be one of them; formats not
+    present are not suggested)."""
+    if opts.weight_format not in weights:
+        raise MemoryModelError(f"no weight inventory for the model's format {opts.weight_format!r}")
+    pred = predict(dims, weights[opts.weight_format], tokens, opts)
+    p = Plan(tokens, pred, available, where, opts)
+    if p.fits:
+        return p
+    knobs = {"chunk_tokens": [c for c in CHUNKS if opts.chunk is None or c < opts.chunk],
+             "streaming": [True] if streaming_possible and not opts.streaming else [],
+             "weight_format": [f for f in SUGGEST_FORMATS if f in weights and f != opts.weight_format]}
+    cost = {"chunk_tokens": 0, "streaming": 1, "weight_format": 2}
+    names = [k for k in knobs if knobs[k]]
+    found: list[tuple[int, int, Suggestion]] = []
+    for r in range(1, len(names) + 1):
+        for combo in itertools.combinations(names, r):
+            for values in itertools.product(*(knobs[k] for k in combo)):
+                s = dict(zip(combo, values))
+                o = _apply(opts, s)
+                pr = predict(dims, weights[o.weight_format], tokens, o)
+                if pr.device <= available:
+                    found.append((sum(cost[k] for k in combo), -_gentleness(s), Suggestion(s, pr)))
+        if found:
+            break
+    found.sort(key=lambda x: (x[0], x[1]))
+    seen = set()
+    for _, _, sug in found:
+        key = tuple(sorted(sug.settings))
+        if key in seen:
+            continue
+        seen.add(key)
+        p.suggestions.append(sug)
+        if len(p.suggestions) >= max_suggestions:
+            break
+    if not p.suggestions:
+        best = {"chunk_tokens": CHUNKS[-1], **({"streaming": True} if knobs["streaming"] else {}),
+                **({"weight_format": knobs["weight_format"][-1]} if knobs["weight_format"] else {})}
+        o = _apply(opts, best)
+        w = weights[o.weight_format]
+        lo, hi = 0.0, 1.0
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            t = replace(tokens, video=max(1, int(tokens.video * mid)))
+            if predict(dims, w, t, o).device <= available:
+                lo = mid
+            else:
+                hi = mid
+        if lo > 0:
+            t = replace(tokens, video=max(1, int(tokens.video * lo)))
+            s = dict(best, video_tokens=f"<= {t.video:,} ({lo:.0%} of the length x area)")
+            if video_scale is not None:
+                s["resolution_or_length"] = video_scale(lo)
+            p.suggestions.append(Suggestion(s, predict(dims, w, t, o)))
+    return p
+
+
+def _gentleness(s: dict) -> int:
+    """Among fitting settings of equal cost prefer the largest chunk and the higher-precision format."""
+    g = 0
+    if "chunk_tokens" in s:
+        g += s["chunk_tokens"]
+    if s.get("weight_format") == "float8_e4m3fn":
+        g += 10 ** 6
+    return g
+
+
+def _apply(opts: Options, s: dict) -> Options:
+    o = opts
+    if "chunk_tokens" in s:
+        o = replace(o, chunk=s["chunk_tokens"])
+    if "streaming" in s:
+        o = replace(o, streaming=bool(s["streaming"]))
+    if "weight_format" in s:
+        o = replace(o, weight_format=s["weight_format"])
+    return o

@@ -1,0 +1,67 @@
+"""DitKitPreflight: will this job fit? The packed token count, the predicted peak of one sampling step against the
+memory of the device in use, and a refusal before any heavy work naming the shortfall and the settings that fit
+(core: ``memory/``, host side: ``bridge/preflight.py``)."""
+from __future__ import annotations
+
+import time
+
+from comfy_api.latest import io
+
+from ..bridge import preflight as bridge
+from ..bridge.contract import require
+from ..memory.model import MemoryModelError
+from ._common import report_target, send_report, ui_report
+
+NODE_ID = "DitKitPreflight"
+
+
+class DitKitPreflight(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id=NODE_ID,
+            display_name="Memory Preflight (ditkit)",
+            category="ditkit/sampling",
+            description=("Predicts the peak memory of one MiniMax H3 sampling step (weights, activations, attention "
+                         "workspace, with the ditkit options on the model) from the real packed token count, "
+                         "compares it with the memory free on the device in use, and refuses before anything "
+                         "loads when it does not fit, naming the shortfall and the smallest set of settings that "
+                         "fits. The same check runs again when sampling starts."),
+            search_aliases=["oom", "vram check", "memory check", "will it fit", "token count", "preflight"],
+            inputs=[
+                io.Model.Input("model", tooltip="A MiniMax H3 model, after the ditkit nodes that change its memory "
+                                                "(DitKit Activation Chunking, quantized loaders)."),
+                io.Latent.Input("latent", tooltip="The H3 audio-video latent the sampler will denoise."),
+                io.Float.Input("limit_gib", default=0.0, min=0.0, max=4096.0, step=0.5,
+                               tooltip="Memory the job may use, in GiB. 0 = what the device in use has free (on a "
+                                       "CPU host: free RAM), plus what this model already holds there."),
+                io.Int.Input("text_tokens", default=512, min=0, max=1 << 20,
+                             tooltip="Text rows of the packed sequence, used until sampling starts (the sampler "
+                                     "check counts the real conditioning)."),
+            ],
+            outputs=[io.Model.Output(tooltip="The model (a clone) with the sampler-time check installed."),
+                     io.Latent.Output(tooltip="The latent, unchanged.")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, latent, limit_gib=0.0, text_tokens=512) -> io.NodeOutput:
+        t0 = time.perf_counter()
+        require(NODE_ID)
+        if isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 0:
+            raise MemoryModelError(f"{NODE_ID}: text_tokens must be an int >= 0, got {text_tokens!r}")
+        if not isinstance(latent, dict) or "samples" not in latent:
+            raise MemoryModelError(f"{NODE_ID}: the latent input is not a LATENT")
+        video, audio = bridge.latent_shapes_of(latent["samples"])
+        p = bridge.run_plan(model, video, audio, text_tokens, limit_gib)
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        data = dict(p.as_dict(), phase="node", seconds=time.perf_counter() - t0)
+        payload = send_report(node_id, NODE_ID, "preflight", p.summary(), data)
+        if not p.fits:
+            raise bridge.refusal(p)
+        m = model.clone()
+        bridge.install(m, text_tokens, float(limit_gib), (report_target(node_id, NODE_ID), send_report))
+        return io.NodeOutput(m, latent, ui=ui_report(payload))
+
+
+NODES = [DitKitPreflight]

@@ -1,0 +1,144 @@
+"""DitKitPreflight in the real ComfyUI 0.33 host (in process, CPU, tiny H3): a job made to exceed ``limit_gib`` is
+refused before sampling (MemoryShortfallError, within 2 s, the model not loaded by ComfyUI), naming the shortfall and
+settings; following the suggestion (DitKitActivationChunking with the suggested chunk) passes the node and the
+sampler-time check and samples. Bad inputs are named errors with nothing allocated."""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+from ditkit.tiny import ckpt_h3 as c
+
+# a shape whose feed-forward phase dominates the block (fc1 2F + F > attention 8I on the CPU backend)
+WIDE = {"ffn_hidden_size": 4096}
+W = H_PX = 256
+LENGTH, TEXT = 22, 10
+
+
+@pytest.fixture(scope="module")
+def model(comfy, tmp_path_factory):
+    import folder_paths
+
+    from ditkit.loaders.safetensors_io import save_file
+    from ditkit.nodes.h3_loaders import DitKitH3ModelLoader
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("preflight")
+    (root / "diffusion_models").mkdir()
+    cfg = dict(c.CONFIG, **WIDE)
+    save_file(c.base_state_dict(cfg), root / "diffusion_models" / "h3_wide_ffn.safetensors")
+    folder_paths.add_model_folder_path("diffusion_models", str(root / "diffusion_models"))
+    yield DitKitH3ModelLoader.execute(model_name="h3_wide_ffn.safetensors").args[0]
+    paths = folder_paths.folder_names_and_paths["diffusion_models"][0]
+    if str(root / "diffusion_models") in paths:
+        paths.remove(str(root / "diffusion_models"))
+    folder_paths.filename_list_cache.pop("diffusion_models", None)
+
+
+def latent(length=LENGTH):
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+    return EmptyMiniMaxH3LatentAV.execute(W, H_PX, length).result[0]
+
+
+def sample(m, lat):
+    import nodes
+
+    cond = [[torch.randn(1, TEXT, c.CONFIG["text_dim"], generator=torch.Generator().manual_seed(0)), {}]]
+    return nodes.common_ksampler(m, 7, 2, 1.0, "euler", "simple", cond, cond, lat)[0]["samples"]
+
+
+def predicted(m, lat, limit=1000.0, text=TEXT):
+    from ditkit.bridge.preflight import latent_shapes_of, run_plan
+
+    v, a = latent_shapes_of(lat["samples"])
+    return run_plan(m, v, a, text, limit)
+
+
+def test_refuses_then_suggestion_runs(model):
+    import comfy.model_management as mm
+
+    from ditkit.memory.preflight import MemoryShortfallError
+    from ditkit.nodes.activation_chunking import DitKitActivationChunking
+    from ditkit.nodes.preflight import DitKitPreflight
+
+    lat = latent()
+    full = predicted(model, lat).prediction.device
+    chunked = predicted(DitKitActivationChunking.execute(model, chunk_tokens=256).args[0], lat).prediction.device
+    assert chunked < full
+    limit = (full + chunked) / 2 / 2**30
+    loaded_before = [id(x.model) for x in mm.current_loaded_models]
+    t0 = time.perf_counter()
+    with pytest.raises(MemoryShortfallError) as e:
+        DitKitPreflight.execute(model, lat, limit_gib=limit, text_tokens=TEXT)
+    took = time.perf_counter() - t0
+    assert took <= 2.0, took
+    assert [id(x.model) for x in mm.current_loaded_models] == loaded_before     # nothing loaded by the refusal
+    msg = str(e.value)
+    assert "SHORT by" in msg and "GiB" in msg and "Nothing was loaded" in msg
+    m = re.search(r"chunk_tokens (\d+): predicted ([\d.]+) GiB", msg)
+    assert m, msg
+    tokens = int(m.group(1))
+    # follow the suggestion
+    fixed = DitKitActivationChunking.execute(model, chunk_tokens=tokens).args[0]
+    out = DitKitPreflight.execute(fixed, lat, limit_gib=limit, text_tokens=TEXT)
+    p = predicted(fixed, lat)
+    assert p.prediction.device <= limit * 2**30
+    assert abs(p.prediction.device / 2**30 - float(m.group(2))) < 0.01
+    s = sample(out.args[0], out.args[1])
+    assert torch.isfinite(s.tensors[0]).all() if hasattr(s, "tensors") else torch.isfinite(s).all()
+
+
+def test_sampler_check_refuses_before_sampling(model):
+    from ditkit.bridge.preflight import WRAPPER_KEY
+    from ditkit.memory.preflight import MemoryShortfallError
+    from ditkit.nodes.preflight import DitKitPreflight
+
+    lat = latent()
+    m = DitKitPreflight.execute(model, lat, limit_gib=0.0, text_tokens=0).args[0]
+    sample(m, lat)                                        # fits the free RAM: runs
+    m.model_options["transformer_options"][WRAPPER_KEY]["limit_gib"] = 1e-6
+    calls = []
+    import comfy.patcher_extension as pe
+
+    m2 = m.clone()
+    m2.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test_count", lambda ex, *a, **k: calls.append(1) or ex(*a, **k))
+    with pytest.raises(MemoryShortfallError, match="sampler check|SHORT by"):
+        sample(m2, lat)
+    assert not calls                                      # no forward ran
+
+
+def test_bad_inputs_named_errors(model, monkeypatch):
+    import comfy.model_management as mm
+    import comfy.nested_tensor
+
+    from ditkit.errors import DitKitError
+    from ditkit.nodes.preflight import DitKitPreflight
+
+    huge = {"samples": comfy.nested_tensor.NestedTensor((torch.empty(1, 24, 10**6, 48, 84, device="meta"),
+                                                         torch.empty(1, 32, 2, 10**6, device="meta")))}
+    with pytest.raises(DitKitError, match="absurd"):
+        DitKitPreflight.execute(model, huge, limit_gib=0.0, text_tokens=0)
+    for bad in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(DitKitError):
+            DitKitPreflight.execute(model, latent(), limit_gib=bad, text_tokens=0)
+    with pytest.raises(DitKitError, match="text_tokens"):
+        DitKitPreflight.execute(model, latent(), limit_gib=0.0, text_tokens=-1)
+    with pytest.raises(DitKitError, match="not an H3 audio-video latent"):
+        DitKitPreflight.execute(model, {"samples": torch.zeros(1, 4, 8, 8)}, limit_gib=0.0, text_tokens=0)
+    monkeypatch.setattr(mm, "get_free_memory", lambda *a, **k: 0)
+    with pytest.raises(DitKitError, match="no usable memory"):
+        DitKitPreflight.execute(model, latent(), limit_gib=0.0, text_tokens=0)
+
+
+def test_auto_chunking_is_predicted_as_an_upper_bound(model):
+    from ditkit.nodes.activation_chunking import DitKitActivationChunking
+
+    lat = latent()
+    auto = predicted(DitKitActivationChunking.execute(model, chunk_tokens=0).args[0], lat)
+    plain = predicted(model, lat)
+    assert auto.prediction.device == plain.prediction.device
+    assert "upper bound" in auto.summary() and "upper bound" not in plain.summary()

@@ -1,0 +1,214 @@
+"""memory/model.py and memory/preflight.py: exact boundaries of every comparison, named errors on bad input before
+anything is allocated, and the suggestion search (fewest changes first, each suggestion really fits)."""
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import pytest
+
+from ditkit.errors import DitKitError
+from ditkit.memory.model import (GIB, MAX_TOKENS, DiTDims, MemoryModelError, Options, Tokens, Weights,
+                                 activation_parts, predict, sub_quad_chunk, weights_from_inventory)
+from ditkit.memory.preflight import (MemoryShortfallError, check_available, check_limit, h3_tokens, plan)
+
+D = DiTDims("h3", 5376, 56, 128, 14336, 50)
+W = Weights(tuple([1_000_000_000] * 50), 2_000_000_000, 28672 * 5376)
+
+
+def test_tokens_h3_layout():
+    t = h3_tokens((1, 24, 32, 48, 84), (1, 32, 2, 207), text=300)
+    assert (t.video, t.audio, t.text, t.total) == (32 * 24 * 42, 414, 300, 32 * 24 * 42 + 414 + 300)
+    odd = h3_tokens((1, 24, 3, 5, 7), (1, 32, 2, 1))      # padded to the 2x2 patch
+    assert odd.video == 3 * 3 * 4
+
+
+@pytest.mark.parametrize("video", [(1, 24, 10**6, 48, 84), (1, 24, 10**12, 10**6, 10**6)])
+def test_absurd_latent_is_refused_without_allocating(video):
+    tracemalloc.start()
+    try:
+        with pytest.raises(MemoryModelError, match="absurd"):
+            h3_tokens(video, (1, 32, 2, 10))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_token_boundaries():
+    check = Tokens(video=MAX_TOKENS)
+    activation_parts(D, check, Options())            # exactly the maximum: accepted
+    with pytest.raises(MemoryModelError, match="absurd"):
+        activation_parts(D, Tokens(video=MAX_TOKENS + 1), Options())
+    with pytest.raises(MemoryModelError, match="empty"):
+        activation_parts(D, Tokens(video=0), Options())
+    for bad in (-1, 1.5, True):
+        with pytest.raises(MemoryModelError):
+            activation_parts(D, Tokens(video=10, audio=bad), Options())
+    with pytest.raises(MemoryModelError):
+        h3_tokens((1, 24, 0, 4, 4), (1, 32, 2, 1))
+    with pytest.raises(MemoryModelError):
+        h3_tokens((1, 24, 4, 4), (1, 32, 2, 1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), -0.5, True, "4", None])
+def test_bad_limits(bad):
+    with pytest.raises(MemoryModelError, match="limit_gib"):
+        check_limit(bad)
+
+
+def test_limit_boundaries():
+    assert check_limit(0) == 0.0 and check_limit(0.0) == 0.0 and check_limit(24) == 24.0
+
+
+@pytest.mark.parametrize("bad", [0, -1, None, 0.5, True])
+def test_device_without_memory(bad):
+    with pytest.raises(MemoryModelError, match="no usable memory"):
+        check_available(bad, "cuda:0")
+    assert check_available(1, "x") == 1
+
+
+@pytest.mark.parametrize("bad", [0, -16, True, 2.5])
+def test_bad_chunk_option(bad):
+    with pytest.raises(MemoryModelError, match="chunk"):
+        activation_parts(D, Tokens(video=1000), Options(chunk=bad))
+
+
+def test_unknown_options():
+    with pytest.raises(MemoryModelError):
+        activation_parts(D, Tokens(video=10), Options(attention="magic"))
+    with pytest.raises(MemoryModelError):
+        activation_parts(D, Tokens(video=10), Options(compute="float8"))
+
+
+def test_activation_terms_by_hand():
+    s, b = 1000, 2
+    p = activation_parts(D, Tokens(video=s), Options(compute="bfloat16"))
+    assert p["persistent"] == s * (2 * 5376 + 192) * b
+    assert p["attention"] == s * (2 * 5376 + 6 * 7168) * b
+    assert p["feed_forward"] == s * (2 * 5376 + 3 * 14336) * b
+    assert p["block_peak"] == p["persistent"] + max(p["attention"], p["feed_forward"])
+    # chunk >= tokens: unchunked; one below: chunked (rounded down to 16: 992, tail 8 folded -> 1000)
+    assert activation_parts(D, Tokens(video=s), Options(chunk=1000))["feed_forward"] == p["feed_forward"]
+    c = activation_parts(D, Tokens(video=s), Options(chunk=256))["feed_forward"]
+    assert c == (s * 2 * 5376 + 256 * (3 * 14336 + 5376)) * b
+    # fp32 doubles everything
+    assert activation_parts(D, Tokens(video=s), Options(compute="float32"))["feed_forward"] == 2 * p["feed_forward"]
+
+
+def test_sub_quad_chunk_rule_boundaries():
+    # ComfyUI: free / (bh * bytes * x * 4) >= k_tokens
+    bh, sb, k = 3, 4, 1000
+    edge = bh * sb * 4096 * 4.0 * k
+    assert sub_quad_chunk(bh, sb, k, int(edge)) == 4096
+    assert sub_quad_chunk(bh, sb, k, int(edge) - 1) == 2048
+    assert sub_quad_chunk(bh, sb, k, 0) == 512
+    a = activation_parts(D, Tokens(video=k), Options(attention="sub_quad", free_bytes=int(edge) * 1000))
+    assert a["attention"] == k * (5376 + 8 * 7168) * 2 + 2 * 56 * 1000 * k * 2     # chunk 4096 >= k: k rows
+
+
+def test_math_backend_scores():
+    a = activation_parts(D, Tokens(video=100), Options(attention="math"))
+    assert a["attention"] == 100 * (2 * 5376 + 6 * 7168) * 2 + 2 * 56 * 100 * 100 * 2
+
+
+def test_weights_and_streaming():
+    p = predict(D, W, Tokens(video=1000), Options())
+    assert p.parts["weights_device"] == W.total and p.parts["cast_workspace"] == 0
+    s = predict(D, W, Tokens(video=1000), Options(streaming=True))
+    assert s.parts["weights_device"] == W.other + 2 * 1_000_000_000 and s.host == W.total
+    q = predict(D, W, Tokens(video=1000), Options(weight_format="float8_e4m3fn"))
+    assert q.parts["cast_workspace"] == 28672 * 5376 * 2
+
+
+def test_weights_from_inventory_formats():
+    inv = {"blocks.0.mlp.fc1.weight": ((256, 128), "BF16"), "blocks.0.norm1.weight": ((128,), "BF16"),
+           "video_patch_proj.weight": ((128, 96), "F32")}
+    w = weights_from_inventory("h3", inv, "bf16", "blocks.")
+    assert w.blocks == (256 * 128 * 2 + 128 * 2,) and w.other == 128 * 96 * 4 and w.largest_linear == 256 * 128
+    q = weights_from_inventory("h3", inv, "float8_e4m3fn", "blocks.")
+    assert q.blocks[0] < w.blocks[0]
+    with pytest.raises(MemoryModelError):
+        weights_from_inventory("h3", inv, "fp3", "blocks.")
+
+
+# a shape whose feed-forward phase is the larger one (H3's real ratios make both phases equal: 2D + 6I == 2D + 3F)
+D2 = DiTDims("h3", 1024, 8, 128, 2816, 50)
+W2 = Weights(tuple([40_000_000] * 50), 100_000_000, 5632 * 1024)
+
+
+def _weights():
+    return {"bf16": W2, "float8_e4m3fn": Weights(tuple([20_000_000] * 50), 100_000_000, W2.largest_linear)}
+
+
+def test_real_h3_phases_are_equal():
+    a = activation_parts(D, Tokens(video=1000), Options())
+    assert a["attention"] == a["feed_forward"]      # so chunking the feed-forward alone cannot lower H3's peak
+
+
+def test_plan_fit_boundary_and_suggestions():
+    tok = Tokens(video=40_000, audio=400, text=300)
+    opts = Options(compute="bfloat16")
+    pred = predict(D2, W2, tok, opts).device
+    assert plan(D2, _weights(), tok, opts, pred, "x", False).fits                 # exactly equal: fits
+    p = plan(D2, _weights(), tok, opts, pred - 1, "x", False)
+    assert not p.fits and p.shortfall == 1
+    assert p.suggestions and all(len(s.settings) == 1 for s in p.suggestions)   # one change is enough
+    assert list(p.suggestions[0].settings) == ["chunk_tokens"]                   # the cheapest kind first
+    for s in p.suggestions:
+        assert s.prediction.device <= pred - 1
+    assert "SHORT by 0.00 GiB" in p.summary() and "chunk_tokens" in p.summary()
+    assert isinstance(MemoryShortfallError("x"), DitKitError)
+
+
+def test_plan_needs_two_changes_then_length():
+    tok = Tokens(video=40_000, audio=400, text=300)
+    opts = Options(compute="bfloat16")
+    w = _weights()
+    chunked = predict(D2, w["bf16"], tok, Options(chunk=256)).device
+    fp8 = predict(D2, w["float8_e4m3fn"], tok, Options(weight_format="float8_e4m3fn")).device
+    both = predict(D2, w["float8_e4m3fn"], tok, Options(chunk=4096, weight_format="float8_e4m3fn")).device
+    p = plan(D2, w, tok, opts, both, "x", False)
+    assert min(chunked, fp8) > both and p.suggestions and len(p.suggestions[0].settings) == 2
+    assert p.suggestions[0].prediction.device <= both
+    # nothing settable fits 1.5 GiB: the length/area that does, with every saving on
+    small = plan(D2, w, tok, opts, 3 * GIB // 2, "x", False, video_scale=lambda f: f"x{f:.2f}")
+    assert not small.fits and "video_tokens" in small.suggestions[0].settings
+    assert small.suggestions[0].prediction.device <= 3 * GIB // 2
+    assert small.suggestions[0].settings["resolution_or_length"].startswith("x0.")
+    none = plan(D2, w, tok, opts, 1, "x", False)
+    assert not none.suggestions and "nothing ditkit can set fits" in none.summary()
+    assert math.isfinite(none.prediction.gib())
+
+
+def test_fits_table_real_h3_weights_match_the_official_size():
+    from ditkit.memory import fits
+
+    dims, weights = fits._h3_model()
+    # metadata.total_size of the official FL2VA transformer index (h3.md): 66,280,430,144 bytes; ComfyUI's keys
+    # drop the rope buffer and keep the same tensors
+    assert abs(weights["bf16"].total - 66_280_430_144) / 66_280_430_144 < 0.01
+    assert weights["nvfp4"].total < weights["float8_e4m3fn"].total < weights["bf16"].total
+    rows = fits.fits_rows()
+    assert len(rows) == 8 * len(fits.CARDS_GB)
+    for r in rows:
+        for kind in ("resident", "streamed"):
+            setting, gib = r[kind]
+            assert gib is None or gib <= r["card_gb"] * 1e9 * 0.95 / GIB
+    h3_5s = [r for r in rows if r["job"] == "H3 T2VA 5 s 1344x768"]
+    assert h3_5s[-1]["resident"][0] == "bf16 as is"          # 141 GB holds it
+    assert "| H3 T2VA 10 s 1920x1088 |" in fits.fits_table()
+
+
+def test_head_groups_shrink_score_workspace():
+    k = 4000
+    full = activation_parts(D, Tokens(video=k), Options(attention="math"))["attention"]
+    one = activation_parts(D, Tokens(video=k), Options(attention="math", head_group=1))["attention"]
+    assert full - one == 2 * 55 * k * k * 2
+    same = activation_parts(D, Tokens(video=k), Options(attention="math", head_group=56))["attention"]
+    assert same == full
+    sq = activation_parts(D, Tokens(video=k), Options(attention="sub_quad", free_bytes=1 << 40))["attention"]
+    sq1 = activation_parts(D, Tokens(video=k), Options(attention="sub_quad", free_bytes=1 << 40, head_group=8))
+    assert sq1["attention"] < sq
+    with pytest.raises(MemoryModelError, match="head_group"):
+        activation_parts(D, Tokens(video=k), Options(head_group=0))
