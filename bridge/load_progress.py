@@ -110,7 +110,7 @@ def _send_progress_text_probe() -> Probe:
     return Probe.holds()
 
 
-@entry("comfy_execution.utils.get_executing_context", nodes=NODES, what="attributes",
+@entry("comfy_execution.utils.ExecutionContext[node_id]", nodes=NODES, what="attributes",
        doc="the executing node's id (ExecutionContext.node_id), where the progress text goes")
 def _executing_context_probe() -> Probe:
     try:

@@ -157,7 +157,7 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     return executor(*args, **kwargs)
 
 
-@entry("comfy.ldm.modules.attention.optimized_attention", nodes=(NODE_ID,), what="attributes",
+@entry("comfy.ldm.modules.attention.optimized_attention[preflight backend]", nodes=(NODE_ID,), what="attributes",
        doc="the selected attention function's name tells how it holds scores")
 def _attention_probe() -> Probe:
     from comfy.ldm.modules import attention as a
