@@ -28,7 +28,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # the checkout: ditkit, tests, benchmarks
+sys.path.append(os.path.dirname(HERE))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 
 from benchmarks._harness import Rows, add_rows_argument, interleave, ratio_stats, spread, stats  # noqa: E402
 

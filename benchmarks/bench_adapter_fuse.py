@@ -55,7 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+    sys.path.append(str(REPO))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 from benchmarks._harness import Rows, ratio_stats, spread, stats  # noqa: E402
 
 CHILD = r"""

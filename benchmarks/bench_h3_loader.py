@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the checkout: ditkit, benchmarks
+sys.path.append(str(REPO))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 
 from benchmarks._harness import Rows, add_rows_argument, ratio_stats, spread, stats  # noqa: E402
 

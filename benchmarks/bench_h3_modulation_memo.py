@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the checkout: ditkit, benchmarks
+sys.path.append(str(REPO))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 from benchmarks._harness import Rows, Timer, add_rows_argument, interleave, ratio_stats, spread, stats  # noqa: E402
 
 

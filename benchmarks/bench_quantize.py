@@ -44,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 
 from benchmarks._harness import Rows, add_rows_argument  # noqa: E402
 

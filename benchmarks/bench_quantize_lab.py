@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "lab"))
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 
 FORMATS = ("float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4")
 

@@ -34,7 +34,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))  # the checkout: ditkit, benchmarks.lab
+sys.path.append(str(HERE.parent))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 import teacache_harness as H  # noqa: E402
 from benchmarks._harness import Rows, add_rows_argument  # noqa: E402
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: ditkit, benchmarks
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 from benchmarks._harness import PeakRSS, Rows, add_rows_argument, rss_bytes as rss  # noqa: E402
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: ditkit, benchmarks
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 from benchmarks._harness import Rows, Timer, add_rows_argument, interleave, ratio_stats, spread  # noqa: E402
 
 

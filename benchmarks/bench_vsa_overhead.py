@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the checkout: ditkit, benchmarks
+sys.path.append(str(REPO))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 from benchmarks._harness import Rows, Timer, add_rows_argument, interleave, ratio_stats, spread, stats  # noqa: E402
 PREFIX, GRID, HEADS, HEAD_DIM, KEEP = (10, 74), (7, 8, 8), 2, 16, 0.25
 

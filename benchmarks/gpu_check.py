@@ -63,7 +63,7 @@ from pathlib import Path
 T_START = time.perf_counter()   # budgets count from process start (imports and CUDA initialisation included)
 HARD_STOP_AFTER_BUDGET_S = 30
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))   # the checkout: benchmarks (plain Python at import: the dry-run needs no torch)
+sys.path.append(str(REPO))   # the checkout: benchmarks (plain Python at import: the dry-run needs no torch)  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 from benchmarks._harness import CudaMem as Mem, Timer, interleave, ratio_stats  # noqa: E402
 SECTIONS = ("kernels", "int64", "vsa_perf", "te_stream", "adaln", "video_save", "t1_decode", "lokr", "quant_load")
 OPT_IN = ("quant_load",)   # not in the default run (whose budget the other sections fill): --only quant_load
@@ -1483,9 +1483,14 @@ SECTION_FNS = {"kernels": sec_kernels, "int64": sec_int64, "vsa_perf": sec_vsa_p
 
 # ------------------------------------------------------------------------------------------------ driver
 def import_ditkit():
-    """``import ditkit`` resolving to THIS checkout (the package is the inner folder ``ditkit/``): the checkout's
-    root goes first on sys.path."""
-    sys.path.insert(0, str(REPO))
+    """``import ditkit`` resolving to THIS checkout (the repository root is the package): a temporary folder holding
+    one link ``ditkit`` -> the checkout goes first on sys.path (the checkout itself never does: its ``nodes/`` would
+    shadow ComfyUI's)."""
+    import tempfile
+
+    view = Path(tempfile.mkdtemp(prefix="ditkit-gpu-check-"))
+    os.symlink(REPO, view / "ditkit", target_is_directory=True)
+    sys.path.insert(0, str(view))
     for name in [m for m in sys.modules if m == "ditkit" or m.startswith("ditkit.")]:
         del sys.modules[name]
     import ditkit

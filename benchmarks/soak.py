@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the checkout: ditkit, tests.support
+sys.path.append(str(REPO))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 
 from benchmarks._harness import Rows, add_rows_argument  # noqa: E402
 from ditkit.run import ComfyServer, WorkflowFailed, history_messages, output_files  # noqa: E402

@@ -37,11 +37,13 @@ EMPTY_LATENT = ("DitKitH3EmptyImageLatent",)
 ENCODE = ("DitKitH3EncodeImage",)
 SAVE = ("DitKitSaveVideo",)
 TEXT_ENCODERS = ("DitKitH3TextEncoderLoader", "DitKitLTXTextEncoderLoader")
+STEPCACHE = ("DitKitStepCache",)
+MEMORY = ("DitKitActivationChunking", "DitKitPreflight")
 MODEL_LOADERS = H3_LOADER + DIT_LOADERS + ZIMAGE
 PATCHERS = TEACACHE + ADALN + VSA + FASTH3 + LOKR + ADAPTER      # nodes that clone and patch a MODEL
 RUNTIME_REPORTS = TEACACHE + ADALN + VSA + TEXT_ENCODERS          # report later, from wrappers
 ALL_NODES = tuple(dict.fromkeys(PATCHERS + MODEL_LOADERS + VAE_LOADER + VAE_DECODE + EMPTY_LATENT + ENCODE + SAVE
-                                + TEXT_ENCODERS))
+                                + TEXT_ENCODERS + STEPCACHE + MEMORY))
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -170,6 +172,8 @@ SIGNATURES = [
 
 # ------------------------------------------------------------------------------ attributes ditkit reads
 ATTRIBUTES = [
+    ("comfy.ops", ADAPTER + ("DitKitActivationChunking",), ("linear_input_act", "INPUT_ACT_EAGER"),
+     "H3's fused MLP call (bypass adapters hook fc2 around it; chunking runs the same call per token chunk)"),
     ("comfy.ldm.minimax.model.MiniMaxH3Model", TEACACHE + ADALN + VSA + FASTH3 + H3_LOADER + ADAPTER,
      ("forward", "_forward"), "the H3 diffusion model class (bridge/models.h3_diffusion_model)"),
     ("comfy.patcher_extension.WrappersMP", TEACACHE + ADALN + VSA + ("DitKitStepCache",), ("OUTER_SAMPLE", "DIFFUSION_MODEL"),

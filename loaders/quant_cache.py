@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from .. import strict_json
 from ..errors import DitKitError
 from . import host_memory
 from .safe_fs import SafeDir, open_model_file, write_stream
@@ -155,7 +156,7 @@ def read(path: str, key: str, fmt: str, recipe_source: str,
     with SafeFile(path) as f:
         hdr = f.header
         try:
-            rec = json.loads(hdr.metadata.get(META_KEY, ""))
+            rec = strict_json.loads_as(hdr.metadata.get(META_KEY, ""), where, what="quantized-cache record")
         except ValueError:
             raise QuantCacheError(f"{where}: no '{META_KEY}' record in its metadata; not a ditkit cache file "
                                   "(remove it to re-quantize)") from None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[1]))
+sys.path.append(str(HERE.parents[1]))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 
 import harness as Hn  # noqa: E402
 import lab_comfy as L  # noqa: E402

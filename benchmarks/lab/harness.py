@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: ditkit, benchmarks.lab
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
 import lab_comfy as L  # noqa: E402
 
 from benchmarks._harness import Rows, add_rows_argument  # noqa: E402

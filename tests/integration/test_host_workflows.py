@@ -184,7 +184,11 @@ def test_live_node_names_and_categories_follow_the_scheme(comfy_server):
     live = {k: {"display_name": v.get("display_name"), "category": v.get("category"),
                 "is_experimental": v.get("experimental"), "description": v.get("description"),
                 "search_aliases": v.get("search_aliases")} for k, v in info.items() if k.startswith("DitKit")}
-    assert set(live) == NODE_IDS
+    import importlib.util
+
+    # the Ray variants are registered only when Raylight is installed (nodes/raylight.py)
+    ray_only = {"DitKitRaySparseAttention", "DitKitRayAdaLNCache"}
+    assert set(live) == (NODE_IDS if importlib.util.find_spec("raylight") else NODE_IDS - ray_only)
     problems = naming_problems(live)
     assert not problems, "\n".join(problems)
 

@@ -113,7 +113,8 @@ def test_load_provenance_messages_and_filter(tmp_path):
     d.mkdir()
     with pytest.raises(CheckpointError) as ei:
         R.load_provenance(d)
-    assert str(ei.value) == f"'{d}': cannot be read (Is a directory)"
+    assert str(ei.value) == (f"FastVideo provenance.json '{d}': not a regular file (a directory, FIFO or device "
+                             "is refused)")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(CheckpointError, match=f"^'{bad}'"):
@@ -125,31 +126,22 @@ def test_load_provenance_messages_and_filter(tmp_path):
     assert R.load_provenance(mixed) == {}
 
 
-def test_load_provenance_reads_at_most_the_bound_plus_one(tmp_path, monkeypatch):
-    """The sidecar is read with one bounded read (64 KiB + 1 byte: enough to tell 'too large'), never whole."""
-    p = tmp_path / "p.json"
-    p.write_bytes(b" " * (3 * R.MAX_SIDECAR_BYTES))
+def test_load_provenance_reads_at_most_the_bound(tmp_path, monkeypatch):
+    """The sidecar is opened once and checked on the descriptor: a file over 64 KiB is refused from its size, before
+    any byte is read; one at the bound is read with reads that never ask for more than the bound."""
+    from ditkit.loaders import safe_fs
+
     sizes = []
-    real_open = open
-
-    class Spy:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            self.f.close()
-
-        def read(self, n=-1):
-            sizes.append(n)
-            return self.f.read(n)
-
-    monkeypatch.setattr(R, "open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
-    with pytest.raises(CheckpointError, match="larger than 65536 bytes"):
+    real = safe_fs.read_fd
+    monkeypatch.setattr(safe_fs, "read_fd", lambda fd, limit: sizes.append(limit) or real(fd, limit))
+    p = tmp_path / "p.json"
+    p.write_bytes(b" " * (R.MAX_SIDECAR_BYTES + 1))
+    with pytest.raises(CheckpointError, match=f"{R.MAX_SIDECAR_BYTES + 1} bytes, larger than 65536 bytes"):
         R.load_provenance(p)
-    assert sizes == [R.MAX_SIDECAR_BYTES + 1]
+    assert sizes == []
+    p.write_bytes(b"{}" + b" " * (R.MAX_SIDECAR_BYTES - 2))
+    assert R.load_provenance(p) == {}
+    assert sizes == [R.MAX_SIDECAR_BYTES]
 
 
 def test_decision_describe_and_choice_summary_exactly():
