@@ -69,7 +69,7 @@ def convert(src_path: str, out_path: str, fmt: str, *, hash_sources: bool = True
         meta["_quantization_metadata"] = json.dumps({"format_version": "1.0",
                                                      "layers": {layer: {"format": fmt} for layer in layers}})
         t0 = time.monotonic()
-        items = core.quantize_stream(src.reader(), plan, report, src.path, measure_error=measure_error)
+        items = core.quantize_stream(src.reader(scratch_keys=plan.quantized_keys()), plan, report, src.path, measure_error=measure_error)
         path = write_stream(d, name, stream_chunks(inv, items, meta, where=out_path))
         log(f"wrote {path} in {time.monotonic() - t0:.1f} s")
         return path, report

@@ -34,7 +34,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 import torch
 
@@ -627,15 +627,19 @@ def _row_blocks(op: _Op, rows: tuple[int, ...]) -> list[list[tuple[int, int, int
 
 def iter_h3_tensors(plan: H3Plan, progress: ProgressFn | None = None,
                     on_file: Callable[[str, int, int], None] | None = None,
-                    alloc: Callable[..., torch.Tensor] | None = host_memory.empty) -> Iterator[tuple[str, torch.Tensor]]:
+                    alloc: Callable[..., torch.Tensor] | None = host_memory.empty,
+                    scratch_keys: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Read + convert one tensor at a time, in plan order: yields ``(ComfyUI key, tensor)``; nothing is kept.
 
     The bytes go from the file straight into the output tensor, rows in their converted order (the qkv
     de-interleave, the diffusers qkv merge and fc1 swap are row permutations read in place, no second copy);
     ``alloc(shape, dtype)`` makes each output (default :func:`host_memory.empty`: a tensor the caller keeps does
     not fragment the heap). ``progress(done, total)`` is called after each output tensor; ``on_file(path, i, n)``
-    when a new file is opened. Counters (conversions, bytes read) accumulate on ``plan``."""
+    when a new file is opened. Counters (conversions, bytes read) accumulate on ``plan``. The tensors of
+    ``scratch_keys`` (ComfyUI keys) are read into one reused :class:`host_memory.Scratch` buffer instead: each is
+    valid only until the next item is asked for (for a consumer that uses it at once, the streaming quantizer)."""
     src, ops = plan.src, plan.ops
+    scratch = host_memory.Scratch() if scratch_keys else None
     order = {f: i for i, f in enumerate(src.files)}
     last_use = {src.locations[s][0]: i for i, o in enumerate(ops) for s in o.srcs}
     conv = plan.converted
@@ -655,14 +659,15 @@ def iter_h3_tensors(plan: H3Plan, progress: ProgressFn | None = None,
                 fhs.append((fh, ti))
                 plan.tensors_read += 1
                 plan.bytes_read += ti.nbytes
+            into = scratch.take if scratch is not None and op.out in scratch_keys else alloc
             if op.kind == "copy":
-                t = fhs[0][0].get(src.prefix + op.srcs[0], alloc=alloc)
+                t = fhs[0][0].get(src.prefix + op.srcs[0], alloc=into)
                 if op.out.endswith(".comfy_quant"):
                     _validate_marker(src, op.out, t)
             elif op.kind in ("deinterleave", "merge_qkv", "swap_halves"):
                 infos = [ti for _, ti in fhs]
                 rows = tuple(ti.shape[0] for ti in infos)
-                t = make((sum(rows),) + tuple(infos[0].shape[1:]), infos[0].torch_dtype)
+                t = (into or make)((sum(rows),) + tuple(infos[0].shape[1:]), infos[0].torch_dtype)
                 for (fh, _), name, blocks in zip(fhs, op.srcs, _row_blocks(op, rows)):
                     fh.read_rows_into(src.prefix + name, t, blocks)
                 conv[{"deinterleave": "qkv de-interleaved", "merge_qkv": "qkv merged",
@@ -677,6 +682,11 @@ def iter_h3_tensors(plan: H3Plan, progress: ProgressFn | None = None,
             fhs.clear()
             for f in [f for f in handles if last_use[f] == done - 1]:   # close a shard after its last tensor
                 handles.pop(f).close()
+            if done < len(ops):       # the disk reads the next tensor while this one is quantized (page cache)
+                for nxt in ops[done].srcs:
+                    fh = handles.get(src.locations[nxt][0])
+                    if fh is not None:
+                        fh.prefetch(src.prefix + nxt)
             yield op.out, t
             t = None
             if progress:

@@ -266,6 +266,11 @@ class QuantPlan:
     def quantized_layers(self) -> list[str]:
         return [k[: -len(".weight")] for k, (_, q, _) in self.decisions.items() if q]
 
+    def quantized_keys(self) -> frozenset[str]:
+        """The source keys :func:`quantize_stream` quantizes (and never keeps): a reader may read them into one
+        reused buffer (``scratch_keys``)."""
+        return frozenset(k for k, (_, q, _) in self.decisions.items() if q)
+
 
 def _st_dtype(dt: torch.dtype) -> str:
     for name, (tdt, _) in DTYPES.items():
@@ -482,8 +487,8 @@ def open_source(path: str) -> Source:
         refuse_quantized_source(src.path, {k: ti.dtype for k, (_, ti) in src.locations.items()}, src.metadata)
         inv = OrderedDict((k, v) for k, v in plan.inventory.items())
 
-        def reader(progress=None, on_file=None):
-            return h3core.iter_h3_tensors(plan, progress, on_file)
+        def reader(progress=None, on_file=None, scratch_keys=()):
+            return h3core.iter_h3_tensors(plan, progress, on_file, scratch_keys=scratch_keys)
 
         return Source(src.path, "h3", list(src.files), inv, dict(src.metadata or {}), reader, h3_plan=plan)
     hdr = read_header(p)
@@ -497,13 +502,19 @@ def open_source(path: str) -> Source:
     inv = OrderedDict((k, (tuple(ti.shape), ti.dtype)) for k, ti in sorted(hdr.tensors.items(),
                                                                            key=lambda kv: kv[1].begin))
 
-    def reader(progress=None, on_file=None):
+    def reader(progress=None, on_file=None, scratch_keys=()):
+        scratch = host_memory.Scratch() if scratch_keys else None
         with SafeFile(p) as f:
             if on_file:
                 on_file(p, 1, 1)
             n = len(inv)
-            for i, k in enumerate(inv, start=1):
-                yield k, f.get(k, alloc=host_memory.empty)
+            keys = list(inv)
+            for i, k in enumerate(keys, start=1):
+                t = f.get(k, alloc=scratch.take if scratch is not None and k in scratch_keys else host_memory.empty)
+                if i < n:                   # the disk reads the next tensor while this one is used (page cache)
+                    f.prefetch(keys[i])
+                yield k, t
+                t = None
                 if progress:
                     progress(i, n)
 

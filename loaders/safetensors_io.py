@@ -14,6 +14,7 @@ No pickle anywhere: this module is the only way ditkit reads weights. Errors are
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import stat
 import struct
@@ -232,6 +233,38 @@ class SafeFile:
 
     def __enter__(self):
         return self
+
+    def prefetch(self, name: str) -> bool:
+        """Ask the system to start reading tensor ``name`` into the page cache in the background
+        (``posix_fadvise(WILLNEED)``; -> whether it could ask): a streaming reader calls it for the next tensor
+        before it works on the current one, so reading the disk and quantizing overlap."""
+        fn = getattr(os, "posix_fadvise", None)
+        ti = self.info(name)
+        if fn is None or self._fh is None or not ti.nbytes:
+            return False
+        try:
+            fn(self._fh.fileno(), self.header.data_start + ti.begin, ti.nbytes, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return False
+        return True
+
+    def map(self) -> mmap.mmap:
+        """A private, copy-on-write memory map of the validated file (the handle opened once, never the name
+        again): tensors viewed on it read their pages from the page cache when first touched, as the stock
+        safetensors loader's do. Refused when the file's size is no longer the validated one."""
+        where = f"safetensors file '{self.path}'"
+        fh = self._fh or self._reopen()
+        if os.fstat(fh.fileno()).st_size != self._size:
+            raise CheckpointError(f"{where}: the file changed since its header was validated; load it again")
+        return mmap.mmap(fh.fileno(), self._size, access=mmap.ACCESS_COPY)
+
+    def view(self, mm: mmap.mmap, name: str) -> torch.Tensor:
+        """Tensor ``name`` as a view of ``mm`` (from :meth:`map`): no copy; it keeps the map alive."""
+        ti = self.info(name)
+        if not ti.nbytes:
+            return torch.empty(ti.shape, dtype=ti.torch_dtype)
+        t = torch.frombuffer(mm, dtype=torch.uint8, count=ti.nbytes, offset=self.header.data_start + ti.begin)
+        return t.view(ti.torch_dtype).reshape(ti.shape)
 
     def __del__(self):
         fh = getattr(self, "_fh", None)

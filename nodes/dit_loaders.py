@@ -71,7 +71,7 @@ def load_dit(node_id: str, family: str, path: str, name: str, weight_format: str
             src = qcore.open_source(path)      # headers only: refuses an already quantized source, by tensor
         except CheckpointError as e:
             raise CheckpointError(f"{node_id}: unet_name {name!r}: {e}") from e
-        sd, quant = quantized_state_dict(family, fmt, src.inventory, src.reader(progress), path,
+        sd, quant = quantized_state_dict(family, fmt, src.inventory, lambda keys: src.reader(progress, scratch_keys=keys), path,
                                          cache=(path, src.files) if quantized_cache else None)
         meta = src.metadata
     try:

@@ -58,11 +58,12 @@ WEIGHT_FORMAT_TOOLTIP = ("Quantize while loading into one of ComfyUI's native co
                          "docs/quantize.md). 'as stored' keeps the file's dtypes.")
 
 
-def quantized_state_dict(family: str, fmt: str, inventory, items, where: str, cache: tuple | None = None):
-    """Stream ``items`` through the quantizer -> (state dict as a comfy_quant file would give it, report); the node
-    shows tensors done / total and MB/s while it works (bridge/load_progress.py). ``cache``: ``(source path,
-    source files)`` to use the write-once cache next to the source (loaders/quant_cache.py; ``items`` is then not
-    read on a hit)."""
+def quantized_state_dict(family: str, fmt: str, inventory, read, where: str, cache: tuple | None = None):
+    """Stream the source through the quantizer -> (state dict as a comfy_quant file would give it, report); the
+    node shows tensors done / total and MB/s while it works (bridge/load_progress.py). ``read(scratch_keys)``: the
+    source's ``(key, tensor)`` iterator, the tensors of ``scratch_keys`` (the ones quantized, never kept) read into
+    one reused buffer. ``cache``: ``(source path, source files)`` to use the write-once cache next to the source
+    (loaders/quant_cache.py; the source is then not read on a hit)."""
     prog = load_progress(f"quantizing to {fmt}")
 
     def run():
@@ -70,7 +71,7 @@ def quantized_state_dict(family: str, fmt: str, inventory, items, where: str, ca
         report = qcore.QuantReport(family, fmt, qcore.RECIPES[family]["source"])
         sd = {}
         try:
-            for k, t in qcore.quantize_stream(items, plan, report, where, progress=prog):
+            for k, t in qcore.quantize_stream(read(plan.quantized_keys()), plan, report, where, progress=prog):
                 sd[k] = t
         except BaseException:
             sd.clear()
@@ -196,7 +197,8 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
         plan = core.plan_h3(path)
         src = plan.src
         qcore.refuse_quantized_source(src.path, {k: ti.dtype for k, (_, ti) in src.locations.items()}, src.metadata)
-        sd, quant = quantized_state_dict("h3", fmt, plan.inventory, core.iter_h3_tensors(plan, progress=cb), src.path,
+        sd, quant = quantized_state_dict("h3", fmt, plan.inventory,
+                                         lambda keys: core.iter_h3_tensors(plan, progress=cb, scratch_keys=keys), src.path,
                                          cache=(path, src.files) if quantized_cache else None)
         report = plan.report(len(sd))
     report.quant = quant

@@ -56,7 +56,7 @@ def _quantized_zimage(path: str, fmt: str, progress, cache: bool = False):
     meta = {k: torch.empty(shape, dtype=DTYPES[dt][0], device="meta") for k, (shape, dt) in src.inventory.items()}
     cfg = _zimage_config(meta, path)
     del meta
-    sd, report = quantized_state_dict("zimage", fmt, src.inventory, src.reader(progress), path,
+    sd, report = quantized_state_dict("zimage", fmt, src.inventory, lambda keys: src.reader(progress, scratch_keys=keys), path,
                                       cache=(path, src.files) if cache else None)
     return sd, cfg, report
 

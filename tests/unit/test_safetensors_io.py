@@ -385,3 +385,35 @@ def test_strict_json_loads():
     with pytest.raises(CheckpointError, match="invalid JSON"):
         sio.strict_json_loads("[" * 100_000 + "]" * 100_000, "w", what="safetensors header")
     assert math.isfinite(sio.strict_json_loads("1e308", "w", what="safetensors header"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8])
+def test_map_views_equal_the_reference_reader_and_are_copy_on_write(tmp_path, dtype):
+    """``SafeFile.map`` + ``view``: the tensors the reference library reads, no copy, writes stay private."""
+    p = tmp_path / "m.safetensors"
+    sd = {"a": (torch.arange(24, dtype=torch.float64) - 7.5).to(dtype).reshape(4, 6), "empty": torch.zeros(0, 3,
+          dtype=dtype), "b": torch.full((3,), 5, dtype=dtype)}
+    st.save_file(sd, str(p))
+    ref = st.load_file(str(p))
+    before = p.read_bytes()
+    with sio.SafeFile(p) as f:
+        mm = f.map()
+        got = {k: f.view(mm, k) for k in sd}
+    for k in sd:
+        assert got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), ref[k].reshape(-1).view(torch.uint8)), k
+    got["a"].view(torch.uint8).reshape(-1)[0] ^= 0xFF          # private: the file is untouched
+    assert p.read_bytes() == before
+
+
+def test_map_refuses_a_file_whose_size_changed(tmp_path):
+    p = tmp_path / "m.safetensors"
+    st.save_file({"a": torch.ones(8)}, str(p))
+    f = sio.SafeFile(p)
+    try:
+        with open(p, "ab") as g:
+            g.write(b"\0" * 8)
+        with pytest.raises(CheckpointError, match="changed since its header was validated"):
+            f.map()
+    finally:
+        f.close()
