@@ -39,15 +39,83 @@ import torch
 
 from .. import strict_json
 from ..errors import DitKitError
-from . import host_memory
 from .safe_fs import SafeDir, open_model_file, write_stream
 from .safetensors_io import SafeFile, stream_chunks
 
-VERSION = 1
+VERSION = 2
 SAMPLES = 64
 SAMPLE_BYTES = 64 << 10
 DIGEST_KEY = "ditkit.sha256"
 META_KEY = "ditkit_quant_cache"
+DIGEST_CHUNK = 32 << 20
+DIGEST_TAG = b"ditkit-quant-cache-digest-2\n"
+
+
+class Digest:
+    """The cache file's digest (version 2), written as its last tensor: ``SHA-256(TAG || SHA-256(header) ||
+    SHA-256(chunk 0) || SHA-256(chunk 1) || ...)`` over the raw header (its 8-byte length included) and the tensor
+    bytes before the digest, cut into :data:`DIGEST_CHUNK` pieces. A list of chunk hashes rather than one running
+    hash so that a read can hash the chunks on every core at once (:func:`digest_of`: hashlib releases the GIL);
+    any changed byte still changes its chunk's hash and so the digest. This streaming form is the writer's."""
+
+    def __init__(self, header: bytes):
+        self.parts = [hashlib.sha256(header).digest()]
+        self._cur = hashlib.sha256()
+        self._fill = 0
+
+    def update(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            take = min(len(mv), DIGEST_CHUNK - self._fill)
+            self._cur.update(mv[:take])
+            self._fill += take
+            mv = mv[take:]
+            if self._fill == DIGEST_CHUNK:
+                self.parts.append(self._cur.digest())
+                self._cur, self._fill = hashlib.sha256(), 0
+
+    def digest(self) -> bytes:
+        parts = self.parts + ([self._cur.digest()] if self._fill else [])
+        return hashlib.sha256(DIGEST_TAG + b"".join(parts)).digest()
+
+
+def hash_workers() -> int:
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def digest_of(header: bytes, data, workers: int | None = None,
+              progress: Callable[[int], None] | None = None) -> bytes:
+    """:class:`Digest` of ``header`` + ``data`` (a buffer), its chunks hashed by ``workers`` threads (default: the
+    cores this process may use, at most 8); ``progress(bytes hashed)`` as chunks complete, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mv = memoryview(data).cast("B")
+    chunks = [mv[i:i + DIGEST_CHUNK] for i in range(0, len(mv), DIGEST_CHUNK)]
+    parts = [hashlib.sha256(header).digest()]
+    n = workers or hash_workers()
+    done = 0
+
+    def one(c):
+        return hashlib.sha256(c).digest()
+
+    if n > 1 and len(chunks) > 1:
+        with ThreadPoolExecutor(n) as ex:
+            for c, d in zip(chunks, ex.map(one, chunks)):
+                parts.append(d)
+                done += len(c)
+                if progress:
+                    progress(done)
+    else:
+        for c in chunks:
+            parts.append(one(c))
+            done += len(c)
+            if progress:
+                progress(done)
+    return hashlib.sha256(DIGEST_TAG + b"".join(parts)).digest()
 
 
 class QuantCacheError(DitKitError):
@@ -111,17 +179,19 @@ def write(folder: str, name: str, inventory, sd: dict[str, torch.Tensor], meta: 
     ``sd`` anyway, so nothing is copied: each chunk is the tensor's own bytes. -> the published path."""
     inv = dict(inventory)
     inv[DIGEST_KEY] = ((32,), "U8")
-    h = hashlib.sha256()
+    h: list[Digest] = []
 
     def tensors():
         for k in inventory:
             yield k, sd[k]
-        yield DIGEST_KEY, torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
+        yield DIGEST_KEY, torch.frombuffer(bytearray(h[0].digest()), dtype=torch.uint8)
 
     def chunks():
         for i, c in enumerate(stream_chunks(inv, tensors(), meta, where=os.path.join(folder, name))):
-            if i <= len(inventory):            # the header and every tensor but the digest itself
-                h.update(memoryview(c).cast("B"))
+            if i == 0:                         # the header
+                h.append(Digest(bytes(memoryview(c).cast("B"))))
+            elif i <= len(inventory):          # every tensor but the digest itself
+                h[0].update(c)
             yield c
 
     d = SafeDir.open_root(folder, error=QuantCacheError, what="cache folder")
@@ -149,9 +219,14 @@ def lookup(folder: str, name: str) -> str | None:
 
 def read(path: str, key: str, fmt: str, recipe_source: str,
          progress: Callable[[int, int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read and verify a cache file -> (state dict without the digest, the ``ditkit_quant_cache`` record).
+    """Verify a cache file and map it -> (state dict without the digest, the ``ditkit_quant_cache`` record).
     Raises :class:`QuantCacheError` naming the file and what differs; nothing is returned unless the whole file
-    matched its digest. ``progress(done, total, bytes)`` after each tensor."""
+    matched its digest.
+
+    The tensors are views of one private, copy-on-write memory map of the file (what the stock safetensors loader
+    gives ComfyUI for a comfy_quant file: no copy), and every byte is hashed before they are returned, its chunks on
+    every core (:func:`digest_of`), so the pages are read once, here, and are in memory when the model is used.
+    ``progress(done, total, bytes)`` as the hash advances (tensors wholly hashed / total)."""
     where = f"quantized cache '{path}'"
     with SafeFile(path) as f:
         hdr = f.header
@@ -169,28 +244,31 @@ def read(path: str, key: str, fmt: str, recipe_source: str,
         if not order or order[-1].name != DIGEST_KEY or order[-1].shape != (32,) or order[-1].dtype != "U8":
             raise QuantCacheError(f"{where}: the digest tensor '{DIGEST_KEY}' is not its last tensor; modified or "
                                   "not written by ditkit (remove it to re-quantize)")
-        h = hashlib.sha256(_raw_header_bytes(path, hdr.header_len))
-        sd: dict[str, torch.Tensor] = {}
-        done = nbytes = 0
+        dig = order[-1]
+        mm = f.map()
+        header = _raw_header_bytes(path, hdr.header_len)
+        if bytes(mm[:len(header)]) != header:
+            raise QuantCacheError(f"{where}: the file changed while it was read (remove it to re-quantize)")
         total = len(order) - 1
+        ends = [ti.begin + ti.nbytes for ti in order[:-1]]
+        state = {"done": 0}
+
+        def hashed(nbytes: int) -> None:
+            while state["done"] < total and ends[state["done"]] <= nbytes:
+                state["done"] += 1
+            if progress:
+                progress(state["done"], total, nbytes)
+
+        data = memoryview(mm)[hdr.data_start:hdr.data_start + dig.begin]
         try:
-            for ti in order[:-1]:
-                t = f.get(ti.name, alloc=host_memory.empty)
-                if ti.nbytes:
-                    h.update(t.reshape(-1).view(torch.uint8).numpy())
-                sd[ti.name] = t
-                done += 1
-                nbytes += ti.nbytes
-                if progress:
-                    progress(done, total, nbytes)
-            stored = bytes(f.get(DIGEST_KEY).numpy().tobytes())
-        except BaseException:
-            sd.clear()
-            raise
-    if stored != h.digest():
-        sd.clear()
-        raise QuantCacheError(f"{where}: its bytes do not match the SHA-256 stored in it (modified or damaged since "
-                              "ditkit wrote it); it is not used. Remove it to re-quantize from the source")
+            got = digest_of(header, data, progress=hashed)
+        finally:
+            data.release()
+        stored = bytes(mm[hdr.data_start + dig.begin:hdr.data_start + dig.begin + 32])
+        if stored != got:
+            raise QuantCacheError(f"{where}: its bytes do not match the digest stored in it (modified or damaged "
+                                  "since ditkit wrote it); it is not used. Remove it to re-quantize from the source")
+        sd = {ti.name: f.view(mm, ti.name) for ti in order[:-1]}
     return sd, rec
 
 

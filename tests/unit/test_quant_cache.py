@@ -71,14 +71,30 @@ def test_miss_writes_then_hit_reads_the_same_bits_without_quantizing(source, fmt
     assert "cache hit" in rep2.summary()
 
 
-def test_written_file_digest_is_sha256_of_everything_before_it(source):
+def _oracle_digest(raw: bytes, header_len: int, digest_begin: int, chunk: int) -> bytes:
+    """The version-2 digest from its definition (docs/quantize.md): SHA-256 of the tag, the header's SHA-256 and
+    the SHA-256 of every ``chunk``-byte piece of the tensor bytes before the digest, written here with hashlib."""
+    header = raw[: 8 + header_len]
+    body = raw[8 + header_len: 8 + header_len + digest_begin]
+    parts = hashlib.sha256(header).digest() + b"".join(hashlib.sha256(body[i:i + chunk]).digest()
+                                                       for i in range(0, len(body), chunk))
+    return hashlib.sha256(b"ditkit-quant-cache-digest-2\n" + parts).digest()
+
+
+@pytest.mark.parametrize("chunk", [None, 4096, 4097, 1 << 16])
+def test_written_file_digest_is_the_chunked_sha256_of_everything_before_it(source, monkeypatch, chunk):
+    if chunk is not None:            # several chunks, cut inside tensors, odd sizes: writer and reader still agree
+        monkeypatch.setattr(C, "DIGEST_CHUNK", chunk)
     _, rep = _load(source)
     path = rep.cache["file"]
     hdr = read_header(path)
     raw = open(path, "rb").read()
     digest = hdr.tensors[C.DIGEST_KEY]
-    body = raw[: 8 + hdr.header_len + digest.begin]
-    assert raw[8 + hdr.header_len + digest.begin:] == hashlib.sha256(body).digest()
+    want = _oracle_digest(raw, hdr.header_len, digest.begin, C.DIGEST_CHUNK)
+    assert raw[8 + hdr.header_len + digest.begin:] == want
+    assert want != hashlib.sha256(raw[: 8 + hdr.header_len + digest.begin]).digest()
+    sd, rep2 = _load(source)                                              # and the reader accepts it
+    assert rep2.cache["state"] == "hit"
     assert max(ti.end for ti in hdr.tensors.values()) == digest.end        # the digest is the last tensor
     assert "_quantization_metadata" in hdr.metadata and C.META_KEY in hdr.metadata
 
@@ -148,7 +164,7 @@ def test_tampered_cache_file_is_refused_by_name(source, where):
     ti = {"first tensor": order[0], "middle tensor": order[len(order) // 2], "digest": order[-1]}[where]
     _tamper_at(path, 8 + hdr.header_len + ti.begin + (ti.end - ti.begin) // 2)
     calls = []
-    with pytest.raises(C.QuantCacheError, match=r"do not match the SHA-256 stored in it.*Remove it") as e:
+    with pytest.raises(C.QuantCacheError, match=r"do not match the digest stored in it.*Remove it") as e:
         _load(source, calls=calls)
     assert path in str(e.value) and calls == []
 
@@ -234,3 +250,68 @@ def test_official_shard_folder_cache_is_written_inside_the_folder(tmp_path):
     sd2, rep2 = _load(folder, "float8_e4m3fn", calls)
     assert calls == [1] and rep2.cache["state"] == "hit"
     _same(sd1, sd2)
+
+
+@pytest.mark.parametrize("at", ["first byte", "chunk edge - 1", "chunk edge", "last data byte"])
+def test_one_changed_byte_in_any_chunk_is_refused(source, monkeypatch, at):
+    """With 4 KiB chunks the tensor bytes span many chunks: a byte changed at a chunk's edge (both sides) or in the
+    last, partial chunk changes the digest."""
+    monkeypatch.setattr(C, "DIGEST_CHUNK", 4096)
+    _, rep = _load(source)
+    path = rep.cache["file"]
+    hdr = read_header(path)
+    dig = hdr.tensors[C.DIGEST_KEY]
+    data0 = 8 + hdr.header_len
+    assert dig.begin > 3 * 4096 and dig.begin % 4096 != 0
+    off = {"first byte": 0, "chunk edge - 1": 4095, "chunk edge": 4096, "last data byte": dig.begin - 1}[at]
+    _tamper_at(path, data0 + off)
+    with pytest.raises(C.QuantCacheError, match="do not match the digest"):
+        _load(source)
+
+
+def test_hit_tensors_are_copy_on_write_views_of_the_file(source):
+    """The hit hands out views of a private map: writing into one never reaches the cache file."""
+    _load(source)
+    sd, rep = _load(source)
+    path = rep.cache["file"]
+    before = open(path, "rb").read()
+    t = next(v for v in sd.values() if v.numel() > 16)
+    t.view(torch.uint8).reshape(-1)[:8] ^= 0xFF
+    assert open(path, "rb").read() == before
+    _, rep3 = _load(source)
+    assert rep3.cache["state"] == "hit"
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_digest_streaming_equals_parallel_and_serial(monkeypatch, n):
+    monkeypatch.setattr(C, "DIGEST_CHUNK", 4096)
+    data = bytes((i * 7919 + 13) % 256 for i in range(n))
+    header = b"\x10" + bytes(15)
+    want = hashlib.sha256(b"ditkit-quant-cache-digest-2\n" + hashlib.sha256(header).digest() + b"".join(
+        hashlib.sha256(data[i:i + 4096]).digest() for i in range(0, n, 4096))).digest()
+    d = C.Digest(header)
+    for a, b in ((0, n // 3), (n // 3, n // 3 + 1), (n // 3 + 1, n)):     # uneven updates across chunk edges
+        d.update(data[a:b])
+    assert d.digest() == want
+    seen = []
+    assert C.digest_of(header, data, workers=1, progress=seen.append) == want
+    assert C.digest_of(header, data, workers=4) == want
+    assert seen == [min(n, i + 4096) for i in range(0, n, 4096)]
+    if n:
+        flipped = bytearray(data)
+        flipped[-1] ^= 1
+        assert C.digest_of(header, bytes(flipped), workers=2) != want
+
+
+def test_hash_workers_bounds(monkeypatch):
+    monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert C.hash_workers() == 8
+    monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert C.hash_workers() == 1
+
+    def boom(pid):
+        raise OSError("no affinity")
+
+    monkeypatch.setattr(C.os, "sched_getaffinity", boom, raising=False)
+    monkeypatch.setattr(C.os, "cpu_count", lambda: None)
+    assert C.hash_workers() == 1
