@@ -162,10 +162,12 @@ def test_work_buffers_are_reused_grown_and_per_thread():
     assert b.shape == (2, 3) and b.dtype == torch.float32 and b.data_ptr() == a.data_ptr()
     c = Q._work_f32("t_slot", torch.empty(33))
     assert c.numel() == 33 and Q._work_f32("t_slot", torch.empty(33)).data_ptr() == c.data_ptr()
-    i1 = Q._work_i32("t_i", 10)
-    i2 = Q._work_i32("t_i", 10)
+    i1 = Q._work_int("t_i", 10)
+    i2 = Q._work_int("t_i", 10)
     assert i1.dtype == torch.int32 and i1.shape == (10,) and i1.data_ptr() == i2.data_ptr()
-    assert Q._work_i32("t_i", 11).numel() == 11
+    assert Q._work_int("t_i", 11).numel() == 11
+    h = Q._work_int("t_i", 10, torch.int16)
+    assert h.dtype == torch.int16 and h.data_ptr() != i1.data_ptr()
     other = []
     th = threading.Thread(target=lambda: other.append(Q._work_f32("t_slot", torch.empty(33)).data_ptr()))
     th.start()
