@@ -24,6 +24,17 @@ quantize), verified before anything is handed over.
   replaced (delete it to re-quantize). The digest detects any change made without recomputing it (damage, a partial
   copy, an edit, another file under the name); it is not a signature: whoever can write the model folder can also
   forge it (as they can replace the source model itself);
+* **verified once per file version** (POSIX only): after a full verification of a file whose last change
+  (``st_ctime``) is at least :data:`STAMP_MIN_AGE_S` old, ditkit writes a stamp next to it
+  (``<cache name>.verified``: the file's device, inode, size, ``mtime_ns``, ``ctime_ns`` and digest). A later
+  read whose open file still has exactly those is not hashed again, as git trusts its index: any write to the file,
+  a ``touch``, a ``chmod`` or another file renamed over it sets ``st_ctime`` to the time of that change, which
+  no unprivileged process can set back, so a changed file never matches its stamp and is hashed in full (and
+  refused when its bytes no longer match). The age rule closes the race of a write in the same clock tick as the
+  verification; the stat is taken before and after hashing and must not move. Where ``st_ctime`` is not the
+  change time (Windows: creation time) every read hashes in full. A stamp is only ever a reason to skip the hash
+  of an unchanged file, never to accept bytes: its digest must equal the one stored in the file. Whoever can
+  write the folder can forge a stamp as they can forge the digest (not a signature, as above);
 * **stale**: a changed source gives another key, so another name: the old file is not read (it is left in place and
   reported; ditkit deletes nothing it did not just write).
 """
@@ -33,13 +44,14 @@ import hashlib
 import json
 import os
 import stat
+import time
 from typing import Callable
 
 import torch
 
 from .. import strict_json
 from ..errors import DitKitError
-from .safe_fs import SafeDir, open_model_file, write_stream
+from .safe_fs import SafeDir, open_model_file, read_inside, write_file, write_stream
 from .safetensors_io import SafeFile, stream_chunks
 
 VERSION = 2
@@ -49,6 +61,9 @@ DIGEST_KEY = "ditkit.sha256"
 META_KEY = "ditkit_quant_cache"
 DIGEST_CHUNK = 32 << 20
 DIGEST_TAG = b"ditkit-quant-cache-digest-2\n"
+STAMP_SUFFIX = ".verified"
+STAMP_KEY = "ditkit_quant_cache_verified"
+STAMP_MIN_AGE_S = 2.0
 
 
 class Digest:
@@ -217,8 +232,63 @@ def lookup(folder: str, name: str) -> str | None:
     return os.path.join(folder, name)
 
 
+def stamps_supported() -> bool:
+    """Whether ``st_ctime`` is the time of the file's last change here (POSIX), the premise of a stamp."""
+    return os.name == "posix"
+
+
+def file_identity(st: os.stat_result) -> list[int]:
+    """What a stamp records of a file: device, inode, size, ``mtime_ns``, ``ctime_ns``."""
+    return [int(st.st_dev), int(st.st_ino), int(st.st_size), int(st.st_mtime_ns), int(st.st_ctime_ns)]
+
+
+def stamp_bytes(name: str, st: os.stat_result, digest: bytes) -> bytes:
+    return json.dumps({STAMP_KEY: 1, "file": name, "identity": file_identity(st), "digest": digest.hex()},
+                      sort_keys=True).encode()
+
+
+def read_stamp(path: str) -> dict | None:
+    """The stamp next to cache file ``path`` as a dict, or None when there is none or it is not a well-formed
+    ditkit stamp for that name (then the file is simply hashed in full)."""
+    folder, name = os.path.split(path)
+    try:
+        data, _ = read_inside(folder, [name + STAMP_SUFFIX], max_bytes=4096, what="quantized-cache stamp",
+                              error=QuantCacheError)
+        rec = strict_json.loads_as(data.decode("utf-8"), path + STAMP_SUFFIX, what="quantized-cache stamp")
+    except (QuantCacheError, ValueError, UnicodeDecodeError):
+        return None
+    ok = (isinstance(rec, dict) and rec.get(STAMP_KEY) == 1 and rec.get("file") == name
+          and isinstance(rec.get("identity"), list) and len(rec["identity"]) == 5
+          and all(type(v) is int for v in rec["identity"]) and isinstance(rec.get("digest"), str))
+    return rec if ok else None
+
+
+def write_stamp(path: str, st: os.stat_result, digest: bytes) -> str:
+    """Publish (or replace a ditkit stamp at) ``<path>.verified`` through :func:`.safe_fs.write_file`; a file
+    there that is not a ditkit stamp for this name is never replaced. -> "written" or why not."""
+    folder, name = os.path.split(path)
+
+    def ours(blob: bytes) -> bool:
+        try:
+            rec = strict_json.loads(blob.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return False
+        return isinstance(rec, dict) and rec.get(STAMP_KEY) == 1 and rec.get("file") == name
+
+    try:
+        d = SafeDir.open_root(folder, error=QuantCacheError, what="cache folder")
+        try:
+            write_file(d, name + STAMP_SUFFIX, stamp_bytes(name, st, digest), replace_if=ours, max_existing_bytes=4096)
+        finally:
+            d.close()
+    except (OSError, DitKitError) as e:
+        return f"not written ({e})"
+    return "written"
+
+
 def read(path: str, key: str, fmt: str, recipe_source: str,
-         progress: Callable[[int, int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+         progress: Callable[[int, int, int], None] | None = None,
+         verified: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Verify a cache file and map it -> (state dict without the digest, the ``ditkit_quant_cache`` record).
     Raises :class:`QuantCacheError` naming the file and what differs; nothing is returned unless the whole file
     matched its digest.
@@ -226,7 +296,9 @@ def read(path: str, key: str, fmt: str, recipe_source: str,
     The tensors are views of one private, copy-on-write memory map of the file (what the stock safetensors loader
     gives ComfyUI for a comfy_quant file: no copy), and every byte is hashed before they are returned, its chunks on
     every core (:func:`digest_of`), so the pages are read once, here, and are in memory when the model is used.
-    ``progress(done, total, bytes)`` as the hash advances (tensors wholly hashed / total)."""
+    ``progress(done, total, bytes)`` as the hash advances (tensors wholly hashed / total). A file that still
+    matches its stamp (module doc) is not hashed again. ``verified``, when given, is filled with how the file was
+    verified: ``{"by": "digest" | "stamp", "stamp": "written" | "kept" | why not}``."""
     where = f"quantized cache '{path}'"
     with SafeFile(path) as f:
         hdr = f.header
@@ -259,16 +331,35 @@ def read(path: str, key: str, fmt: str, recipe_source: str,
             if progress:
                 progress(state["done"], total, nbytes)
 
-        data = memoryview(mm)[hdr.data_start:hdr.data_start + dig.begin]
-        try:
-            got = digest_of(header, data, progress=hashed)
-        finally:
-            data.release()
         stored = bytes(mm[hdr.data_start + dig.begin:hdr.data_start + dig.begin + 32])
-        if stored != got:
-            raise QuantCacheError(f"{where}: its bytes do not match the digest stored in it (modified or damaged "
-                                  "since ditkit wrote it); it is not used. Remove it to re-quantize from the source")
+        st0 = f.stat()
+        how = {"by": "digest", "stamp": "not supported on this system"}
+        stamp = read_stamp(path) if stamps_supported() else None
+        if (stamp is not None and stamp["identity"] == file_identity(st0) and stamp["digest"] == stored.hex()
+                and len(mm) == st0.st_size):
+            how = {"by": "stamp", "stamp": "kept"}
+            hashed(dig.begin)
+        else:
+            data = memoryview(mm)[hdr.data_start:hdr.data_start + dig.begin]
+            try:
+                got = digest_of(header, data, progress=hashed)
+            finally:
+                data.release()
+            if stored != got:
+                raise QuantCacheError(f"{where}: its bytes do not match the digest stored in it (modified or "
+                                      "damaged since ditkit wrote it); it is not used. Remove it to re-quantize "
+                                      "from the source")
+            if stamps_supported():
+                st1 = f.stat()
+                if file_identity(st1) != file_identity(st0):
+                    how["stamp"] = "not written (the file changed while it was hashed)"
+                elif time.time() - st0.st_ctime < STAMP_MIN_AGE_S:
+                    how["stamp"] = f"not written (changed less than {STAMP_MIN_AGE_S:g} s ago)"
+                else:
+                    how["stamp"] = write_stamp(path, st0, stored)
         sd = {ti.name: f.view(mm, ti.name) for ti in order[:-1]}
+    if verified is not None:
+        verified.update(how)
     return sd, rec
 
 
@@ -290,7 +381,6 @@ def cached_quantize(source_path: str, files: list[str], family: str, fmt: str, r
     space) leaves nothing behind and is reported in ``report.cache`` (the load itself stands). Other cache files
     of the same source and format (an older key: the source changed) are listed as stale, never read or deleted."""
     import dataclasses
-    import time
 
     from .quantize import ClassStats, QuantReport
 
@@ -300,11 +390,12 @@ def cached_quantize(source_path: str, files: list[str], family: str, fmt: str, r
     stale = _stale(folder, name, fmt)
     found = lookup(folder, name)
     if found is not None:
-        sd, rec = read(found, key, fmt, recipe["source"], progress)
+        how: dict = {}
+        sd, rec = read(found, key, fmt, recipe["source"], progress, verified=how)
         report = QuantReport(family, fmt, recipe["source"])
         report.classes = {c: ClassStats(**v) for c, v in rec.get("classes", {}).items()}
         report.cache = {"state": "hit", "file": found, "key": key[:16], "seconds": round(time.monotonic() - t0, 3),
-                        "stale": stale}
+                        "verified": how["by"], "stamp": how["stamp"], "stale": stale}
         return sd, report
     sd, report = quantize()
     record = {"version": VERSION, "key": key, "format": fmt, "family": family, "recipe": recipe["source"],

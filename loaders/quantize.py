@@ -331,6 +331,9 @@ class QuantReport(Report):
         c = self.cache
         if c:
             out += f"; cache {c['state']}: {os.path.basename(c['file'])}"
+            if c.get("verified"):
+                out += (" (verified: every byte hashed)" if c["verified"] == "digest" else
+                        " (verified: unchanged since its full verification, stamp)")
             if c.get("why"):
                 out += f" ({c['why']})"
             if c.get("stale"):

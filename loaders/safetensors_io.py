@@ -258,6 +258,16 @@ class SafeFile:
             raise CheckpointError(f"{where}: the file changed since its header was validated; load it again")
         return mmap.mmap(fh.fileno(), self._size, access=mmap.ACCESS_COPY)
 
+    def stat(self) -> os.stat_result:
+        """``fstat`` of the validated handle (the file these tensors come from, never the name looked up again)."""
+        if self._fh is not None:
+            return os.fstat(self._fh.fileno())
+        fh = self._reopen()
+        try:
+            return os.fstat(fh.fileno())
+        finally:
+            fh.close()
+
     def view(self, mm: mmap.mmap, name: str) -> torch.Tensor:
         """Tensor ``name`` as a view of ``mm`` (from :meth:`map`): no copy; it keeps the map alive."""
         ti = self.info(name)

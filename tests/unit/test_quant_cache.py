@@ -7,8 +7,10 @@ written file re-hashed here with hashlib."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -315,3 +317,190 @@ def test_hash_workers_bounds(monkeypatch):
     monkeypatch.setattr(C.os, "sched_getaffinity", boom, raising=False)
     monkeypatch.setattr(C.os, "cpu_count", lambda: None)
     assert C.hash_workers() == 1
+
+
+# ------------------------------------------------------------------------------------------- verification stamp
+
+def _aged(monkeypatch, by=10.0):
+    """The clock ``by`` seconds ahead: the cache file counts as changed long ago (the stamp's age rule)."""
+    real = C.time.time
+    monkeypatch.setattr(C.time, "time", lambda: real() + by)
+
+
+def _no_hash(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("hashed")
+    monkeypatch.setattr(C, "digest_of", boom)
+
+
+def _stamp_path(rep):
+    return rep.cache["file"] + C.STAMP_SUFFIX
+
+
+def test_stamp_skips_the_hash_of_an_unchanged_file_with_the_same_bits(source, monkeypatch):
+    _aged(monkeypatch)
+    sd0, rep0 = _load(source)
+    assert rep0.cache["state"] == "written" and not os.path.exists(_stamp_path(rep0))
+    sd1, rep1 = _load(source)
+    assert (rep1.cache["verified"], rep1.cache["stamp"]) == ("digest", "written")
+    st = os.stat(rep1.cache["file"])
+    rec = json.loads(open(_stamp_path(rep1), "rb").read())
+    assert rec == {C.STAMP_KEY: 1, "file": os.path.basename(rep1.cache["file"]), "digest": rec["digest"],
+                   "identity": [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]}
+    hdr = read_header(rep1.cache["file"])
+    with open(rep1.cache["file"], "rb") as f:
+        f.seek(8 + hdr.header_len + hdr.tensors[C.DIGEST_KEY].begin)
+        assert rec["digest"] == f.read(32).hex()
+    _no_hash(monkeypatch)
+    calls = []
+    sd2, rep2 = _load(source, calls=calls)
+    assert (rep2.cache["verified"], rep2.cache["stamp"]) == ("stamp", "kept") and calls == []
+    assert "unchanged since its full verification" in rep2.summary()
+    _same(sd2, sd0)
+
+
+@pytest.mark.parametrize("change", ["one byte", "touch", "chmod", "renamed over"])
+def test_any_change_after_the_stamp_is_hashed_again(source, monkeypatch, change):
+    """Every change sets ctime: the stamp no longer matches, the file is hashed (a changed byte is refused; a
+    touch / chmod leaves the bytes, which verify, and a new stamp replaces ditkit's old one)."""
+    _aged(monkeypatch)
+    _load(source)
+    _, rep = _load(source)
+    path = rep.cache["file"]
+    assert rep.cache["stamp"] == "written"
+    time.sleep(0.05)                                   # past the file system's clock tick
+    if change == "one byte":
+        hdr = read_header(path)
+        _tamper_at(path, 8 + hdr.header_len + 5)
+    elif change == "touch":
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))     # mtime put back: ctime still moves
+    elif change == "chmod":
+        os.chmod(path, 0o644 if os.stat(path).st_mode & 0o777 != 0o644 else 0o640)
+    else:
+        shutil.copyfile(path, path + ".x")
+        os.replace(path + ".x", path)
+    hashed = []
+    real = C.digest_of
+    monkeypatch.setattr(C, "digest_of", lambda *a, **k: (hashed.append(1), real(*a, **k))[1])
+    if change == "one byte":
+        with pytest.raises(C.QuantCacheError, match="do not match the digest"):
+            _load(source)
+        assert hashed == [1]
+        return
+    _, rep2 = _load(source)
+    assert hashed == [1] and (rep2.cache["verified"], rep2.cache["stamp"]) == ("digest", "written")
+    _no_hash(monkeypatch)
+    _, rep3 = _load(source)
+    assert rep3.cache["verified"] == "stamp"
+
+
+@pytest.mark.parametrize("age, written", [(C.STAMP_MIN_AGE_S, True), (C.STAMP_MIN_AGE_S - 0.001, False)])
+def test_stamp_age_rule_boundary(source, monkeypatch, age, written):
+    _load(source)
+    path = next(p for p in (str(source.parent / n) for n in os.listdir(source.parent)) if ".ditkit-" in p)
+    ctime = os.stat(path).st_ctime
+    monkeypatch.setattr(C.time, "time", lambda: ctime + age)
+    _, rep = _load(source)
+    assert rep.cache["verified"] == "digest"
+    if written:
+        assert rep.cache["stamp"] == "written" and os.path.exists(_stamp_path(rep))
+    else:
+        assert rep.cache["stamp"].startswith("not written (changed less than 2 s ago)")
+        assert not os.path.exists(_stamp_path(rep))
+
+
+def test_a_just_written_file_is_not_stamped(source):
+    _load(source)
+    _, rep = _load(source)
+    assert rep.cache["verified"] == "digest" and rep.cache["stamp"].startswith("not written (changed less")
+
+
+@pytest.mark.parametrize("bad", ["garbage", "other name", "wrong digest", "wrong identity", "float identity",
+                                 "symlink"])
+def test_a_stamp_that_does_not_match_is_not_trusted(source, monkeypatch, tmp_path, bad):
+    _aged(monkeypatch)
+    _load(source)
+    _, rep = _load(source)
+    path, sp = rep.cache["file"], _stamp_path(rep)
+    rec = json.loads(open(sp, "rb").read())
+    os.unlink(sp)
+    if bad == "garbage":
+        open(sp, "wb").write(b"{not json")
+    elif bad == "symlink":
+        (tmp_path / "elsewhere.json").write_text(json.dumps(rec))
+        os.symlink(tmp_path / "elsewhere.json", sp)
+    else:
+        if bad == "other name":
+            rec["file"] = "x.safetensors"
+        elif bad == "wrong digest":
+            rec["digest"] = "00" * 32
+        elif bad == "wrong identity":
+            rec["identity"][2] += 1
+        else:
+            rec["identity"][0] = float(rec["identity"][0])
+        open(sp, "w").write(json.dumps(rec))
+    assert C.read_stamp(path) is None or bad == "wrong digest" or bad == "wrong identity"
+    hashed = []
+    real = C.digest_of
+    monkeypatch.setattr(C, "digest_of", lambda *a, **k: (hashed.append(1), real(*a, **k))[1])
+    _, rep2 = _load(source)
+    assert hashed == [1] and rep2.cache["verified"] == "digest"
+    if bad in ("garbage", "other name", "symlink"):          # not ditkit's stamp for this name: never replaced
+        assert rep2.cache["stamp"].startswith("not written")
+    else:
+        assert rep2.cache["stamp"] == "written"
+
+
+def test_no_stamps_where_ctime_is_not_the_change_time(source, monkeypatch):
+    _aged(monkeypatch)
+    monkeypatch.setattr(C, "stamps_supported", lambda: False)
+    _load(source)
+    _load(source)
+    _, rep = _load(source)
+    assert (rep.cache["verified"], rep.cache["stamp"]) == ("digest", "not supported on this system")
+    assert not os.path.exists(_stamp_path(rep))
+
+
+def test_stamps_supported_on_posix_only(monkeypatch):
+    monkeypatch.setattr(C.os, "name", "posix")
+    assert C.stamps_supported() is True
+    monkeypatch.setattr(C.os, "name", "nt")
+    assert C.stamps_supported() is False
+
+
+def test_a_file_changed_while_hashed_is_not_stamped(source, monkeypatch):
+    _aged(monkeypatch)
+    _load(source)
+    real = C.digest_of
+    holder = {}
+
+    def change(*a, **k):
+        time.sleep(0.05)
+        p = holder["path"]
+        os.chmod(p, os.stat(p).st_mode ^ 0o020)
+        return real(*a, **k)
+
+    holder["path"] = next(str(source.parent / n) for n in os.listdir(source.parent) if ".ditkit-" in n)
+    monkeypatch.setattr(C, "digest_of", change)
+    _, rep = _load(source)
+    assert rep.cache["stamp"] == "not written (the file changed while it was hashed)"
+
+
+def test_stamp_helpers_directly(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"abc")
+    st = os.stat(p)
+    assert C.file_identity(st) == [st.st_dev, st.st_ino, 3, st.st_mtime_ns, st.st_ctime_ns]
+    b = C.stamp_bytes("f.bin", st, b"\x01" * 32)
+    assert json.loads(b) == {C.STAMP_KEY: 1, "file": "f.bin", "identity": C.file_identity(st), "digest": "01" * 32}
+    assert C.read_stamp(str(p)) is None
+    assert C.write_stamp(str(p), st, b"\x01" * 32) == "written"
+    assert C.read_stamp(str(p)) == json.loads(b)
+    assert C.write_stamp(str(p), st, b"\x02" * 32) == "written"            # ditkit's own stamp is replaced
+    assert C.read_stamp(str(p))["digest"] == "02" * 32
+    (tmp_path / "g.bin.verified").write_text("not a stamp")
+    assert C.write_stamp(str(tmp_path / "g.bin"), st, b"\x01" * 32).startswith("not written")
+    assert (tmp_path / "g.bin.verified").read_text() == "not a stamp"
+    (tmp_path / "h.bin.verified").write_bytes(b"x" * 5000)                  # over the size bound: not read
+    assert C.read_stamp(str(tmp_path / "h.bin")) is None

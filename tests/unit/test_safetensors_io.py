@@ -417,3 +417,25 @@ def test_map_refuses_a_file_whose_size_changed(tmp_path):
             f.map()
     finally:
         f.close()
+
+
+def test_stat_is_the_validated_handle_not_the_name(tmp_path):
+    p = tmp_path / "m.safetensors"
+    st.save_file({"a": torch.ones(8)}, str(p))
+    f = sio.SafeFile(p)
+    try:
+        s0 = os.stat(p)
+        got = f.stat()
+        assert (got.st_dev, got.st_ino, got.st_size) == (s0.st_dev, s0.st_ino, s0.st_size)
+        os.rename(p, tmp_path / "moved.safetensors")          # another file under the name: still the opened one
+        st.save_file({"a": torch.ones(4)}, str(p))
+        assert f.stat().st_ino == s0.st_ino
+    finally:
+        f.close()
+    g = sio.SafeFile(tmp_path / "moved.safetensors")
+    g.close()
+    assert g.stat().st_ino == s0.st_ino                        # closed: reopened and checked to be the same file
+    os.unlink(tmp_path / "moved.safetensors")
+    st.save_file({"a": torch.ones(2)}, str(tmp_path / "moved.safetensors"))
+    with pytest.raises(CheckpointError, match="changed since its header was validated"):
+        g.stat()
