@@ -232,7 +232,9 @@ def child(mode: str, path: str, comfyui: str, warm: str) -> None:
     torch.set_num_threads(int(os.environ.get("DITKIT_BENCH_THREADS", "1")))
     convert = mode.startswith("convert:")
     stock_cq = mode.startswith("cq:")                 # a stock comfy_quant load: UNETLoader's path on a quantized file
-    cached = mode.startswith("cache:") or mode.startswith("cachewrite:")
+    cached = mode.startswith(("cache:", "cachewrite:", "cacheverify:"))
+    if mode.startswith("cacheverify:"):             # its stamp gone: this load hashes every byte of the cache file
+        drop_stamps(path, mode.split(":", 1)[1])
     family, _, fam_fmt = mode.partition(":")
     if family not in FAMILY_MODES:
         family = None
@@ -277,6 +279,7 @@ def child(mode: str, path: str, comfyui: str, warm: str) -> None:
         return h3_loaders.load_h3_model(path, weight_format=mode)[0]
 
     m, growth, before, seconds = peak_during(load)
+    touch = 0.0
     if convert:
         resident = 0
         os.unlink(os.path.join(out_dir, "out.safetensors"))
@@ -284,11 +287,54 @@ def child(mode: str, path: str, comfyui: str, warm: str) -> None:
     else:
         sd = m.model.diffusion_model.state_dict()
         resident = sum(t.numel() * t.element_size() for t in sd.values())
+        touch = touch_pages(sd.values())
     out = {"mode": mode, "peak_growth": growth, "before": before, "resident": resident, "seconds": seconds,
-           "threads": torch.get_num_threads()}
+           "touch_seconds": touch, "threads": torch.get_num_threads()}
     if family:
         out["host_recast"] = host_recast(sd, path)
     print(json.dumps(out))
+
+
+def touch_pages(tensors) -> float:
+    """Seconds to read one byte of every 4 KiB page of the loaded weights: 0-ish where the loader materialized them,
+    the page faults (and, cold, the disk reads) a lazily mapped load defers to the model's first use."""
+    import time
+
+    import torch
+
+    t0 = time.perf_counter()
+    for t in tensors:
+        if not t.numel():
+            continue
+        t = t.detach()
+        t = getattr(t, "_qdata", t)                  # a host QuantizedTensor: its stored data
+        if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor:
+            t = t.as_subclass(torch.Tensor)
+        b = t.contiguous().reshape(-1).view(torch.uint8)
+        int(b[::4096].sum())
+    return time.perf_counter() - t0
+
+
+def drop_stamps(path: str, fmt: str) -> None:
+    """Remove the quantized cache's verification stamps of format ``fmt`` next to ``path`` (stamps are ditkit's
+    own files; removing one only makes the next read hash the cache file in full)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    for n in os.listdir(folder):
+        if f".ditkit-{fmt}-" in n and n.endswith(".verified"):
+            os.unlink(os.path.join(folder, n))
+
+
+def evict(path: Path) -> None:
+    """Drop ``path``'s pages (a file, or every file of a folder) from the page cache (``POSIX_FADV_DONTNEED``):
+    the next load reads the disk, as the first load after a reboot does."""
+    files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def host_recast(sd, path: str) -> int:
@@ -332,7 +378,9 @@ def mode_name(m: str) -> str:
     if m.startswith("cq:"):
         return f"stock UNETLoader of a comfy_quant {m[3:]} file (the converter's)"
     if m.startswith("cache:"):
-        return f"ditkit {m[6:]} from its quantized cache (2nd load)"
+        return f"ditkit {m[6:]} from its quantized cache (verified before, stamp)"
+    if m.startswith("cacheverify:"):
+        return f"ditkit {m[12:]} from its quantized cache (every byte hashed)"
     return f"ditkit {m} (official shards)"
 
 
@@ -340,7 +388,8 @@ CACHE_FORMATS = ("float8_e4m3fn", "nvfp4")
 
 
 def rss_table(label: str, case: str, official: Path, comfy_file: Path, comfyui: str, python: str, repeats: int,
-              warm: Path, rows, jobs: int = 1, cache: bool = False, convert: bool = True) -> list[str]:
+              warm: Path, rows, jobs: int = 1, cache: bool = False, convert: bool = True,
+              cold: bool = False) -> list[str]:
     from benchmarks._harness import ratio_stats, stats
     from ditkit.loaders.safetensors_io import read_header
 
@@ -358,11 +407,15 @@ def rss_table(label: str, case: str, official: Path, comfy_file: Path, comfyui: 
                 run_convert(str(official), str(cq_files[f]), f, hash_sources=False, log=lambda *a: None)
             r = run_child(f"cachewrite:{f}", official, comfyui, python, warm)
             print(f"  cache written ({f}): {json.dumps(r)}", file=sys.stderr, flush=True)
-        modes += [m for f in CACHE_FORMATS for m in (f"cq:{f}", f"cache:{f}")]
+        modes += [m for f in CACHE_FORMATS for m in (f"cq:{f}", f"cacheverify:{f}", f"cache:{f}")]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for rnd in range(repeats):                    # interleaved: stock, fmt1, ..., stock, fmt1, ...
         def one(m):
             path = comfy_file if m == "stock" else cq_files[m[3:]] if m.startswith("cq:") else official
+            if cold:                              # every file the load may read, evicted before it
+                evict(path)
+                for f in cq_files.values():
+                    evict(f)
             return run_child(m, path, comfyui, python, warm)
 
         if jobs > 1:                              # a round's children side by side (peak RSS is per process)
@@ -382,16 +435,21 @@ def rss_table(label: str, case: str, official: Path, comfy_file: Path, comfyui: 
                                                      if jobs > 1 else ""),
            "| path | resident after load | peak RSS growth median (min-max) | target (resident + 2 largest) | "
            "peak / stock median (min-max) | load s median (min-max) | time / stock fp8 cast median (min-max) | "
-           "MB/s of source |", "|---|---|---|---|---|---|---|---|"]
+           "MB/s of source | load + touch every page s median (min-max) | (load + touch) / base median (min-max) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     stock = [r["peak_growth"] for r in runs["stock"]]
-    stock_t = [r["seconds"] for r in runs["stock"]]
     for m in modes:
         peaks = [r["peak_growth"] for r in runs[m]]
         res = runs[m][0]["resident"]
         st = stats(peaks)
         rs = ratio_stats(peaks, stock)
         ts = stats(r["seconds"] for r in runs[m])
-        base_t = [r["seconds"] for r in runs[f"cq:{m[6:]}"]] if m.startswith("cache:") else stock_t
+        cache_fmt = m.split(":", 1)[1] if m.startswith(("cache:", "cacheverify:")) else None
+        base_runs = runs[f"cq:{cache_fmt}"] if cache_fmt else runs["stock"]
+        base_t = [r["seconds"] for r in base_runs]
+        lt = [r["seconds"] + r.get("touch_seconds", 0.0) for r in runs[m]]
+        lts = stats(lt)
+        ltr = ratio_stats(lt, [r["seconds"] + r.get("touch_seconds", 0.0) for r in base_runs])
         tr = ratio_stats([r["seconds"] for r in runs[m]], base_t)
         mbs = src_bytes / ts["median"] / 1e6
         target = res + sum(largest)
@@ -406,12 +464,15 @@ def rss_table(label: str, case: str, official: Path, comfy_file: Path, comfyui: 
         rows.add_stats(key, "time_over_base", tr, note="cache: over the stock comfy_quant load of the same format; "
                                                           "else over the stock fp8 cast")
         rows.add(key, "source_mb_per_s", mbs, "MB/s")
-        base = "comfy_quant" if m.startswith("cache:") else ""
+        rows.add_stats(key, "load_touch_seconds", lts, "s", note="load + one byte read from every page of the weights")
+        rows.add_stats(key, "load_touch_over_base", ltr)
+        base = "comfy_quant" if cache_fmt else ""
         out.append(f"| {mode_name(m)} | {res / 2**20:.1f} MiB | {st['median'] / 2**20:.1f} ({st['min'] / 2**20:.1f}-"
                    f"{st['max'] / 2**20:.1f}) MiB | {target / 2**20:.1f} MiB {'met' if met else 'NOT met'} | "
                    f"{rs['median']:.2f} ({rs['min']:.2f}-{rs['max']:.2f}) | {ts['median']:.2f} ({ts['min']:.2f}-"
                    f"{ts['max']:.2f}) | {tr['median']:.2f} ({tr['min']:.2f}-{tr['max']:.2f}){' vs ' + base if base else ''}"
-                   f" | {mbs:.0f} |")
+                   f" | {mbs:.0f} | {lts['median']:.2f} ({lts['min']:.2f}-{lts['max']:.2f}) | {ltr['median']:.2f} "
+                   f"({ltr['min']:.2f}-{ltr['max']:.2f}) |")
     return out
 
 
@@ -453,6 +514,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-convert", action="store_true", help="leave the converter out of the rounds")
     ap.add_argument("--cache", action="store_true", help="also the quantized cache's 2nd load vs a stock comfy_quant "
                                                         f"load of the same weights ({', '.join(CACHE_FORMATS)})")
+    ap.add_argument("--cold", action="store_true", help="drop the source / cache files from the page cache before "
+                                                       "every load (POSIX_FADV_DONTNEED): disk-speed loads")
     ap.add_argument("--error-on-scaled", action="store_true",
                     help="part 2 on the scaled-up model (default: the tiny one; same random-weight statistics)")
     add_rows_argument(ap)
@@ -505,7 +568,7 @@ def main(argv=None) -> int:
         print()
         print("\n".join(rss_table(f"scaled-up H3 ({cfg['num_layers']} blocks, hidden 1024)", "scaled", b_off, b_comfy,
                                   comfyui, python, a.repeats, t_comfy, rows, a.jobs, a.cache,
-                                  not a.no_convert)), flush=True)
+                                  not a.no_convert, a.cold)), flush=True)
     return 0
 
 
