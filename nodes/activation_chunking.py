@@ -5,7 +5,6 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..bridge import chunking as bridge
-from ..bridge.contract import require
 from ..bridge.models import model_family
 from ..errors import UnsupportedModelError
 from ..memory.chunking import ROW_ALIGN, check_chunk
@@ -45,7 +44,6 @@ class DitKitActivationChunking(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, chunk_tokens=0, attention_heads_per_call=0) -> io.NodeOutput:
-        require(NODE_ID)
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 0:
             raise UnsupportedModelError(f"{NODE_ID}: chunk_tokens must be 0 (auto) or a positive number of tokens, "
                                         f"got {chunk_tokens!r}")

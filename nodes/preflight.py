@@ -8,7 +8,6 @@ import time
 from comfy_api.latest import io
 
 from ..bridge import preflight as bridge
-from ..bridge.contract import require
 from ..memory.model import MemoryModelError
 from ._common import report_target, send_report, ui_report
 
@@ -47,7 +46,6 @@ class DitKitPreflight(io.ComfyNode):
     @classmethod
     def execute(cls, model, latent, limit_gib=0.0, text_tokens=512) -> io.NodeOutput:
         t0 = time.perf_counter()
-        require(NODE_ID)
         if isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 0:
             raise MemoryModelError(f"{NODE_ID}: text_tokens must be an int >= 0, got {text_tokens!r}")
         if not isinstance(latent, dict) or "samples" not in latent:
