@@ -1,5 +1,6 @@
 """Weight quantization into ComfyUI's native ``comfy_quant`` formats: pure-torch references, a Triton kernel for
-the per-tensor formats, and the small dequantize / requantize helpers LoRA-style adapters need.
+the per-tensor formats (the block formats' kernels are in :mod:`.quant_triton`), and the small dequantize /
+requantize helpers LoRA-style adapters need.
 
 Formats (the names are the keys of ComfyUI's ``comfy/quant_ops.py`` ``QUANT_ALGOS``; what one checkpoint layer
 holds is what ComfyUI's ``comfy/ops.py`` ``_load_quantized_module`` reads and ``_quantized_weight_state_dict``
@@ -230,14 +231,7 @@ def _mxfp8_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch
     rounding are monotonic, so no element of a block exceeds its amax's quotient); the bits are the same."""
     rows, cols = x.shape
     f, amax = _blocks_f32(x, 32)
-    need = torch.clamp(amax.float() / FP8_E4M3_MAX, min=2.0 ** -127)
-    e = torch.clamp(torch.ceil(torch.log2(need)).to(torch.int32) + 127, 0, 254)
-    e8 = e.to(torch.uint8)
-    s = torch.where(e == 0, torch.zeros_like(e), e << 23).view(torch.float32)
-    zero = amax == 0
-    any_zero = bool(zero.any())
-    if any_zero:
-        s = torch.where(zero, torch.ones_like(s), s)
+    e8, s, zero, any_zero = _mxfp8_block_scales(amax)
     d = f.div_(s.unsqueeze(-1))
     if any_zero:
         d.masked_fill_(zero.unsqueeze(-1), 0.0)
@@ -247,7 +241,24 @@ def _mxfp8_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch
         out = d.reshape(rows, cols).to(torch.float8_e4m3fn)
     else:
         out.copy_(d.reshape(rows, cols))
-    return out, (torch.where(zero, torch.zeros_like(e8), e8) if any_zero else e8)
+    return out, e8
+
+
+def _mxfp8_block_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """The host's mxfp8 scale step on the float32 block amaxes: ``(stored uint8 E8M0 exponents (0 for an all-zero
+    block), the float32 divisor per block (1.0 for an all-zero block), the all-zero mask, whether any block is
+    all zero)``. Shared by the reference and the Triton path, so both run the same torch operations (the
+    ``ceil(log2(.))`` here is torch's ``log2``, which is not the exact ceiling near powers of two: the host's)."""
+    need = torch.clamp(amax.float() / FP8_E4M3_MAX, min=2.0 ** -127)
+    e = torch.clamp(torch.ceil(torch.log2(need)).to(torch.int32) + 127, 0, 254)
+    e8 = e.to(torch.uint8)
+    s = torch.where(e == 0, torch.zeros_like(e), e << 23).view(torch.float32)
+    zero = amax == 0
+    any_zero = bool(zero.any())
+    if any_zero:
+        s = torch.where(zero, torch.ones_like(s), s)
+        e8 = torch.where(zero, torch.zeros_like(e8), e8)
+    return e8, s, zero, any_zero
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
@@ -317,17 +328,7 @@ def _nvfp4_rows(x: torch.Tensor, s2: torch.Tensor, finite: bool = False,
     as the one-shot ops)."""
     rows, cols = x.shape
     f, amax = _blocks_f32(x, 16)
-    bs = amax / FP4_E2M1_MAX
-    sbs = torch.clamp(bs / s2, max=FP8_E4M3_MAX)
-    sbs8 = sbs.to(torch.float8_e4m3fn)         # once: the stored block scales and the divisor's factor
-    if sbs8.device.type == "cpu":
-        total = torch.empty(sbs8.shape, dtype=torch.float32)
-        _to_f32(sbs8, total)
-        total.mul_(s2)                          # s2 * x == x * s2 (float32 multiplication commutes)
-    else:
-        total = s2 * sbs8.to(torch.float32)
-    zero = total == 0
-    any_zero = bool(zero.any())
+    sbs8, total, zero, any_zero = _nvfp4_block_scales(amax, s2)
     d = f.div_((torch.where(zero, torch.ones_like(total), total) if any_zero else total).unsqueeze(-1))
     if any_zero:
         d.masked_fill_(zero.unsqueeze(-1), 0.0)
@@ -420,13 +421,31 @@ def _fused_cast_ok(src: torch.dtype, dst: torch.dtype) -> bool:
     return _FUSED_CAST[key]
 
 
+def _nvfp4_block_scales(amax: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """The host's nvfp4 scale step on the float32 block amaxes: ``(stored fp8 block scales, the float32 divisor
+    per block ``s2 * scale``, the mask of blocks whose divisor is 0, whether any is)``; shared by the reference and
+    the Triton path."""
+    bs = amax / FP4_E2M1_MAX
+    sbs = torch.clamp(bs / s2, max=FP8_E4M3_MAX)
+    sbs8 = sbs.to(torch.float8_e4m3fn)         # once: the stored block scales and the divisor's factor
+    if sbs8.device.type == "cpu":
+        total = torch.empty(sbs8.shape, dtype=torch.float32)
+        _to_f32(sbs8, total)
+        total.mul_(s2)                          # s2 * x == x * s2 (float32 multiplication commutes)
+    else:
+        total = s2 * sbs8.to(torch.float32)
+    zero = total == 0
+    return sbs8, total, zero, bool(zero.any())
+
+
 def quantize(w: torch.Tensor, fmt: str, backend: str = "reference",
              empty: Callable[..., torch.Tensor] | None = None,
              release: Callable[[], object] | None = None, error: ErrorSample | None = None,
              finite: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A 2-D float weight -> (``weight`` data, ``{"weight_scale": ..., ["weight_scale_2": ...]}``), exactly what
     ComfyUI's layout quantize produces (see the module doc). ``backend="triton"`` runs the per-tensor formats'
-    elementwise step in the Triton kernel (same bits); the block formats are reference-only.
+    elementwise step in the Triton kernel, and mxfp8 / nvfp4 run the block kernels of :mod:`.quant_triton` (same bits;
+    the block kernels refuse a non-finite weight).
 
     Rows are processed in slices of about ``CHUNK_ELEMS`` elements (the per-tensor scale is taken over the whole
     weight first, from one ``aminmax`` pass; every later step is per element or per row block) and written into the
@@ -448,9 +467,9 @@ def quantize(w: torch.Tensor, fmt: str, backend: str = "reference",
     rows, cols = w.shape
     if error is not None:
         error.total_rows += rows
+    if backend == "triton" and fmt in ("mxfp8", "nvfp4"):
+        return _quantize_blocks_triton(w, fmt, empty, error)
     if backend == "triton":
-        if fmt not in ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise"):
-            raise ValueError(f"{fmt}: no Triton kernel (block formats run the reference)")
         amax = _amax_abs(w)
         if finite and not bool(torch.isfinite(amax)):
             raise NonFiniteWeight(f"{fmt}: the weight holds NaN or Inf values")
@@ -525,6 +544,36 @@ def quantize(w: torch.Tensor, fmt: str, backend: str = "reference",
     blocked = make(tuple(b.shape), b.dtype)
     blocked.copy_(b)
     del b
+    if fmt == "mxfp8":
+        return data, {"weight_scale": blocked.view(torch.float8_e8m0fnu)}
+    return data, {"weight_scale": blocked, "weight_scale_2": s2}
+
+
+def _quantize_blocks_triton(w: torch.Tensor, fmt: str, empty: Callable[..., torch.Tensor] | None,
+                            error: ErrorSample | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`quantize` of a block format through the Triton kernels (:mod:`.quant_triton`): the whole weight in
+    one launch pair, the same bits as the reference. Non-finite weights are refused (see that module)."""
+    from . import quant_triton
+
+    amax = _amax_abs(w)
+    if not bool(torch.isfinite(amax)):
+        raise NonFiniteWeight(f"{fmt}: the weight holds NaN or Inf values (the Triton path quantizes finite "
+                              "weights only)")
+    s2 = per_tensor_scale(w, fmt, amax) if fmt == "nvfp4" else None
+    rows, cols = w.shape
+    shape, dtype = storage_layout((rows, cols), fmt)["weight"]
+    data = empty(shape, dtype) if empty is not None else None
+    data, sc = quant_triton.quantize_blocks(w, fmt, s2, out=data)
+    if error is not None:
+        step = _row_step(cols)
+        for i, r0 in enumerate(range(0, rows, step)):
+            if i % error.every == 0:
+                r1 = min(rows, r0 + step)
+                _add_error(error, _dequant_slice(fmt, data[r0:r1], sc[r0:r1], s2)[:, :cols], w[r0:r1])
+    b = to_blocked(sc)
+    blocked = empty(tuple(b.shape), b.dtype) if empty is not None else b
+    if blocked is not b:
+        blocked.copy_(b)
     if fmt == "mxfp8":
         return data, {"weight_scale": blocked.view(torch.float8_e8m0fnu)}
     return data, {"weight_scale": blocked, "weight_scale_2": s2}

@@ -401,8 +401,9 @@ def quantize_stream(items: Iterator[tuple[str, torch.Tensor]], plan: QuantPlan, 
     next). ``measure_error``: one of :data:`ERROR_MODES` (the error is measured while quantizing, no second
     pass). ``progress(done, total, bytes_in)`` after each source tensor (``bytes_in``: source bytes so far).
     ``device`` (a CUDA device): each weight to quantize goes there through one page-locked staging buffer, is
-    quantized there (the per-tensor formats by the Triton kernel, the block formats by the same torch operations as
-    on the CPU) and its results come back into host memory; the kept tensors stay on the host either way.
+    quantized there by the Triton kernels of its format (``kernels/quant.py`` per-tensor, ``kernels/quant_triton.py``
+    mxfp8 / nvfp4; the reference's torch operations where Triton is missing) and its results come back into host
+    memory; the kept tensors stay on the host either way.
     ``benchmarks/gpu_check.py`` section ``quant_load`` checks it bit for bit against the CPU path (not yet run on a
     GPU)."""
     every = _error_every(measure_error)
@@ -434,7 +435,7 @@ def quantize_stream(items: Iterator[tuple[str, torch.Tensor]], plan: QuantPlan, 
         try:
             if staging is not None:
                 td = staging.to_device(t, dev)
-                backend = "triton" if (Q.HAS_TRITON and Q.get_format(plan.fmt).block == 0) else "reference"
+                backend = "triton" if Q.HAS_TRITON else "reference"     # every format has its kernel
                 data, scales = Q.quantize(td, plan.fmt, backend=backend, error=err, finite=True)
                 del td
                 data, scales = _to_host(data), {k: _to_host(v) for k, v in scales.items()}

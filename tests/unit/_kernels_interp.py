@@ -14,7 +14,7 @@ import torch
 ON_GPU = torch.cuda.is_available()
 
 _MODS = ("ditkit.kernels._triton", "ditkit.kernels.tile_pack", "ditkit.kernels.block_sparse", "ditkit.kernels.vsa",
-         "ditkit.kernels.delta_fuse", "ditkit.kernels.quant",
+         "ditkit.kernels.delta_fuse", "ditkit.kernels.quant", "ditkit.kernels.quant_triton",
          "ditkit.kernels")
 
 
