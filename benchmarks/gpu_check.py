@@ -220,6 +220,11 @@ def plan_section(name: str, c: dict, mode: str) -> list[dict]:
         for kind in ("dense", "kron"):
             add(f"delta_fuse rounding step ({kind}): bit-exact vs round(scale*dW) then add", "W [96, 80]", "fp16,bf16",
                 "GPU-only difference: the interpreter's bf16 cast is not round-to-nearest")
+        for fmt in ("mxfp8", "nvfp4"):
+            add(f"{fmt} block kernels (triton) == CPU reference, every byte", "W [300, 200] + edge blocks",
+                "fp16,bf16,fp32", "GPU-only differences: div_rn, denormals, CUDA log2")
+        add("ceil(log2) of float32 near powers of two: device == CPU", "254 exponents x 65536 mantissas", "fp32",
+            "INFO: whether the host's mxfp8 exponents depend on the device")
     elif name == "int64":
         g = h3_geometry(c["prefix"], c["video"])
         H, D, es = c["heads"], c["head_dim"], elsize(c["dtype"])
@@ -533,6 +538,52 @@ def delta_fuse_rounding(ctx: Ctx, sec: str) -> None:
                         equals_unrounded=bool(torch.equal(got, alt)))
 
 
+def quant_block_bits(ctx: Ctx, sec: str) -> None:
+    """Bit-level expectation of the block formats' Triton kernels (``kernels/quant_triton.py``) on the device:
+    every byte of the data and of the block scales equal to the CPU reference (``kernels/quant.py``, itself equal
+    to the host's layout quantize). GPU-only differences this catches: the nvfp4 division (``tl.div_rn``; Triton's
+    ``/`` on float32 may be approximate), denormal flushing, and the torch ``log2`` the mxfp8 exponent uses (on the
+    device it is CUDA's). The weights hold random rows plus blocks at every e2m1 threshold, all-zero and
+    negative-zero blocks, and tiny blocks. A second line counts the float32 values where the device's
+    ``ceil(log2(.))`` differs from the CPU's (16.6 M values near powers of two): nonzero means the host's own
+    mxfp8 quantize gives different exponents on the GPU and on the CPU for those block maxima (INFO)."""
+    import torch
+
+    from ditkit.kernels import quant as Q
+
+    dev = ctx.device
+    for fmt in ("mxfp8", "nvfp4"):
+        for dname in ("float16", "bfloat16", "float32"):
+            dt, dts = getattr(torch, dname), dtype_short(dname)
+            check = f"{fmt} block kernels (triton) == CPU reference, every byte"
+            with ctx.guard(sec, check, "W [300, 200] + edge blocks", dts):
+                gen = torch.Generator(device="cpu").manual_seed(11 + len(dname))
+                w = torch.randn(300, 200, generator=gen) * 0.05
+                w[0, :32] = 0.0
+                w[1, :32] = -0.0
+                w[2, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * 1e-2
+                w[3, :32] = 1e-6
+                w = w.to(dt)
+                ref, rs = Q.quantize(w, fmt)
+                got, gs = Q.quantize(w.to(dev), fmt, backend="triton")
+                bad = int((got.cpu().view(torch.uint8) != ref.view(torch.uint8)).sum())
+                bad_s = sum(int((gs[k].cpu().reshape(-1).view(torch.uint8) != rs[k].reshape(-1).view(torch.uint8))
+                                .sum()) for k in rs)
+                ctx.add(sec, check, "PASS" if bad == bad_s == 0 else "FAIL", "W [300, 200] + edge blocks", dts,
+                        target="torch.equal of the bits", data_mismatches=bad, scale_mismatches=bad_s)
+    check = "ceil(log2) of float32 near powers of two: device == CPU"
+    with ctx.guard(sec, check, "254 exponents x 65536 mantissas", "fp32"):
+        e = torch.arange(1, 255, dtype=torch.int64)[:, None] << 23
+        b = (e | torch.arange(0, 1 << 16, dtype=torch.int64)[None, :]).reshape(-1).to(torch.int32)
+        v = b.view(torch.float32)
+        cpu = torch.ceil(torch.log2(v))
+        on = torch.ceil(torch.log2(v.to(dev))).cpu()
+        n = int((cpu != on).sum())
+        ctx.add(sec, check, "INFO" if ctx.cuda else "SKIP", "254 exponents x 65536 mantissas", "fp32",
+                note=("the host's mxfp8 exponents differ between devices for these block maxima" if n else
+                      "same on both") if ctx.cuda else "CPU run: nothing to compare", differing_values=n)
+
+
 def sec_kernels(ctx: Ctx, c: dict) -> None:
     import torch
 
@@ -551,6 +602,7 @@ def sec_kernels(ctx: Ctx, c: dict) -> None:
             f"S{lay.seq_len} tiles {lay.num_prefix_tiles}+{lay.num_video_tiles}", "",
             ragged_tiles=int((lay.sizes < TILE).sum()), expected_tiles=g["T"])
     delta_fuse_rounding(ctx, sec)
+    quant_block_bits(ctx, sec)
     lay_d = lay.to(dev)
     tid = (lay_d.untile_index // TILE)
     T, S, B, H = lay.n_tiles, lay.seq_len, c["batch"], c["heads"]

@@ -187,3 +187,21 @@ def test_bench_vsa_overhead_smoke(tmp_path):
         rows.positive(case, "old_us")
         rows.positive(case, "new_us")
         _ratio_row(rows, case, "old_over_new")
+
+
+def test_bench_quant_triton_cpu_smoke(tmp_path):
+    """The device-quantize benchmark through its --device cpu smoke mode (Triton interpreter): a row per figure,
+    the bits equal for every format; its refusal without CUDA."""
+    pytest.importorskip("triton")
+    proc, rows = _run(tmp_path, "bench_quant_triton.py", "--device", "cpu", "--shape", "40,96", "--reps", "2")
+    for fmt in ("float8_e4m3fn", "int8_tensorwise", "mxfp8", "nvfp4"):
+        case = f"40x96 bfloat16 on cpu {fmt}"
+        assert rows.value(case, "bits_equal") is True
+        r = rows.row(case, "reference_over_triton")
+        assert r["n"] == 2 and 0 < r["min"] <= r["value"] <= r["max"] and math.isfinite(r["max"])
+    assert "stand for nothing" in proc.stdout
+    if not torch.cuda.is_available():
+        proc, _ = _run(tmp_path, "bench_quant_triton.py", expect_rc=None)
+        assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr
+    proc, _ = _run(tmp_path, "bench_quant_triton.py", "--device", "cpu", "--shape", "4", expect_rc=None)
+    assert proc.returncode != 0 and "--shape" in proc.stderr

@@ -58,3 +58,38 @@ def test_dropping_the_rounding_step_fails(gc_mod, monkeypatch):
     rows = _rows(gc_mod)
     fp16 = [r for r in rows if r["dtype"] == "fp16"]
     assert fp16 and all(r["result"] == "FAIL" and r["figures"]["equals_unrounded"] for r in fp16), rows
+
+
+def _quant_rows(gc_mod):
+    ctx = gc_mod.Ctx(torch.device("cpu"), "tiny", 240)
+    gc_mod.quant_block_bits(ctx, "kernels")
+    return ctx.rows
+
+
+def test_block_quant_rows_pass_on_the_interpreter(gc_mod):
+    need_triton()
+    rows = _quant_rows(gc_mod)
+    bits = [r for r in rows if "block kernels" in r["check"]]
+    assert len(bits) == 6 and {r["dtype"] for r in bits} == {"fp16", "bf16", "fp32"}, rows
+    assert all(r["result"] == "PASS" and r["figures"]["data_mismatches"] == 0 for r in bits), bits
+    log2 = [r for r in rows if "log2" in r["check"]]
+    assert len(log2) == 1 and log2[0]["result"] == "SKIP" and log2[0]["figures"]["differing_values"] == 0
+
+
+def test_a_wrong_block_kernel_fails_the_row(gc_mod, monkeypatch):
+    """A kernel whose nvfp4 division rounds differently, emulated by flipping the low bit of one data byte."""
+    need_triton()
+    from ditkit.kernels import quant_triton
+
+    real = quant_triton.quantize_blocks
+
+    def off_by_one(w, fmt, s2=None, out=None, **kw):
+        d, s = real(w, fmt, s2, out=out, **kw)
+        if fmt == "nvfp4":
+            d.view(torch.uint8)[5, 3] ^= 1
+        return d, s
+
+    monkeypatch.setattr(quant_triton, "quantize_blocks", off_by_one)
+    rows = [r for r in _quant_rows(gc_mod) if "block kernels" in r["check"]]
+    assert all(r["result"] == ("FAIL" if r["check"].startswith("nvfp4") else "PASS") for r in rows), rows
+    assert all(r["figures"]["data_mismatches"] == 1 for r in rows if r["check"].startswith("nvfp4"))
