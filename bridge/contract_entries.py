@@ -188,7 +188,7 @@ ATTRIBUTES = [
      ("decode", "encode", "throw_exception_if_invalid", "vae_output_dtype", "model_size"),
      "the stock VAE wrapper ditkit returns and calls"),
     ("comfy.sd.CLIPType", TEXT_ENCODERS, ("MINIMAX", "LTXV"), "text-encoder kinds"),
-    ("comfy.model_management", VAE_LOADER + VAE_DECODE + EMPTY_LATENT + ZIMAGE + TEXT_ENCODERS,
+    ("comfy.model_management", VAE_LOADER + VAE_DECODE + EMPTY_LATENT + MODEL_LOADERS + TEXT_ENCODERS,
      ("archive_model_dtypes", "vae_offload_device", "intermediate_device", "get_torch_device",
       "unet_offload_device", "text_encoder_offload_device"), "devices and dtype bookkeeping"),
     ("comfy.supported_models.ZImage", ZIMAGE, ("get_model", "set_inference_dtype", "supported_inference_dtypes"),

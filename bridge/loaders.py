@@ -2,6 +2,7 @@
 ``comfy.quant_ops``): the host builds every model; ditkit reads, checks and (optionally) quantizes the tensors.
 
 * :func:`quant_algos`: the comfy_quant formats this ComfyUI can load (``comfy.quant_ops.QUANT_ALGOS``);
+* :func:`model_load_device`: the device ComfyUI loads models onto (a quantizing load can quantize there);
 * :func:`load_diffusion_model`: ComfyUI's own ``load_diffusion_model_state_dict`` (H3, LTX-2, FLUX.2, stock Z-Image);
 * :func:`zimage_unet_config` / :func:`build_zimage`: a Z-Image of any width (ComfyUI's detector and model config,
   built the way ``load_diffusion_model_state_dict`` builds it, with the widths the file's shapes give).
@@ -20,6 +21,13 @@ def quant_algos() -> dict:
     except Exception:  # noqa: BLE001 - a ComfyUI without quant_ops has no comfy_quant formats
         return {}
     return QUANT_ALGOS
+
+
+def model_load_device():
+    """The torch device ComfyUI loads diffusion models onto (``comfy.model_management.get_torch_device``)."""
+    import comfy.model_management as mm
+
+    return mm.get_torch_device()
 
 
 def load_diffusion_model(sd: dict, model_options: dict | None = None, metadata: dict | None = None):

@@ -292,7 +292,7 @@ def make_plan(family: str, fmt: str, inventory: "OrderedDict[str, tuple[tuple[in
 @dataclass
 class QuantReport(Report):
     KEYS = ("format=fmt", "family", "recipe", "activation_scales", "bytes_in", "bytes_out", "classes", "block_scales",
-            "timing", "cache")
+            "timing", "cache", "quantized_on")
     VALUES = {"activation_scales": lambda r: "none"}   # weight-only: no input_scale is ever written
 
     family: str
@@ -306,6 +306,9 @@ class QuantReport(Report):
     timing: dict = field(default_factory=dict)
     # the write-once cache (loaders/quant_cache.py): {"state": "off" | "hit" | "written" | ..., ...}
     cache: dict = field(default_factory=dict)
+    # where the quantize ran (set by quantize_stream): "cpu" or "<cuda device> (<backend>)"; "" when nothing was
+    # quantized in this load (a cache hit)
+    quantized_on: str = ""
 
     def totals(self) -> tuple[int, int]:
         return (sum(c.bytes_in for c in self.classes.values()), sum(c.bytes_out for c in self.classes.values()))
@@ -324,6 +327,8 @@ class QuantReport(Report):
         kept = [name for name, c in self.classes.items() if not c.quantized]
         out = (f"{self.fmt} (weight-only): quantized {', '.join(q) or 'nothing'}; kept in stored precision: "
                f"{', '.join(kept) or 'nothing'}; {bi / 2**20:.1f} MiB -> {bo / 2**20:.1f} MiB")
+        if self.quantized_on:
+            out += f"; quantized on {self.quantized_on}"
         t = self.timing
         if t.get("seconds"):
             out += (f"; read + quantized {t['source_bytes'] / 1e9:.2f} GB in {t['seconds']:.1f} s "
@@ -411,6 +416,9 @@ def quantize_stream(items: Iterator[tuple[str, torch.Tensor]], plan: QuantPlan, 
     if dev is not None and dev.type != "cuda":
         raise ValueError(f"device {device!r}: the streaming quantizer runs on the CPU (device=None) or a CUDA device")
     staging = _Staging() if dev is not None else None
+    backend = "triton" if Q.HAS_TRITON else "reference"     # on a device: every format has its kernel
+    report.quantized_on = "cpu" if dev is None else (
+        f"{dev} ({'Triton kernels' if backend == 'triton' else 'torch operations, no Triton'})")
     total = len(plan.source_inventory)
     done = bytes_done = 0
     for key, t in items:
@@ -435,7 +443,6 @@ def quantize_stream(items: Iterator[tuple[str, torch.Tensor]], plan: QuantPlan, 
         try:
             if staging is not None:
                 td = staging.to_device(t, dev)
-                backend = "triton" if Q.HAS_TRITON else "reference"     # every format has its kernel
                 data, scales = Q.quantize(td, plan.fmt, backend=backend, error=err, finite=True)
                 del td
                 data, scales = _to_host(data), {k: _to_host(v) for k, v in scales.items()}

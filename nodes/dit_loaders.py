@@ -24,8 +24,8 @@ from ..loaders.safetensors_io import read_header
 from . import _families, _files
 from ._bars import lazy_bar
 from ._common import send_report, ui_report
-from .h3_loaders import (AS_STORED, CACHE_TOOLTIP, WEIGHT_FORMAT_TOOLTIP, check_weight_format, quantized_state_dict,
-                         weight_formats)
+from ._quantizing import (AS_STORED, CACHE_TOOLTIP, QUANTIZE_ON, QUANTIZE_ON_TOOLTIP, WEIGHT_FORMAT_TOOLTIP,
+                           check_quantize_on, check_weight_format, quantized_state_dict, weight_formats)
 
 FOLDER = "diffusion_models"
 LTX2_NODE_ID = "DitKitLTX2ModelLoader"
@@ -58,10 +58,11 @@ def check_family(node_id: str, family: str, path: str, name: str) -> dict[str, s
 
 
 def load_dit(node_id: str, family: str, path: str, name: str, weight_format: str = AS_STORED, progress=None,
-             quantized_cache: bool = False):
+             quantized_cache: bool = False, quantize_on: str = "cpu"):
     """-> (ModelPatcher, QuantReport or None). Bad input raises a DitKitError before the model is built (a
     NaN / Inf tensor: when it is read, before anything is handed to ComfyUI)."""
     fmt = check_weight_format(node_id, weight_format)
+    device = check_quantize_on(node_id, quantize_on, fmt)
     meta = check_family(node_id, family, path, name)
     quant = None
     if fmt is None:
@@ -72,7 +73,7 @@ def load_dit(node_id: str, family: str, path: str, name: str, weight_format: str
         except CheckpointError as e:
             raise CheckpointError(f"{node_id}: unet_name {name!r}: {e}") from e
         sd, quant = quantized_state_dict(family, fmt, src.inventory, lambda keys: src.reader(progress, scratch_keys=keys), path,
-                                         cache=(path, src.files) if quantized_cache else None)
+                                         cache=(path, src.files) if quantized_cache else None, device=device)
         meta = src.metadata
     try:
         with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
@@ -101,16 +102,16 @@ def _config_text(model, family: str) -> tuple[str, dict]:
 
 
 def _execute(cls, node_id: str, family: str, label: str, unet_name: str, weight_format: str,
-             quantized_cache: bool = False) -> io.NodeOutput:
-    check_weight_format(node_id, weight_format)
+             quantized_cache: bool = False, quantize_on: str = "cpu") -> io.NodeOutput:
+    check_quantize_on(node_id, quantize_on, check_weight_format(node_id, weight_format))
     path = _files.safetensors_path(FOLDER, unet_name, node_id)
     uid = cls.hidden.unique_id if cls.hidden is not None else None
     model, quant = load_dit(node_id, family, path, unet_name, weight_format, progress=lazy_bar(uid),
-                            quantized_cache=quantized_cache)
+                            quantized_cache=quantized_cache, quantize_on=quantize_on)
     text, cfg = _config_text(model, family)
     summary = f"{label} ({cfg.get('image_model')}): {text}; loaded by ComfyUI's loader"
     data = {"file": unet_name, "family": family, "config": cfg, "weight_format": weight_format,
-            "quantized_cache": quantized_cache}
+            "quantized_cache": quantized_cache, "quantize_on": quantize_on}
     if quant is not None:
         summary += "; quantized " + quant.summary()
         data["quantization"] = quant.as_dict()
@@ -128,6 +129,8 @@ def _inputs(family: str, what: str) -> list:
         io.Combo.Input("weight_format", options=weight_formats(), default=AS_STORED, optional=True,
                        tooltip=WEIGHT_FORMAT_TOOLTIP),
         io.Boolean.Input("quantized_cache", default=False, optional=True, advanced=True, tooltip=CACHE_TOOLTIP),
+        io.Combo.Input("quantize_on", options=QUANTIZE_ON, default="cpu", optional=True, advanced=True,
+                       tooltip=QUANTIZE_ON_TOOLTIP),
     ]
 
 
@@ -162,8 +165,9 @@ class DitKitLTX2ModelLoader(io.ComfyNode):
         return _families.check_listed(LTX2_NODE_ID, "unet_name", FOLDER, "ltx2", unet_name)
 
     @classmethod
-    def execute(cls, unet_name: str, weight_format: str = AS_STORED, quantized_cache: bool = False) -> io.NodeOutput:
-        return _execute(cls, LTX2_NODE_ID, "ltx2", "LTX-2", unet_name, weight_format, quantized_cache)
+    def execute(cls, unet_name: str, weight_format: str = AS_STORED, quantized_cache: bool = False,
+                quantize_on: str = "cpu") -> io.NodeOutput:
+        return _execute(cls, LTX2_NODE_ID, "ltx2", "LTX-2", unet_name, weight_format, quantized_cache, quantize_on)
 
 
 class DitKitFlux2ModelLoader(io.ComfyNode):
@@ -185,8 +189,10 @@ class DitKitFlux2ModelLoader(io.ComfyNode):
         return _families.check_listed(FLUX2_NODE_ID, "unet_name", FOLDER, "flux2", unet_name)
 
     @classmethod
-    def execute(cls, unet_name: str, weight_format: str = AS_STORED, quantized_cache: bool = False) -> io.NodeOutput:
-        return _execute(cls, FLUX2_NODE_ID, "flux2", "FLUX.2", unet_name, weight_format, quantized_cache)
+    def execute(cls, unet_name: str, weight_format: str = AS_STORED, quantized_cache: bool = False,
+                quantize_on: str = "cpu") -> io.NodeOutput:
+        return _execute(cls, FLUX2_NODE_ID, "flux2", "FLUX.2", unet_name, weight_format, quantized_cache,
+                        quantize_on)
 
 
 NODES = [DitKitLTX2ModelLoader, DitKitFlux2ModelLoader]

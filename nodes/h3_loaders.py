@@ -15,85 +15,20 @@ from comfy_api.latest import io
 from ..errors import CheckpointError
 from ..loaders import h3 as core
 from ..bridge.files import folder_roots
-from ..bridge.loaders import GATE_ATTACHMENT, image_model_of, load_diffusion_model, quant_algos
+from ..bridge.loaders import GATE_ATTACHMENT, image_model_of, load_diffusion_model
 from ..bridge.hostcompat import drop_model_gates, model_gates_equal, stock_keeps_gates
-from ..bridge.load_progress import load_progress
 from ..bridge.quant_scales import share_block_scales
 from ..loaders import host_memory
-from ..loaders import quant_cache
 from ..loaders import quantize as qcore
 from . import _families, _files
 from ._common import progress, send_report, ui_report
+from ._quantizing import (AS_STORED, CACHE_TOOLTIP, QUANTIZE_ON, QUANTIZE_ON_TOOLTIP, WEIGHT_FORMAT_TOOLTIP,  # noqa: F401
+                          check_quantize_on, check_weight_format, quantized_state_dict, weight_formats)
 
 NODE_ID = "DitKitH3ModelLoader"
 FOLDER = "diffusion_models"
 INDEX_NAMES = (core.OFFICIAL_INDEX, core.DIFFUSERS_INDEX)
 WEIGHT_DTYPES = ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]
-AS_STORED = "as stored"
-
-
-def weight_formats() -> list[str]:
-    """``as stored`` + the formats ditkit writes that this ComfyUI's ``comfy.quant_ops.QUANT_ALGOS`` has."""
-    from ..kernels.quant import FORMATS
-
-    QUANT_ALGOS = quant_algos()
-    return [AS_STORED] + [f for f in FORMATS if f in QUANT_ALGOS]
-
-
-def check_weight_format(node_id: str, weight_format: str) -> str | None:
-    """None for ``as stored``, else the format; a format this host cannot load is refused by name."""
-    if weight_format == AS_STORED:
-        return None
-    have = weight_formats()
-    if weight_format not in have:
-        raise CheckpointError(f"{node_id}: weight_format {weight_format!r} is not available in this ComfyUI (its "
-                              f"comfy.quant_ops.QUANT_ALGOS offers {have[1:] or 'none'} of the formats ditkit writes)")
-    return weight_format
-
-
-WEIGHT_FORMAT_TOOLTIP = ("Quantize while loading into one of ComfyUI's native comfy_quant formats (weight-only; the "
-                         "list is what this ComfyUI's QUANT_ALGOS supports). Each tensor is read, converted and "
-                         "quantized one at a time: the transformer blocks' linear layers are quantized; embeddings, "
-                         "norms, the final layer and small layers stay as stored (reported per layer class; see "
-                         "docs/quantize.md). 'as stored' keeps the file's dtypes.")
-
-
-def quantized_state_dict(family: str, fmt: str, inventory, read, where: str, cache: tuple | None = None):
-    """Stream the source through the quantizer -> (state dict as a comfy_quant file would give it, report); the
-    node shows tensors done / total and MB/s while it works (bridge/load_progress.py). ``read(scratch_keys)``: the
-    source's ``(key, tensor)`` iterator, the tensors of ``scratch_keys`` (the ones quantized, never kept) read into
-    one reused buffer. ``cache``: ``(source path, source files)`` to use the write-once cache next to the source
-    (loaders/quant_cache.py; the source is then not read on a hit)."""
-    prog = load_progress(f"quantizing to {fmt}")
-
-    def run():
-        plan = qcore.make_plan(family, fmt, inventory)
-        report = qcore.QuantReport(family, fmt, qcore.RECIPES[family]["source"])
-        sd = {}
-        try:
-            for k, t in qcore.quantize_stream(read(plan.quantized_keys()), plan, report, where, progress=prog):
-                sd[k] = t
-        except BaseException:
-            sd.clear()
-            raise
-        return sd, report
-
-    if cache is None:
-        sd, report = run()
-    else:
-        out_inv = qcore.make_plan(family, fmt, inventory).output_inventory()
-        prog.what = f"{fmt} (cache)"
-        sd, report = quant_cache.cached_quantize(cache[0], list(cache[1]), family, fmt, qcore.RECIPES[family], run,
-                                                 out_inv, progress=prog)
-    report.timing = {"seconds": round(prog.seconds, 3), "source_bytes": prog.bytes_done}
-    return sd, report
-
-
-CACHE_TOOLTIP = ("Write-once cache (off by default): the first quantizing load writes the quantized weights next to "
-                 "the source (<name>.ditkit-<format>-<key>.safetensors, keyed by the source files' size, mtime and "
-                 "sampled SHA-256, the format and the recipe); later loads read that file, verified against the "
-                 "SHA-256 stored in it, at the speed of a stock comfy_quant load. A modified cache file is refused "
-                 "by name (delete it to re-quantize). See docs/quantize.md.")
 
 
 def _is_checkpoint_folder(path: str) -> bool:
@@ -174,11 +109,12 @@ def model_options(weight_dtype: str) -> dict:
 
 
 def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None = None,
-                  weight_format: str = AS_STORED, quantized_cache: bool = False):
+                  weight_format: str = AS_STORED, quantized_cache: bool = False, quantize_on: str = "cpu"):
     """-> (ModelPatcher, H3LoadReport); ``report.quant`` is the QuantReport (or None for ``as stored``).
     Raises CheckpointError before building anything on bad input."""
     opts = model_options(weight_dtype)
     fmt = check_weight_format(NODE_ID, weight_format)
+    device = check_quantize_on(NODE_ID, quantize_on, fmt)
     if fmt is not None and weight_dtype != "default":
         raise CheckpointError(f"{NODE_ID}: weight_dtype {weight_dtype!r} and weight_format {weight_format!r} both "
                               "set the weights' precision; keep weight_dtype 'default' to quantize")
@@ -199,7 +135,7 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
         qcore.refuse_quantized_source(src.path, {k: ti.dtype for k, (_, ti) in src.locations.items()}, src.metadata)
         sd, quant = quantized_state_dict("h3", fmt, plan.inventory,
                                          lambda keys: core.iter_h3_tensors(plan, progress=cb, scratch_keys=keys), src.path,
-                                         cache=(path, src.files) if quantized_cache else None)
+                                         cache=(path, src.files) if quantized_cache else None, device=device)
         report = plan.report(len(sd))
     report.quant = quant
     # ComfyUI 0.33 has no module for FastH3's trained VSA gates and drops them as unexpected keys: keep them as an
@@ -259,6 +195,8 @@ class DitKitH3ModelLoader(io.ComfyNode):
                                tooltip=WEIGHT_FORMAT_TOOLTIP),
                 io.Boolean.Input("quantized_cache", default=False, optional=True, advanced=True,
                                  tooltip=CACHE_TOOLTIP),
+                io.Combo.Input("quantize_on", options=QUANTIZE_ON, default="cpu", optional=True, advanced=True,
+                               tooltip=QUANTIZE_ON_TOOLTIP),
             ],
             outputs=[io.Model.Output(tooltip="The stock ComfyUI MiniMax H3 model."),
                      io.String.Output(display_name="report", tooltip="Layout detected, conversions applied, config.")],
@@ -273,15 +211,16 @@ class DitKitH3ModelLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", weight_format: str = AS_STORED,
-                quantized_cache: bool = False) -> io.NodeOutput:
+                quantized_cache: bool = False, quantize_on: str = "cpu") -> io.NodeOutput:
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        check_weight_format(NODE_ID, weight_format)
+        check_quantize_on(NODE_ID, quantize_on, check_weight_format(NODE_ID, weight_format))
         path = resolve(model_name)
-        model, report = load_h3_model(path, weight_dtype, node_id, weight_format, quantized_cache=quantized_cache)
+        model, report = load_h3_model(path, weight_dtype, node_id, weight_format, quantized_cache=quantized_cache,
+                                      quantize_on=quantize_on)
         summary = report.summary() + (f"; weights cast to {weight_dtype}" if weight_dtype != "default" else "")
         data = report.as_dict()
         data.update(model_name=model_name, weight_dtype=weight_dtype, weight_format=weight_format,
-                    quantized_cache=quantized_cache)
+                    quantized_cache=quantized_cache, quantize_on=quantize_on)
         if report.quant is not None:
             summary += "; quantized " + report.quant.summary()
             data["quantization"] = report.quant.as_dict()

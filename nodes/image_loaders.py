@@ -17,8 +17,8 @@ from ..loaders import quantize as qcore
 from ..loaders.read_progress import load_with_progress
 from ..loaders.safetensors_io import DTYPES
 from . import _families, _files
-from .h3_loaders import (AS_STORED, CACHE_TOOLTIP, WEIGHT_FORMAT_TOOLTIP, check_weight_format, quantized_state_dict,
-                         weight_formats)
+from ._quantizing import (AS_STORED, CACHE_TOOLTIP, QUANTIZE_ON, QUANTIZE_ON_TOOLTIP, WEIGHT_FORMAT_TOOLTIP,
+                           check_quantize_on, check_weight_format, quantized_state_dict, weight_formats)
 from ._bars import lazy_bar
 from ._common import send_report, ui_report
 
@@ -45,7 +45,7 @@ def _zimage_config(sd: dict, path: str) -> dict:
     return cfg
 
 
-def _quantized_zimage(path: str, fmt: str, progress, cache: bool = False):
+def _quantized_zimage(path: str, fmt: str, progress, cache: bool = False, device=None):
     """Config from the header (shapes only), then read -> quantize -> keep, one tensor at a time."""
     import torch
 
@@ -57,20 +57,22 @@ def _quantized_zimage(path: str, fmt: str, progress, cache: bool = False):
     cfg = _zimage_config(meta, path)
     del meta
     sd, report = quantized_state_dict("zimage", fmt, src.inventory, lambda keys: src.reader(progress, scratch_keys=keys), path,
-                                      cache=(path, src.files) if cache else None)
+                                      cache=(path, src.files) if cache else None, device=device)
     return sd, cfg, report
 
 
-def load_zimage(path: str, progress=None, weight_format: str = AS_STORED, quantized_cache: bool = False):
+def load_zimage(path: str, progress=None, weight_format: str = AS_STORED, quantized_cache: bool = False,
+                quantize_on: str = "cpu"):
     """-> (model patcher, config, load path[, QuantReport when quantized]). ``progress(done, total)``: optional,
     after each tensor read. With a ``weight_format`` the state dict is what a comfy_quant file gives ComfyUI."""
     fmt = check_weight_format(NODE_ID, weight_format)
+    device = check_quantize_on(NODE_ID, quantize_on, fmt)
     report = None
     if fmt is None:
         sd, _ = load_with_progress(path, progress)
         cfg = _zimage_config(sd, path)
     else:
-        sd, cfg, report = _quantized_zimage(path, fmt, progress, quantized_cache)
+        sd, cfg, report = _quantized_zimage(path, fmt, progress, quantized_cache, device)
     if cfg["dim"] == 3840:
         with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
             out = load_diffusion_model(sd), cfg, "stock"
@@ -107,6 +109,8 @@ class DitKitZImageLoader(io.ComfyNode):
                                tooltip=WEIGHT_FORMAT_TOOLTIP),
                 io.Boolean.Input("quantized_cache", default=False, optional=True, advanced=True,
                                  tooltip=CACHE_TOOLTIP),
+                io.Combo.Input("quantize_on", options=QUANTIZE_ON, default="cpu", optional=True, advanced=True,
+                               tooltip=QUANTIZE_ON_TOOLTIP),
             ],
             outputs=[io.Model.Output(tooltip="The Z-Image model."),
                      io.String.Output(display_name="report", tooltip="Detected config and load path.")],
@@ -118,16 +122,17 @@ class DitKitZImageLoader(io.ComfyNode):
         return _families.check_listed(NODE_ID, "unet_name", "diffusion_models", "zimage", unet_name)
 
     @classmethod
-    def execute(cls, unet_name: str, weight_format: str = AS_STORED, quantized_cache: bool = False) -> io.NodeOutput:
-        check_weight_format(NODE_ID, weight_format)
+    def execute(cls, unet_name: str, weight_format: str = AS_STORED, quantized_cache: bool = False,
+                quantize_on: str = "cpu") -> io.NodeOutput:
+        check_quantize_on(NODE_ID, quantize_on, check_weight_format(NODE_ID, weight_format))
         path = _files.safetensors_path("diffusion_models", unet_name, NODE_ID)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         model, cfg, how, *quant = load_zimage(path, progress=lazy_bar(node_id), weight_format=weight_format,
-                                              quantized_cache=quantized_cache)
+                                              quantized_cache=quantized_cache, quantize_on=quantize_on)
         summary = (f"Z-Image dim {cfg['dim']}, {cfg['n_layers']} layers, {cfg.get('n_heads')} heads, "
                    f"loaded via {how}")
         data = {"file": unet_name, "config": cfg, "path": how, "weight_format": weight_format,
-                "quantized_cache": quantized_cache}
+                "quantized_cache": quantized_cache, "quantize_on": quantize_on}
         if quant:
             summary += "; quantized " + quant[0].summary()
             data["quantization"] = quant[0].as_dict()

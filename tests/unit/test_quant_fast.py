@@ -241,3 +241,24 @@ def test_nvfp4_finite_path_equals_the_comparison_path():
     b = Q.quantize(w, "nvfp4", finite=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1]["weight_scale"].view(torch.uint8),
                                                    b[1]["weight_scale"].view(torch.uint8))
+
+
+def test_stream_reports_where_it_quantized():
+    plan = _plan({"blocks.0.mlp.fc1.weight": (32, 32)})
+    rep = QC.QuantReport("h3", "float8_e4m3fn", "")
+    assert rep.quantized_on == "" and "quantized on" not in rep.summary()     # a cache hit quantizes nowhere
+    dict(QC.quantize_stream(iter([("blocks.0.mlp.fc1.weight", torch.ones(32, 32))]), plan, rep, "x"))
+    assert rep.quantized_on == "cpu" and rep.as_dict()["quantized_on"] == "cpu"
+    assert "; quantized on cpu" in rep.summary()
+    rep.quantized_on = "cuda:0 (Triton kernels)"
+    assert "; quantized on cuda:0 (Triton kernels)" in rep.summary()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", torch.device("cpu")])
+def test_stream_refuses_a_device_that_is_not_cuda(device):
+    plan = _plan({"blocks.0.mlp.fc1.weight": (32, 32)})
+    rep = QC.QuantReport("h3", "float8_e4m3fn", "")
+    with pytest.raises(ValueError, match="runs on the CPU .device=None. or a CUDA device"):
+        list(QC.quantize_stream(iter([("blocks.0.mlp.fc1.weight", torch.ones(32, 32))]), plan, rep, "x",
+                                device=device))
+    assert rep.quantized_on == ""
