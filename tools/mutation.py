@@ -64,6 +64,7 @@ TESTS: dict[str, list[str]] = {
     "loaders/safetensors_io.py": ["tests/unit/test_safetensors_io.py", "tests/unit/test_safe_reader_open_once.py"],
     "loaders/h3.py": ["tests/unit/test_loaders_h3.py"],
     "loaders/lokr_math.py": ["tests/unit/test_public_direct.py", "tests/unit/test_lokr.py"],
+    "loaders/quant_cache.py": ["tests/unit/test_quant_cache.py"],
 }
 
 # mutant name -> why it cannot change behaviour (reviewed by hand; a listed name that no longer exists is reported)
