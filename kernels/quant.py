@@ -549,12 +549,48 @@ def quantize(w: torch.Tensor, fmt: str, backend: str = "reference",
     return data, {"weight_scale": blocked, "weight_scale_2": s2}
 
 
+def quantize_blocks_triton(w: torch.Tensor, fmt: str, s2: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None, br: int = 16, bc: int = 128
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A finite 2-D weight (any strides, fp32 / bf16 / fp16) -> ``(padded data, unswizzled block scales)`` of
+    ``fmt`` through the Triton kernels of :mod:`.quant_triton` (mxfp8: float8_e4m3fn data and uint8 E8M0
+    exponents; nvfp4: packed uint8 data and fp8 block scales; ``s2`` nvfp4's per-tensor scale): block amax kernel,
+    the reference's own scale step in torch, encode kernel. The same bits as :func:`_mxfp8_rows` /
+    :func:`_nvfp4_rows` over the zero-padded weight. ``out``: the padded data tensor to write into; ``br`` x ``bc``
+    the kernels' tile."""
+    from . import quant_triton as T
+
+    _check_source(w, fmt)
+    if fmt not in ("mxfp8", "nvfp4"):
+        raise ValueError(f"{fmt}: the block kernels cover mxfp8 and nvfp4")
+    if fmt == "nvfp4" and (s2 is None or s2.numel() != 1):
+        raise ValueError("nvfp4: the per-tensor scale s2 (one float32) is required")
+    rows, cols = w.shape
+    f = get_format(fmt)
+    prows, pcols = _roundup(rows, f.pad), _roundup(cols, f.pad)
+    shape = (prows, pcols if fmt == "mxfp8" else pcols // 2)
+    if out is None:
+        out = torch.empty(shape, dtype=f.storage, device=w.device)
+    elif tuple(out.shape) != shape or out.dtype != f.storage or out.device != w.device or out.stride(1) != 1:
+        raise ValueError(f"out: {tuple(out.shape)} {out.dtype} on {out.device} (unit column stride), want {shape} "
+                         f"{f.storage} on {w.device}")
+    amax = T.block_amax(w, f.block, prows, pcols, br, bc)
+    if fmt == "mxfp8":
+        sc, s, zero, any_zero = _mxfp8_block_scales(amax)
+        div = 1.0 / s                                # exact: s is a power of two (or 0: inf, as x / 0)
+    else:
+        s2 = s2.reshape(()).to(device=w.device, dtype=torch.float32)
+        sc, div, zero, any_zero = _nvfp4_block_scales(amax, s2)
+    if any_zero:
+        div = torch.where(zero, torch.full_like(div, float("nan")), div)
+    T.encode_blocks(w, f.block, div.contiguous(), out.view(torch.uint8), br, bc)
+    return out, sc
+
+
 def _quantize_blocks_triton(w: torch.Tensor, fmt: str, empty: Callable[..., torch.Tensor] | None,
                             error: ErrorSample | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`quantize` of a block format through the Triton kernels (:mod:`.quant_triton`): the whole weight in
     one launch pair, the same bits as the reference. Non-finite weights are refused (see that module)."""
-    from . import quant_triton
-
     amax = _amax_abs(w)
     if not bool(torch.isfinite(amax)):
         raise NonFiniteWeight(f"{fmt}: the weight holds NaN or Inf values (the Triton path quantizes finite "
@@ -563,7 +599,7 @@ def _quantize_blocks_triton(w: torch.Tensor, fmt: str, empty: Callable[..., torc
     rows, cols = w.shape
     shape, dtype = storage_layout((rows, cols), fmt)["weight"]
     data = empty(shape, dtype) if empty is not None else None
-    data, sc = quant_triton.quantize_blocks(w, fmt, s2, out=data)
+    data, sc = quantize_blocks_triton(w, fmt, s2, out=data)
     if error is not None:
         step = _row_step(cols)
         for i, r0 in enumerate(range(0, rows, step)):

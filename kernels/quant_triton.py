@@ -4,8 +4,9 @@ Two kernels per weight, with the host's small per-block scale step between them 
 
 1. ``_block_amax_kernel``: the float32 amax of ``|x|`` of every 32 (mxfp8) / 16 (nvfp4) columns of every row,
    over the padded shape (rows and columns past the weight's read as 0, as the reference's zero padding);
-2. the scale step (:func:`.quant._mxfp8_block_scales` / :func:`.quant._nvfp4_block_scales`): the very torch
-   operations the reference runs, on the weight's device, on arrays 1/32 resp. 1/16 of the weight's size. The
+2. the scale step (:func:`.quant._mxfp8_block_scales` / :func:`.quant._nvfp4_block_scales`, run by
+   :func:`.quant.quantize_blocks_triton`, which drives the two launchers here): the very torch operations the
+   reference runs, on the weight's device, on arrays 1/32 resp. 1/16 of the weight's size. The
    mxfp8 exponent is ``ceil(log2(.))`` of torch's ``log2``, which is *not* the exact ceiling for some values just
    above a power of two (3,676 float32 values of 16.6 M checked on this CPU): computing it in the kernel would be
    exact arithmetic, not the host's;
@@ -28,7 +29,8 @@ loads; 26 killed (two of them by the every-code test written for them), 5 equiva
 the NaN-divisor ``where`` and dropping that ``where`` (``x / NaN`` is a +NaN, code 0), and dropping the clamp to
 -6 before e2m1 (the clamp has since been removed).
 
-Non-finite weights are refused before the first kernel (:class:`.quant.NonFiniteWeight`): the reference turns
+This module imports nothing of :mod:`.quant` (which calls it). Non-finite weights are refused before the first
+kernel (:class:`.quant.NonFiniteWeight`): the reference turns
 them into NaN blocks that depend on the backend's NaN sign, which no loader wants; the streaming loaders pass
 ``finite=True`` anyway.
 """
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import torch
 
-from . import quant as Q
 from ._triton import HAS_TRITON, tl, triton
 
 BLOCK_ROWS = 16
@@ -131,11 +132,17 @@ def _grid(prows: int, pcols: int, br: int, bc: int) -> tuple[int, int]:
     return (triton.cdiv(prows, br), triton.cdiv(pcols, bc))
 
 
+def _check_tile(br: int, bc: int) -> None:
+    if bc % 32 or br <= 0 or bc & (bc - 1) or br & (br - 1):
+        raise ValueError(f"tile {br} x {bc}: powers of two, columns a multiple of 32")
+
+
 def block_amax(w: torch.Tensor, block: int, prows: int, pcols: int,
                br: int = BLOCK_ROWS, bc: int = BLOCK_COLS) -> torch.Tensor:
     """Launcher: float32 ``[prows, pcols // block]`` amax of ``|w|`` per ``block`` columns over the zero-padded
-    ``[prows, pcols]`` (``w`` any strides; ``block`` 16 or 32)."""
+    ``[prows, pcols]`` (``w`` 2-D, any strides; ``block`` 16 or 32)."""
     _need_triton()
+    _check_tile(br, bc)
     rows, cols = w.shape
     if block not in (16, 32) or prows % block or pcols % block or prows < rows or pcols < cols:
         raise ValueError(f"block_amax: block {block}, padded shape {(prows, pcols)} for a {tuple(w.shape)} weight")
@@ -145,49 +152,28 @@ def block_amax(w: torch.Tensor, block: int, prows: int, pcols: int,
     return a
 
 
-def quantize_blocks(w: torch.Tensor, fmt: str, s2: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    br: int = BLOCK_ROWS, bc: int = BLOCK_COLS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher: a finite 2-D weight (any strides, fp32 / bf16 / fp16) -> ``(padded data, unswizzled block
-    scales)`` of ``fmt`` (mxfp8: float8_e4m3fn data and uint8 E8M0 exponents; nvfp4: packed uint8 data and fp8
-    block scales; ``s2`` nvfp4's per-tensor scale). The same bits as :func:`.quant._mxfp8_rows` /
-    :func:`.quant._nvfp4_rows` over the zero-padded weight. ``out``: the padded data tensor to write into."""
+def encode_blocks(w: torch.Tensor, block: int, divisor: torch.Tensor, out: torch.Tensor,
+                  br: int = BLOCK_ROWS, bc: int = BLOCK_COLS) -> torch.Tensor:
+    """Launcher: encode ``w`` (2-D, any strides) into the padded ``out`` (uint8 view; unit column stride), each
+    ``block`` columns of a row by its float32 ``divisor`` entry (``[prows, pcols // block]``; NaN marks an all-zero
+    block). ``block`` 32: mxfp8, ``divisor`` holds the exact reciprocal of the power-of-two scale (multiplied),
+    ``out`` ``[prows, pcols]`` fp8 codes; 16: nvfp4, ``divisor`` the block's divisor (``div_rn``), ``out``
+    ``[prows, pcols // 2]`` packed e2m1 codes, high nibble first. -> ``out``."""
     _need_triton()
-    Q._check_source(w, fmt)
-    if fmt not in ("mxfp8", "nvfp4"):
-        raise ValueError(f"{fmt}: the block kernels cover mxfp8 and nvfp4")
-    if fmt == "nvfp4" and (s2 is None or s2.numel() != 1):
-        raise ValueError("nvfp4: the per-tensor scale s2 (one float32) is required")
-    if bc % 32 or br <= 0 or bc & (bc - 1) or br & (br - 1):
-        raise ValueError(f"tile {br} x {bc}: powers of two, columns a multiple of 32")
+    _check_tile(br, bc)
     rows, cols = w.shape
-    f = Q.get_format(fmt)
-    prows, pcols = Q._roundup(rows, f.pad), Q._roundup(cols, f.pad)
-    shape = (prows, pcols if fmt == "mxfp8" else pcols // 2)
-    if out is None:
-        out = torch.empty(shape, dtype=f.storage, device=w.device)
-    elif tuple(out.shape) != shape or out.dtype != f.storage or out.device != w.device or out.stride(1) != 1:
-        raise ValueError(f"out: {tuple(out.shape)} {out.dtype} on {out.device} (unit column stride), want {shape} "
-                         f"{f.storage} on {w.device}")
-    amax = block_amax(w, f.block, prows, pcols, br, bc)
-    grid = _grid(prows, pcols, br, bc)
-    o8 = out.view(torch.uint8)
-    if fmt == "mxfp8":
-        e8, s, zero, any_zero = Q._mxfp8_block_scales(amax)
-        mult = 1.0 / s                               # exact: s is a power of two (or 0: inf, as x / 0)
-        if any_zero:
-            mult = torch.where(zero, torch.full_like(mult, float("nan")), mult)
-        mult = mult.contiguous()
-        _mxfp8_encode_kernel[grid](w, mult, o8, rows, cols, prows, pcols, w.stride(0), w.stride(1),
-                                   mult.stride(0), o8.stride(0), BR=br, BC=bc)
-        return out, e8
-    s2 = s2.reshape(()).to(device=w.device, dtype=torch.float32)
-    sbs8, total, zero, any_zero = Q._nvfp4_block_scales(amax, s2)
-    if any_zero:
-        total = torch.where(zero, torch.full_like(total, float("nan")), total)
-    total = total.contiguous()
-    _nvfp4_encode_kernel[grid](w, total, o8, rows, cols, prows, pcols, w.stride(0), w.stride(1),
-                               total.stride(0), o8.stride(0), BR=br, BC=bc)
-    return out, sbs8
+    prows, nb = divisor.shape
+    pcols = nb * block
+    width = pcols if block == 32 else pcols // 2
+    if block not in (16, 32) or prows < rows or pcols < cols or out.shape != (prows, width) \
+            or out.dtype != torch.uint8 or out.stride(1) != 1 or divisor.dtype != torch.float32 \
+            or divisor.stride(1) != 1:
+        raise ValueError(f"encode_blocks: block {block}, divisor {tuple(divisor.shape)} {divisor.dtype}, out "
+                         f"{tuple(out.shape)} {out.dtype} for a {tuple(w.shape)} weight")
+    kernel = _mxfp8_encode_kernel if block == 32 else _nvfp4_encode_kernel
+    kernel[_grid(prows, pcols, br, bc)](w, divisor, out, rows, cols, prows, pcols, w.stride(0), w.stride(1),
+                                        divisor.stride(0), out.stride(0), BR=br, BC=bc)
+    return out
 
 
 def _need_triton() -> None:

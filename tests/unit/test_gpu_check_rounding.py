@@ -79,9 +79,9 @@ def test_block_quant_rows_pass_on_the_interpreter(gc_mod):
 def test_a_wrong_block_kernel_fails_the_row(gc_mod, monkeypatch):
     """A kernel whose nvfp4 division rounds differently, emulated by flipping the low bit of one data byte."""
     need_triton()
-    from ditkit.kernels import quant_triton
+    from ditkit.kernels import quant
 
-    real = quant_triton.quantize_blocks
+    real = quant.quantize_blocks_triton
 
     def off_by_one(w, fmt, s2=None, out=None, **kw):
         d, s = real(w, fmt, s2, out=out, **kw)
@@ -89,7 +89,7 @@ def test_a_wrong_block_kernel_fails_the_row(gc_mod, monkeypatch):
             d.view(torch.uint8)[5, 3] ^= 1
         return d, s
 
-    monkeypatch.setattr(quant_triton, "quantize_blocks", off_by_one)
+    monkeypatch.setattr(quant, "quantize_blocks_triton", off_by_one)
     rows = [r for r in _quant_rows(gc_mod) if "block kernels" in r["check"]]
     assert all(r["result"] == ("FAIL" if r["check"].startswith("nvfp4") else "PASS") for r in rows), rows
     assert all(r["figures"]["data_mismatches"] == 1 for r in rows if r["check"].startswith("nvfp4"))

@@ -95,8 +95,8 @@ def test_every_tile_shape_gives_the_same_bits(K, fmt, br, bc):
     Q, T = K
     w = _w((37, 200), torch.float16, 5)
     s2 = Q.per_tensor_scale(w, fmt) if fmt == "nvfp4" else None
-    d0, s0 = T.quantize_blocks(w, fmt, s2)
-    d1, s1 = T.quantize_blocks(w, fmt, s2, br=br, bc=bc)
+    d0, s0 = Q.quantize_blocks_triton(w, fmt, s2)
+    d1, s1 = Q.quantize_blocks_triton(w, fmt, s2, br=br, bc=bc)
     assert _same(d0, d1) and _same(s0, s1)
 
 
@@ -135,7 +135,7 @@ def test_nvfp4_zero_blocks_ties_and_saturation(K):
 def test_non_finite_weights_are_refused_before_any_launch(K, fmt, monkeypatch):
     Q, T = K
     launched = []
-    monkeypatch.setattr(T, "quantize_blocks", lambda *a, **k: launched.append(1))
+    monkeypatch.setattr(Q, "quantize_blocks_triton", lambda *a, **k: launched.append(1))
     for bad in (float("nan"), float("inf"), -float("inf")):
         w = _w((8, 32), torch.bfloat16, 2)
         w[7, 31] = bad
@@ -179,24 +179,50 @@ def test_block_amax_directly(K):
             T.block_amax(w, *bad)
 
 
+def test_encode_blocks_directly_and_its_arguments(K):
+    """The encode launcher on its own: the divisor a caller gives is what divides (here 1.0 everywhere for mxfp8:
+    the fp8 codes of the values themselves; 2.0 for nvfp4: the e2m1 codes of the halves), NaN marks a zero
+    block; wrong shapes and dtypes are refused before any launch."""
+    _, T = K
+    w = torch.tensor([[0.5, -1.5, 3.0, 448.0] * 8, [1e-3] * 31 + [-6.0]], dtype=torch.float32)
+    out = torch.empty(32, 32, dtype=torch.uint8)
+    div = torch.ones(32, 1)
+    div[1, 0] = float("nan")
+    T.encode_blocks(w, 32, div, out)
+    assert torch.equal(out[0], w[0].to(torch.float8_e4m3fn).view(torch.uint8))
+    assert out[1:].eq(0).all()                                    # the NaN-marked row and the padding
+    w4 = torch.tensor([[1.0, -3.0] * 8], dtype=torch.float32)     # / 2: 0.5 (code 1), -1.5 (code 8 | 3)
+    out4 = torch.empty(16, 8, dtype=torch.uint8)
+    T.encode_blocks(w4, 16, torch.full((16, 1), 2.0), out4)
+    assert out4[0].eq(0x1B).all() and out4[1:].eq(0).all()
+    for bad in (dict(block=8), dict(divisor=torch.ones(32, 1, dtype=torch.float64)),
+                dict(out=torch.empty(32, 16, dtype=torch.uint8)), dict(out=torch.empty(32, 32, dtype=torch.int8)),
+                dict(divisor=torch.ones(1, 1)), dict(out=torch.empty(32, 64, dtype=torch.uint8)[:, ::2])):
+        kw = dict(block=32, divisor=torch.ones(32, 1), out=torch.empty(32, 32, dtype=torch.uint8)) | bad
+        with pytest.raises(ValueError, match="encode_blocks"):
+            T.encode_blocks(w, kw["block"], kw["divisor"], kw["out"])
+    with pytest.raises(ValueError, match="tile"):
+        T.encode_blocks(w, 32, torch.ones(32, 1), out, br=3)
+
+
 def test_quantize_blocks_arguments(K):
     Q, T = K
     w = _w((20, 40), torch.float32, 4)
     with pytest.raises(ValueError, match="mxfp8 and nvfp4"):
-        T.quantize_blocks(w, "float8_e4m3fn")
+        Q.quantize_blocks_triton(w, "float8_e4m3fn")
     with pytest.raises(ValueError, match="s2"):
-        T.quantize_blocks(w, "nvfp4")
+        Q.quantize_blocks_triton(w, "nvfp4")
     with pytest.raises(ValueError, match="s2"):
-        T.quantize_blocks(w, "nvfp4", torch.ones(2))
+        Q.quantize_blocks_triton(w, "nvfp4", torch.ones(2))
     for br, bc in ((3, 32), (4, 48), (4, 16), (0, 32)):
         with pytest.raises(ValueError, match="tile"):
-            T.quantize_blocks(w, "mxfp8", br=br, bc=bc)
+            Q.quantize_blocks_triton(w, "mxfp8", br=br, bc=bc)
     with pytest.raises(ValueError, match="out"):
-        T.quantize_blocks(w, "mxfp8", out=torch.empty(32, 32, dtype=torch.float8_e4m3fn))
+        Q.quantize_blocks_triton(w, "mxfp8", out=torch.empty(32, 32, dtype=torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="out"):
-        T.quantize_blocks(w, "mxfp8", out=torch.empty(32, 64, dtype=torch.uint8))
+        Q.quantize_blocks_triton(w, "mxfp8", out=torch.empty(32, 64, dtype=torch.uint8))
     out = torch.empty(32, 64, dtype=torch.float8_e4m3fn)
-    d, _ = T.quantize_blocks(w, "mxfp8", out=out)
+    d, _ = Q.quantize_blocks_triton(w, "mxfp8", out=out)
     assert d is out and _same(out, Q.quantize(w, "mxfp8")[0])
 
 
