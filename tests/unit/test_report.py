@@ -195,7 +195,7 @@ def test_quantization_report_dict():
                                         "max_tensor_rel_error": 0.03, "error_rows": "0/0"},
                     "norms": {"tensors": 2, "params": 20, "bytes_in": 40, "bytes_out": 40, "quantized": 0,
                               "kept_small": 2}},
-        "block_scales": {}, "cache": {}, "timing": {}}
+        "block_scales": {}, "cache": {}, "timing": {}, "quantized_on": ""}
     assert r.summary() == ("float8_e4m3fn (weight-only): quantized block attention 4/4; kept in stored precision: "
                            "norms; 0.0 MiB -> 0.0 MiB")
     # a block format loaded into the host: the layers whose block scales were not copied are said
