@@ -504,3 +504,155 @@ def test_stamp_helpers_directly(tmp_path):
     assert (tmp_path / "g.bin.verified").read_text() == "not a stamp"
     (tmp_path / "h.bin.verified").write_bytes(b"x" * 5000)                  # over the size bound: not read
     assert C.read_stamp(str(tmp_path / "h.bin")) is None
+
+
+# ------------------------------------------------------- written from the mutation survivors (tools/mutation.py)
+
+def test_stamp_bytes_are_sorted_json():
+    st = os.stat(__file__)
+    b = C.stamp_bytes("f.bin", st, b"\x01" * 32)
+    assert b == json.dumps({"digest": "01" * 32, "file": "f.bin", "identity": C.file_identity(st), C.STAMP_KEY: 1},
+                           sort_keys=True).encode()
+    keys = [k for k, _ in json.loads(b, object_pairs_hook=lambda kv: kv)]
+    assert keys == sorted(keys) == ["digest", C.STAMP_KEY, "file", "identity"]
+
+
+@pytest.mark.parametrize("size,read", [(4096, True), (4097, False)])
+def test_stamp_size_bound_both_sides(tmp_path, size, read):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"abc")
+    st = os.stat(p)
+    body = C.stamp_bytes("f.bin", st, b"\x01" * 32)
+    (tmp_path / "f.bin.verified").write_bytes(body + b" " * (size - len(body)))      # valid JSON, padded
+    assert (C.read_stamp(str(p)) is not None) is read
+
+
+@pytest.mark.parametrize("size,replaced", [(4096, True), (4097, False)])
+def test_an_existing_stamp_is_replaced_only_within_the_size_bound(tmp_path, size, replaced):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"abc")
+    st = os.stat(p)
+    old = C.stamp_bytes("f.bin", st, b"\x01" * 32)
+    old = old + b" " * (size - len(old))
+    (tmp_path / "f.bin.verified").write_bytes(old)
+    got = C.write_stamp(str(p), st, b"\x02" * 32)
+    assert (got == "written") is replaced, got
+    now = (tmp_path / "f.bin.verified").read_bytes()
+    assert (now == C.stamp_bytes("f.bin", st, b"\x02" * 32)) is replaced and (now == old) is not replaced
+
+
+def test_write_stamp_names_the_cache_folder_when_it_cannot(tmp_path):
+    st = os.stat(__file__)
+    got = C.write_stamp(str(tmp_path / "gone" / "f.bin"), st, b"\x01" * 32)
+    assert got.startswith("not written (cache folder") and str(tmp_path / "gone") in got
+
+
+@pytest.mark.parametrize("workers,nchunks,pool", [(1, 3, None), (4, 1, None), (2, 2, 2), (4, 3, 4)])
+def test_digest_of_uses_a_pool_only_for_several_workers_and_chunks(monkeypatch, workers, nchunks, pool):
+    import concurrent.futures as cf
+
+    made = []
+    real = cf.ThreadPoolExecutor
+
+    class Spy(real):
+        def __init__(self, n=None, *a, **k):
+            made.append(n)
+            super().__init__(n, *a, **k)
+
+    monkeypatch.setattr(cf, "ThreadPoolExecutor", Spy)
+    monkeypatch.setattr(C, "DIGEST_CHUNK", 8)
+    data = bytes(range(8 * nchunks - 3))                       # the last chunk partial
+    seen = []
+    got = C.digest_of(b"head", data, workers=workers, progress=seen.append)
+    assert made == ([] if pool is None else [pool])
+    want_parts = [hashlib.sha256(b"head").digest()] + [hashlib.sha256(data[i:i + 8]).digest()
+                                                      for i in range(0, len(data), 8)]
+    assert got == hashlib.sha256(C.DIGEST_TAG + b"".join(want_parts)).digest()
+    assert seen == [min(i + 8, len(data)) for i in range(0, len(data), 8)]      # cumulative, in order
+
+
+def _forged(tmp_path, tensors, rec):
+    path = tmp_path / "c.safetensors"
+    save_file(tensors, path, metadata={C.META_KEY: json.dumps(rec)})
+    return str(path)
+
+
+REC = {"key": "k", "format": "nvfp4", "recipe": "r", "version": C.VERSION}
+
+
+@pytest.mark.parametrize("field,value,shown", [("key", "other", "'other'"), ("format", "mxfp8", "'mxfp8'"),
+                                               ("recipe", None, "None"), ("version", 1, "1")])
+def test_a_record_for_something_else_is_refused_with_what_it_says(tmp_path, field, value, shown):
+    rec = dict(REC) | {field: value}
+    path = _forged(tmp_path, {"a": torch.zeros(4), C.DIGEST_KEY: torch.zeros(32, dtype=torch.uint8)}, rec)
+    want = REC[field]
+    with pytest.raises(C.QuantCacheError) as e:
+        C.read(path, "k", "nvfp4", "r")
+    assert str(e.value) == (f"quantized cache '{path}': its {field} is {shown}, expected {want!r}; it was not "
+                            "written for this source (remove it to re-quantize)")
+
+
+def test_a_record_that_is_not_an_object_is_refused(tmp_path):
+    path = str(tmp_path / "c.safetensors")
+    save_file({"a": torch.zeros(4)}, path, metadata={C.META_KEY: "[1, 2]"})
+    with pytest.raises(C.QuantCacheError, match=r"its key is None, expected 'k'; it was not written for this "
+                                                r"source \(remove it to re-quantize\)$"):
+        C.read(path, "k", "nvfp4", "r")
+
+
+def test_a_file_without_the_record_message(tmp_path):
+    path = str(tmp_path / "c.safetensors")
+    save_file({"a": torch.zeros(4)}, path)
+    with pytest.raises(C.QuantCacheError) as e:
+        C.read(path, "k", "nvfp4", "r")
+    assert str(e.value) == (f"quantized cache '{path}': no '{C.META_KEY}' record in its metadata; not a ditkit "
+                            "cache file (remove it to re-quantize)")
+
+
+@pytest.mark.parametrize("tensors", [
+    {},                                                                            # no tensor at all
+    {"a": torch.zeros(4), C.DIGEST_KEY: torch.zeros(32, dtype=torch.int8)},         # right name and shape, I8
+    {"a": torch.zeros(4), C.DIGEST_KEY: torch.zeros(31, dtype=torch.uint8)},        # right name and dtype, 31 bytes
+    {"a": torch.zeros(4), "z.other": torch.zeros(32, dtype=torch.uint8)},           # right shape and dtype, no name
+])
+def test_a_last_tensor_that_is_not_the_digest_is_refused(tmp_path, tensors):
+    path = _forged(tmp_path, tensors, REC)
+    with pytest.raises(C.QuantCacheError) as e:
+        C.read(path, "k", "nvfp4", "r")
+    assert str(e.value) == (f"quantized cache '{path}': the digest tensor '{C.DIGEST_KEY}' is not its last tensor; "
+                            "modified or not written by ditkit (remove it to re-quantize)")
+
+
+def test_a_stamp_left_from_before_is_ignored_where_stamps_are_not_supported(source, monkeypatch):
+    _aged(monkeypatch)
+    _load(source)
+    _, rep = _load(source)                                       # hashed, stamped
+    assert os.path.exists(_stamp_path(rep))
+    monkeypatch.setattr(C, "stamps_supported", lambda: False)
+    _, rep = _load(source)
+    assert (rep.cache["verified"], rep.cache["stamp"]) == ("digest", "not supported on this system")
+
+
+@pytest.mark.parametrize("stamped", [False, True])
+def test_read_progress_counts_tensors_wholly_hashed_and_bytes(source, monkeypatch, stamped):
+    """``progress(tensors done, total, bytes)``: with 4 KiB digest chunks, one call per chunk with the bytes hashed
+    so far, and the tensors whose last byte is within them (oracle: the header's offsets); with a stamp, one call
+    with everything."""
+    _aged(monkeypatch)
+    monkeypatch.setattr(C, "DIGEST_CHUNK", 4096)                 # the digest is over 4 KiB chunks from the start
+    _, rep = _load(source)
+    path = rep.cache["file"]
+    if stamped:
+        _load(source)                                            # hashed once: stamped
+    hdr = read_header(path)
+    order = sorted(hdr.tensors.values(), key=lambda ti: ti.begin)
+    body, ends, total = order[-1].begin, [ti.end for ti in order[:-1]], len(order) - 1
+    calls = []
+    src = QC.open_source(str(source))
+    key, _ = C.source_key(src.files, src.family, FMT, QC.RECIPES[src.family])
+    how = {}
+    C.read(path, key, FMT, QC.RECIPES[src.family]["source"], progress=lambda *a: calls.append(a), verified=how)
+    assert how["by"] == ("stamp" if stamped else "digest")
+    sizes = [body] if stamped else [min(i + 4096, body) for i in range(0, body, 4096)]
+    assert calls == [(sum(e <= n for e in ends), total, n) for n in sizes]
+    assert calls[-1] == (total, total, body) and total > 3
