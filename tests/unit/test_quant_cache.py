@@ -656,3 +656,80 @@ def test_read_progress_counts_tensors_wholly_hashed_and_bytes(source, monkeypatc
     sizes = [body] if stamped else [min(i + 4096, body) for i in range(0, body, 4096)]
     assert calls == [(sum(e <= n for e in ends), total, n) for n in sizes]
     assert calls[-1] == (total, total, body) and total > 3
+
+
+def test_a_missing_cache_folder_is_named_by_lookup_and_write(tmp_path):
+    gone = str(tmp_path / "gone")
+    for call in (lambda: C.lookup(gone, "x.safetensors"), lambda: C.write(gone, "x.safetensors", {}, {}, {})):
+        with pytest.raises(C.QuantCacheError) as e:
+            call()
+        assert str(e.value) == f"cache folder '{gone}' cannot be opened (No such file or directory)"
+
+
+def test_lookup_refuses_a_non_regular_entry_with_its_path(tmp_path):
+    (tmp_path / "c.safetensors").mkdir()
+    with pytest.raises(C.QuantCacheError) as e:
+        C.lookup(str(tmp_path), "c.safetensors")
+    assert str(e.value) == (f"quantized cache '{tmp_path / 'c.safetensors'}' is not a regular file (a symlink or "
+                            "other entry); ditkit does not follow it: remove it to re-quantize")
+    assert C.lookup(str(tmp_path), "none.safetensors") is None
+
+
+def test_write_names_the_cache_file_when_a_tensor_does_not_fit_its_layout(tmp_path):
+    inv = {"a": ((4,), "F32")}
+    with pytest.raises(Exception) as e:
+        C.write(str(tmp_path), "c.safetensors", inv, {"a": torch.zeros(5)}, {})
+    assert str(e.value).startswith(f"{tmp_path / 'c.safetensors'}: tensor 'a' is F32 [5]")
+    assert os.listdir(tmp_path) == []
+
+
+def test_messages_of_a_digest_mismatch_and_a_header_changed_while_read(source, monkeypatch):
+    _, rep = _load(source)
+    path = rep.cache["file"]
+    hdr = read_header(path)
+    _tamper_at(path, 8 + hdr.header_len + 5)
+    with pytest.raises(C.QuantCacheError) as e:
+        _load(source)
+    assert str(e.value) == (f"quantized cache '{path}': its bytes do not match the digest stored in it (modified or "
+                            "damaged since ditkit wrote it); it is not used. Remove it to re-quantize from the source")
+    _tamper_at(path, 8 + hdr.header_len + 5)                      # back as it was
+    monkeypatch.setattr(C, "_raw_header_bytes", lambda p, n: b"x" * (8 + n))
+    with pytest.raises(C.QuantCacheError) as e:
+        _load(source)
+    assert str(e.value) == f"quantized cache '{path}': the file changed while it was read (remove it to re-quantize)"
+
+
+def test_a_hit_reports_its_family_format_recipe_key_and_progress(source):
+    """The key the file is written under is the source key computed here from its parts, and a hit's report and
+    progress come from the file (oracle: source_key called on the same inputs, the loader's own report)."""
+    src = QC.open_source(str(source))
+    recipe = QC.RECIPES[src.family]
+    sd1, rep1 = _load(source)
+    key, _ = C.source_key(src.files, src.family, FMT, recipe)
+    assert json.loads(read_header(rep1.cache["file"]).metadata[C.META_KEY])["key"] == key
+    assert key[:16] in os.path.basename(rep1.cache["file"])
+    plan = QC.make_plan(src.family, FMT, src.inventory, src.prefix)
+    seen = []
+    sd2, rep2 = C.cached_quantize(str(source), src.files, src.family, FMT, recipe, lambda: 1 / 0,
+                                  plan.output_inventory(), progress=lambda *a: seen.append(a))
+    assert (rep2.family, rep2.fmt, rep2.recipe) == ("h3", FMT, recipe["source"]) and rep2.cache["state"] == "hit"
+    assert seen and seen[-1][0] == seen[-1][1] == len(sd2)
+    assert {c: s.as_dict() for c, s in rep2.classes.items()} == {c: s.as_dict() for c, s in rep1.classes.items()}
+
+
+def test_a_record_without_classes_gives_an_empty_class_table(source):
+    """A cache whose record has no class table (written by hand here through the module's own writer, so its
+    digest is right) loads with no classes rather than failing."""
+    src = QC.open_source(str(source))
+    recipe = QC.RECIPES[src.family]
+    sd, rep = _load(source)
+    path = rep.cache["file"]
+    rec = json.loads(read_header(path).metadata[C.META_KEY])
+    del rec["classes"]
+    os.unlink(path)
+    plan = QC.make_plan(src.family, FMT, src.inventory, src.prefix)
+    C.write(os.path.dirname(path), os.path.basename(path), plan.output_inventory(), sd,
+            {C.META_KEY: json.dumps(rec)})
+    _, rep2 = C.cached_quantize(str(source), src.files, src.family, FMT, recipe, lambda: 1 / 0,
+                                plan.output_inventory())
+    assert rep2.cache["state"] == "hit" and rep2.classes == {}
