@@ -415,7 +415,7 @@ def cached_quantize(source_path: str, files: list[str], family: str, fmt: str, r
 
 
 def _stale(folder: str, name: str, fmt: str) -> list[str]:
-    stem = name[: name.index(f".ditkit-{fmt}-")]
+    stem = name[: name.rindex(f".ditkit-{fmt}-")]      # the last: a source may have the pattern in its name
     prefix = f"{stem}.ditkit-{fmt}-"
     try:
         names = os.listdir(folder)

@@ -6,6 +6,7 @@ Oracle: the state dict the streaming quantizer produces for the same source (bit
 written file re-hashed here with hashlib."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -733,3 +734,93 @@ def test_a_record_without_classes_gives_an_empty_class_table(source):
     _, rep2 = C.cached_quantize(str(source), src.files, src.family, FMT, recipe, lambda: 1 / 0,
                                 plan.output_inventory())
     assert rep2.cache["state"] == "hit" and rep2.classes == {}
+
+
+def _sampled_oracle(raw: bytes) -> str:
+    """The key's per-file sample from its definition (module doc): SHA-256 of the 8-byte length, the header, and
+    SAMPLES pieces of SAMPLE_BYTES spread evenly from the header's end to the file's end."""
+    n = int.from_bytes(raw[:8], "little") if len(raw) >= 8 else 0
+    end = min(len(raw), 8 + n)
+    h = hashlib.sha256(raw[:8] + raw[8:end])
+    data = len(raw) - end
+    if data > 0:
+        k = min(C.SAMPLE_BYTES, data)
+        for i in range(C.SAMPLES):
+            off = end + (data - k) * i // (C.SAMPLES - 1)
+            h.update(raw[off:off + k])
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("kind", ["model", "small data", "big header", "short file", "header past the end"])
+def test_sampled_sha256_is_its_definition(tmp_path, kind):
+    p = tmp_path / "f.safetensors"
+    if kind == "model":
+        save_file(ckpt_h3.base_state_dict(), p)
+    elif kind == "small data":
+        save_file({"a": torch.arange(10, dtype=torch.float32)}, p)
+    elif kind == "big header":                                       # a header over 1 MiB: read in pieces
+        save_file({"a": torch.zeros(3)}, p, metadata={"x": "y" * (3 << 19)})
+    elif kind == "short file":
+        p.write_bytes(b"\x05\x00\x00")
+    else:
+        p.write_bytes((1000).to_bytes(8, "little") + b"{}")
+    raw = p.read_bytes()
+    st = os.stat(p)
+    assert C._sampled_sha256(str(p)) == (len(raw), st.st_mtime_ns, _sampled_oracle(raw))
+
+
+def test_cache_location_of_the_root_folder_is_named_model():
+    assert C.cache_location("/", "nvfp4", "ab" * 32) == ("/", "model.ditkit-nvfp4-abababababababab.safetensors")
+
+
+def test_a_source_whose_name_holds_the_cache_pattern_is_not_its_own_stale_cache(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    src = folder / f"x.ditkit-{FMT}-old.safetensors"
+    save_file(ckpt_h3.base_state_dict(), src)
+    _, rep = _load(src)
+    assert rep.cache["state"] == "written" and rep.cache["stale"] == []
+    (folder / f"x.ditkit-{FMT}-old.ditkit-{FMT}-0123456789abcdef.safetensors").write_bytes(b"")
+    _, rep = _load(src)
+    assert rep.cache["stale"] == [f"x.ditkit-{FMT}-old.ditkit-{FMT}-0123456789abcdef.safetensors"]
+
+
+def _seconds_ok(v):
+    return isinstance(v, float) and 0 <= v < 600 and round(v, 3) == v
+
+
+def test_the_report_cache_entries_and_the_written_record(source, monkeypatch):
+    src = QC.open_source(str(source))
+    recipe = QC.RECIPES[src.family]
+    key, recs = C.source_key(src.files, src.family, FMT, recipe)
+    (source.parent / f"h3.ditkit-{FMT}-ffffffffffffffff.safetensors").write_bytes(b"")     # a stale one
+    stale = [f"h3.ditkit-{FMT}-ffffffffffffffff.safetensors"]
+    monkeypatch.setattr(C.time, "monotonic", iter([100.0, 100.5, 101.48765]).__next__)     # start, write, end
+    sd, rep = _load(source)
+    path = str(source.parent / f"h3.ditkit-{FMT}-{key[:16]}.safetensors")
+    assert rep.cache == {"state": "written", "file": path, "key": key[:16], "seconds_write": 0.988, "stale": stale}
+    meta = read_header(path).metadata
+    got = json.loads(meta[C.META_KEY])
+    assert meta[C.META_KEY] == json.dumps(got, sort_keys=True)
+    classes = got.pop("classes")
+    assert got == {"version": C.VERSION, "key": key, "format": FMT, "family": "h3", "recipe": recipe["source"],
+                   "files": recs}
+    assert classes == {c: dataclasses.asdict(v) for c, v in rep.classes.items()} and classes
+    layers = {k[: -len(".comfy_quant")]: {"format": FMT} for k in sd if k.endswith(".comfy_quant")}
+    assert layers and json.loads(meta["_quantization_metadata"]) == {"format_version": "1.0", "layers": layers}
+    monkeypatch.setattr(C.time, "monotonic", iter([5.0, 5.25]).__next__)
+    _, rep = _load(source)
+    assert rep.cache == {"state": "hit", "file": path, "key": key[:16], "seconds": 0.25, "verified": "digest",
+                         "stamp": rep.cache["stamp"], "stale": stale}
+
+
+def test_the_report_when_the_cache_cannot_be_written(source, monkeypatch):
+    def boom(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(C, "write", boom)
+    src = QC.open_source(str(source))
+    key, _ = C.source_key(src.files, src.family, FMT, QC.RECIPES[src.family])
+    _, rep = _load(source)
+    assert rep.cache == {"state": "not written", "why": "[Errno 30] Read-only file system", "stale": [],
+                         "file": str(source.parent / f"h3.ditkit-{FMT}-{key[:16]}.safetensors")}
