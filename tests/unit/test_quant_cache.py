@@ -751,13 +751,16 @@ def _sampled_oracle(raw: bytes) -> str:
     return h.hexdigest()
 
 
-@pytest.mark.parametrize("kind", ["model", "small data", "big header", "short file", "header past the end"])
+@pytest.mark.parametrize("kind", ["model", "small data", "one data byte", "big header", "short file",
+                                  "header past the end"])
 def test_sampled_sha256_is_its_definition(tmp_path, kind):
     p = tmp_path / "f.safetensors"
     if kind == "model":
         save_file(ckpt_h3.base_state_dict(), p)
     elif kind == "small data":
         save_file({"a": torch.arange(10, dtype=torch.float32)}, p)
+    elif kind == "one data byte":
+        save_file({"a": torch.ones(1, dtype=torch.uint8)}, p)
     elif kind == "big header":                                       # a header over 1 MiB: read in pieces
         save_file({"a": torch.zeros(3)}, p, metadata={"x": "y" * (3 << 19)})
     elif kind == "short file":
@@ -824,3 +827,23 @@ def test_the_report_when_the_cache_cannot_be_written(source, monkeypatch):
     _, rep = _load(source)
     assert rep.cache == {"state": "not written", "why": "[Errno 30] Read-only file system", "stale": [],
                          "file": str(source.parent / f"h3.ditkit-{FMT}-{key[:16]}.safetensors")}
+
+
+def test_source_key_is_the_sha256_of_its_documented_record(tmp_path):
+    """The key from its definition (module doc), written out here: SHA-256 of the sorted JSON of the version,
+    family, format, recipe source line, the recipe's rules and per file its name, size, mtime_ns and sample."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"x": torch.arange(6, dtype=torch.float32)}, a)
+    save_file({"y": torch.ones(3)}, b)
+    recipe = QC.RECIPES["h3"]
+    key, recs = C.source_key([str(a), str(b)], "h3", "mxfp8", recipe)
+    files = []
+    for p in (a, b):
+        raw, st = p.read_bytes(), os.stat(p)
+        files.append({"name": p.name, "bytes": len(raw), "mtime_ns": st.st_mtime_ns,
+                      "sampled_sha256": _sampled_oracle(raw)})
+    rules = [[r.pattern.pattern, r.layer_class, r.quantize] for r in recipe["rules"]]
+    blob = json.dumps({"version": C.VERSION, "family": "h3", "format": "mxfp8", "recipe": recipe["source"],
+                       "rules": rules, "files": files}, sort_keys=True)
+    assert recs == files and rules
+    assert key == hashlib.sha256(blob.encode()).hexdigest()
