@@ -9,7 +9,8 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..memory.model import DiTDims, MemoryModelError, Options, Weights, weights_from_inventory
-from ..memory.preflight import MemoryShortfallError, Plan, check_available, check_limit, h3_tokens, plan
+from ..memory.preflight import (MemoryShortfallError, Plan, check_available, check_limit, h3_keyframe_rows,
+                                h3_ref_rows, h3_tokens, plan)
 from .chunking import installed_chunk
 from .contract import Probe, entry
 from .models import diffusion_model, model_family
@@ -127,13 +128,57 @@ def install(m, text: int, limit_gib: float, report) -> None:
     m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, outer_sample_wrapper)
 
 
-def _text_len(guider, default: int) -> int:
-    n = 0
-    for c in (getattr(guider, "conds", None) or {}).get("positive", []) or []:
-        ca = c.get("cross_attn") if isinstance(c, dict) else None
-        if torch.is_tensor(ca) and ca.dim() >= 2:
-            n = max(n, int(ca.shape[1]))
-    return n or default
+def _rows_of(blocks, what: str):
+    if blocks is None:
+        return ()
+    if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, dict) for b in blocks):
+        raise MemoryModelError(f"{NODE_ID}: the conditioning's {what} is not a list of dicts: {type(blocks).__name__}")
+    return blocks
+
+
+def _frames(t, axis: int, what: str) -> int:
+    if not torch.is_tensor(t) or t.dim() <= abs(axis) - (axis < 0):
+        raise MemoryModelError(f"{NODE_ID}: {what} is not a latent tensor: {type(t).__name__}")
+    return int(t.shape[axis])
+
+
+def conditioning_rows(entries, video_shape, default_text: int, source: str = "input 'positive'"
+                      ) -> tuple[int, int, int]:
+    """:func:`packed_rows`, its errors naming ``source`` (the node input or the sampler's conditioning)."""
+    try:
+        return packed_rows(entries, video_shape, default_text)
+    except MemoryModelError as e:
+        msg = str(e)
+        msg = msg[len(NODE_ID) + 2:] if msg.startswith(NODE_ID + ": ") else msg
+        raise MemoryModelError(f"{NODE_ID}: {source}: {msg}") from None
+
+
+def packed_rows(entries, video_shape, default_text: int) -> tuple[int, int, int]:
+    """(text, reference, keyframe) rows of the longest packed sequence among the conditioning ``entries``: ComfyUI
+    ``CONDITIONING`` items ``[cross_attn, {...}]`` or the sampler's converted dicts (``cross_attn`` a key). Text rows
+    are the cross_attn length (``default_text`` when there is none); H3 ref2va blocks (``minimax_refs``: kind,
+    latent_t/h/w, ref_audio_t) and fl2va keyframes (``minimax_keyframes``: ``latent`` [B, 24, T, h, w] on the
+    target's patch grid, ``audio_latent`` [..., T_a]) are counted as ComfyUI's ``PackedLayout`` packs them."""
+    frame_rows = -(-int(video_shape[3]) // 2) * -(-int(video_shape[4]) // 2)
+    best = None
+    for c in entries or ():
+        if isinstance(c, dict):
+            ca, d = c.get("cross_attn"), c
+        elif isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[1], dict):
+            ca, d = c[0], c[1]
+        else:
+            raise MemoryModelError(f"{NODE_ID}: not a CONDITIONING (an item is {type(c).__name__})")
+        text = int(ca.shape[1]) if torch.is_tensor(ca) and ca.dim() >= 2 else default_text
+        refs = sum(h3_ref_rows(b.get("kind"), b.get("latent_t", 0), b.get("latent_h", 0), b.get("latent_w", 0),
+                               b.get("ref_audio_t", 0)) for b in _rows_of(d.get("minimax_refs"), "minimax_refs"))
+        kf = 0
+        for k in _rows_of(d.get("minimax_keyframes"), "minimax_keyframes"):
+            vt = 0 if k.get("latent") is None else _frames(k["latent"], 2, "a keyframe's latent")
+            at = 0 if k.get("audio_latent") is None else _frames(k["audio_latent"], -1, "a keyframe's audio latent")
+            kf += h3_keyframe_rows(vt, at, frame_rows)
+        if best is None or text + refs + kf > sum(best):
+            best = (text, refs, kf)
+    return best or (default_text, 0, 0)
 
 
 def outer_sample_wrapper(executor, *args, **kwargs):
@@ -147,8 +192,10 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     if not shapes or len(shapes) != 2:
         latent = args[1] if len(args) > 1 else kwargs.get("latent_image")
         shapes = latent_shapes_of(latent)
-    p = run_plan(guider.model_patcher, tuple(shapes[0]), tuple(shapes[1]), _text_len(guider, info["text"]),
-                 info["limit_gib"])
+    conds = getattr(guider, "conds", None) or {}
+    entries = [c for k in ("positive", "negative") for c in (conds.get(k) or [])]
+    text, refs, kf = conditioning_rows(entries, tuple(shapes[0]), info["text"], "the sampler's conditioning")
+    p = run_plan(guider.model_patcher, tuple(shapes[0]), tuple(shapes[1]), text, info["limit_gib"], refs, kf)
     target, send = info["report"]
     data = dict(p.as_dict(), phase="sampler", seconds=time.perf_counter() - t0)
     send(target, NODE_ID, "preflight", ("sampler check: " + p.summary()), data)
@@ -179,3 +226,33 @@ def _outer_sample_probe() -> Probe:
     if params[:5] != ["self", "noise", "latent_image", "sampler", "sigmas"]:
         return Probe.broken(f"outer_sample{params}")
     return Probe.holds("" if "latent_shapes" in params else "no latent_shapes: the latent is read")
+
+
+
+@entry("comfy.ldm.minimax.model.PackedLayout[preflight refs/keyframes]", nodes=(NODE_ID,), what="behaviour",
+       doc="PackedLayout(..., keyframes, refs) packs reference blocks (kind / latent_t / latent_h / latent_w / "
+           "ref_audio_t) and keyframes (latent / audio_latent): the rows the preflight counts")
+def _packed_layout_probe() -> Probe:
+    import inspect
+
+    from comfy.ldm.minimax.model import PackedLayout
+
+    params = list(inspect.signature(PackedLayout.__init__).parameters)
+    if params[-2:] != ["keyframes", "refs"]:
+        return Probe.broken(f"PackedLayout.__init__{params}")
+    layout = inspect.getsource(PackedLayout.__init__)
+    missing = [w for w in ('"kind"', '"latent_h"', '"latent_w"', '"latent_t"', '"ref_audio_t"', '"audio_latent"',
+                           '"video_audio"') if w not in layout]
+    return Probe.broken(f"missing {missing}") if missing else Probe.holds("")
+
+
+@entry("comfy.model_base.MiniMaxH3.extra_conds[preflight refs/keyframes]", nodes=(NODE_ID,), what="behaviour",
+       doc="the conditioning keys minimax_refs / minimax_keyframes reach the forward's PackedLayout")
+def _extra_conds_probe() -> Probe:
+    import inspect
+
+    from comfy.model_base import MiniMaxH3
+
+    conds = inspect.getsource(MiniMaxH3.extra_conds)
+    missing = [w for w in ('"minimax_refs"', '"minimax_keyframes"') if w not in conds]
+    return Probe.broken(f"missing {missing}") if missing else Probe.holds("")

@@ -59,6 +59,45 @@ def h3_tokens(video_shape, audio_shape, text: int = 0, refs: int = 0, keyframes:
     return tok
 
 
+REF_KINDS = ("image", "audio", "video", "video_audio")
+
+
+def _count(v, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise MemoryModelError(f"{name} must be an int >= 0, got {v!r}")
+    if v > MAX_TOKENS:
+        raise MemoryModelError(f"{name} = {v:,} is absurd (> {MAX_TOKENS:,})")
+    return v
+
+
+def h3_ref_rows(kind: str, latent_t: int = 0, latent_h: int = 0, latent_w: int = 0, ref_audio_t: int = 0) -> int:
+    """Packed rows of one H3 ref2va reference block (ComfyUI's layout: each 2x2 patch of a reference frame is one
+    row, ``(h // 2) * (w // 2)`` per frame; stereo audio two rows per latent frame): ``image`` one frame;
+    ``audio`` ``2 * ref_audio_t``; ``video`` / ``video_audio`` ``2 * ref_audio_t + latent_t`` frames."""
+    if kind not in REF_KINDS:
+        raise MemoryModelError(f"unknown H3 reference kind {kind!r} (one of {REF_KINDS})")
+    t, h, w, a = (_count(v, f"reference {n}") for v, n in ((latent_t, "latent_t"), (latent_h, "latent_h"),
+                                                           (latent_w, "latent_w"), (ref_audio_t, "ref_audio_t")))
+    frame = (h // 2) * (w // 2)
+    if kind == "image":
+        if frame <= 0:
+            raise MemoryModelError(f"image reference of latent {h}x{w} has no 2x2 patch")
+        rows = frame
+    elif kind == "audio":
+        rows = 2 * a
+    else:
+        rows = 2 * a + t * frame
+    return _count(rows, f"{kind} reference rows")
+
+
+def h3_keyframe_rows(latent_t: int, audio_t: int, frame_rows: int) -> int:
+    """Packed rows of one H3 fl2va keyframe: ``latent_t`` frames on the target's patch grid (``frame_rows`` rows per
+    frame) plus ``2 * audio_t`` rows of keyframe audio."""
+    t, a, f = (_count(v, n) for v, n in ((latent_t, "keyframe latent_t"), (audio_t, "keyframe audio_t"),
+                                         (frame_rows, "frame_rows")))
+    return _count(t * f + 2 * a, "keyframe rows")
+
+
 @dataclass
 class Suggestion:
     settings: dict

@@ -36,7 +36,11 @@ class DitKitPreflight(io.ComfyNode):
                                        "CPU host: free RAM), plus what this model already holds there."),
                 io.Int.Input("text_tokens", default=512, min=0, max=1 << 20,
                              tooltip="Text rows of the packed sequence, used until sampling starts (the sampler "
-                                     "check counts the real conditioning)."),
+                                     "check counts the real conditioning). Not used when positive is connected."),
+                io.Conditioning.Input("positive", optional=True,
+                                      tooltip="Optional: the conditioning the sampler will get. Its text rows, H3 "
+                                              "ref2va reference blocks (images, videos, audio) and fl2va keyframes "
+                                              "are counted into the packed sequence now instead of at sampling."),
             ],
             outputs=[io.Model.Output(tooltip="The model (a clone) with the sampler-time check installed."),
                      io.Latent.Output(tooltip="The latent, unchanged.")],
@@ -44,14 +48,16 @@ class DitKitPreflight(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, latent, limit_gib=0.0, text_tokens=512) -> io.NodeOutput:
+    def execute(cls, model, latent, limit_gib=0.0, text_tokens=512, positive=None) -> io.NodeOutput:
         t0 = time.perf_counter()
         if isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 0:
             raise MemoryModelError(f"{NODE_ID}: text_tokens must be an int >= 0, got {text_tokens!r}")
         if not isinstance(latent, dict) or "samples" not in latent:
             raise MemoryModelError(f"{NODE_ID}: the latent input is not a LATENT")
         video, audio = bridge.latent_shapes_of(latent["samples"])
-        p = bridge.run_plan(model, video, audio, text_tokens, limit_gib)
+        text, refs, keyframes = (text_tokens, 0, 0) if positive is None else \
+            bridge.conditioning_rows(positive, video, text_tokens)
+        p = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         data = dict(p.as_dict(), phase="node", seconds=time.perf_counter() - t0)
         payload = send_report(node_id, NODE_ID, "preflight", p.summary(), data)
