@@ -10,7 +10,7 @@ import torch
 from ..errors import UnsupportedModelError
 from ..memory.model import DiTDims, MemoryModelError, Options, Weights, weights_from_inventory
 from ..memory.preflight import (MemoryShortfallError, Plan, check_available, check_limit, h3_keyframe_rows,
-                                h3_ref_rows, h3_tokens, plan)
+                                h3_ref_rows, h3_tokens, ltx2_tokens, plan)
 from .chunking import installed_chunk
 from .contract import Probe, entry
 from .models import diffusion_model, model_family
@@ -40,30 +40,47 @@ def _compute_dtype(model) -> str:
     return {torch.float32: "float32", torch.float16: "float16"}.get(dt, "bfloat16")
 
 
+FAMILIES = ("h3", "ltx2")
+
+
+def family_of(model) -> str:
+    """``"h3"`` or ``"ltx2"``; UnsupportedModelError naming the class for any other MODEL (nothing is loaded)."""
+    family = model_family(model)
+    if family not in FAMILIES:
+        raise UnsupportedModelError(f"{NODE_ID}: the memory model is checked for MiniMax H3 and LTX-2; the MODEL input "
+                                    f"is {family or type(diffusion_model(model)).__name__}")
+    return family
+
+
 def model_facts(model):
-    """(dims, {format: Weights}, current format, compute dtype name) of an H3 MODEL."""
+    """(dims, {format: Weights}, current format, compute dtype name) of an H3 or LTX-2 MODEL."""
     import comfy.model_management as mm
 
-    family = model_family(model)
-    if family != "h3":
-        raise UnsupportedModelError(f"{NODE_ID}: the memory model is checked for MiniMax H3 only; the MODEL input is "
-                                    f"{family or type(diffusion_model(model)).__name__} (LTX-2 figures in "
-                                    "docs/memory.md are computed, not measured)")
+    family = family_of(model)
     dm = diffusion_model(model)
-    b0 = dm.blocks[0]
-    dims = DiTDims("h3", int(dm.hidden_size), int(b0.attn.heads), int(b0.attn.head_dim), int(b0.mlp.fc2.in_features),
-                   len(dm.blocks))
-    blocks = tuple(int(mm.module_size(b)) for b in dm.blocks)
-    other = int(mm.module_size(dm)) - sum(blocks)
-    w = b0.mlp.fc1.weight
+    if family == "h3":
+        blocks, prefix = dm.blocks, "blocks."
+        b0 = blocks[0]
+        dims = DiTDims("h3", int(dm.hidden_size), int(b0.attn.heads), int(b0.attn.head_dim),
+                       int(b0.mlp.fc2.in_features), len(blocks))
+        w = b0.mlp.fc1.weight
+    else:
+        blocks, prefix = dm.transformer_blocks, "transformer_blocks."
+        b0 = blocks[0]
+        dims = DiTDims("ltx2", int(b0.attn1.heads) * int(b0.attn1.dim_head), int(b0.attn1.heads),
+                       int(b0.attn1.dim_head), int(b0.ff.net[2].in_features), len(blocks), ffn_kind="gelu",
+                       extra_cols=int(getattr(dm, "audio_cross_attention_dim", 0) or 0))
+        w = b0.ff.net[0].proj.weight
+    sizes = tuple(int(mm.module_size(b)) for b in blocks)
+    other = int(mm.module_size(dm)) - sum(sizes)
     largest = int(w.shape[0]) * int(w.shape[1])
     quantized = type(w).__name__ == "QuantizedTensor" or w.dtype not in _DT
     current = "quantized (as loaded)" if quantized else "bf16"
-    weights = {current: Weights(blocks, other, largest)}
+    weights = {current: Weights(sizes, other, largest)}
     if not quantized:
         inv = {k: (tuple(t.shape), _DT.get(t.dtype, "BF16")) for k, t in dm.state_dict().items()}
         for fmt in ("float8_e4m3fn", "nvfp4"):
-            weights[fmt] = weights_from_inventory("h3", inv, fmt, "blocks.")
+            weights[fmt] = weights_from_inventory(family, inv, fmt, prefix)
     return dims, weights, current, _compute_dtype(model)
 
 
@@ -86,7 +103,11 @@ def available_memory(model, limit_gib: float) -> tuple[int, str, bool]:
 def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs: int = 0, keyframes: int = 0
              ) -> Plan:
     limit = check_limit(limit_gib)
-    tokens = h3_tokens(video_shape, audio_shape, text=text, refs=refs, keyframes=keyframes)
+    family = family_of(model)
+    if family == "h3":
+        tokens, batch = h3_tokens(video_shape, audio_shape, text=text, refs=refs, keyframes=keyframes), 1
+    else:   # text is cross-attention context; guides (LTXVAddGuide) are frames of the latent itself
+        tokens, batch = ltx2_tokens(video_shape, audio_shape), int(video_shape[0])
     dims, weights, current, compute = model_facts(model)
     installed, chunk = installed_chunk(model)
     ov = (model.model_options.get("transformer_options") or {}).get("optimized_attention_override")
@@ -94,7 +115,7 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs:
     available, where, streaming_possible = available_memory(model, limit)
     # auto chunking (chunk None) is counted unchunked: the upper bound, said in the report
     opts = Options(compute=compute, weight_format=current, chunk=chunk if installed else None,
-                   attention=attention_class(), free_bytes=available, head_group=head_group)
+                   attention=attention_class(), free_bytes=available, head_group=head_group, batch=batch)
 
     def scale(frac: float) -> str:
         t = int(video_shape[2])
@@ -107,9 +128,17 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs:
     return p
 
 
-def latent_shapes_of(samples):
-    """(video shape, audio shape) of an H3 LATENT's samples (a NestedTensor of video + audio)."""
+def latent_shapes_of(samples, family: str = "h3"):
+    """(video shape, audio shape) of a LATENT's samples: H3 a NestedTensor of video + audio; LTX-2 the same or a
+    video-only 5-D tensor (audio shape None)."""
     tensors = getattr(samples, "tensors", None)
+    if family == "ltx2":
+        if tensors and len(tensors) in (1, 2):
+            return tuple(tensors[0].shape), (tuple(tensors[1].shape) if len(tensors) == 2 else None)
+        if torch.is_tensor(samples) and samples.dim() == 5:
+            return tuple(samples.shape), None
+        raise MemoryModelError(f"{NODE_ID}: the LATENT is not an LTX-2 latent (video [B, C, T, H, W], optionally with "
+                               f"audio); got {type(samples).__name__} {tuple(getattr(samples, 'shape', ()))}")
     if not tensors or len(tensors) != 2:
         raise MemoryModelError(f"{NODE_ID}: the LATENT is not an H3 audio-video latent (video + audio); got "
                                f"{type(samples).__name__} {tuple(getattr(samples, 'shape', ()))}")
@@ -188,14 +217,21 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     if not info:
         return executor(*args, **kwargs)
     t0 = time.perf_counter()
+    family = family_of(guider.model_patcher)
     shapes = kwargs.get("latent_shapes") or (args[8] if len(args) > 8 else None)
-    if not shapes or len(shapes) != 2:
+    if shapes and len(shapes) == 2:
+        video, audio = tuple(shapes[0]), tuple(shapes[1])
+    elif shapes and len(shapes) == 1 and family == "ltx2":
+        video, audio = tuple(shapes[0]), None
+    else:
         latent = args[1] if len(args) > 1 else kwargs.get("latent_image")
-        shapes = latent_shapes_of(latent)
-    conds = getattr(guider, "conds", None) or {}
-    entries = [c for k in ("positive", "negative") for c in (conds.get(k) or [])]
-    text, refs, kf = conditioning_rows(entries, tuple(shapes[0]), info["text"], "the sampler's conditioning")
-    p = run_plan(guider.model_patcher, tuple(shapes[0]), tuple(shapes[1]), text, info["limit_gib"], refs, kf)
+        video, audio = latent_shapes_of(latent, family)
+    text, refs, kf = info["text"], 0, 0
+    if family == "h3":
+        conds = getattr(guider, "conds", None) or {}
+        entries = [c for k in ("positive", "negative") for c in (conds.get(k) or [])]
+        text, refs, kf = conditioning_rows(entries, video, info["text"], "the sampler's conditioning")
+    p = run_plan(guider.model_patcher, video, audio, text, info["limit_gib"], refs, kf)
     target, send = info["report"]
     data = dict(p.as_dict(), phase="sampler", seconds=time.perf_counter() - t0)
     send(target, NODE_ID, "preflight", ("sampler check: " + p.summary()), data)

@@ -59,6 +59,27 @@ def h3_tokens(video_shape, audio_shape, text: int = 0, refs: int = 0, keyframes:
     return tok
 
 
+def ltx2_tokens(video_shape, audio_shape=None) -> Tokens:
+    """The self-attention rows of one LTX-2 forward per latent: video ``T * H * W`` (patch 1x1x1 on the
+    [B, 128, T, H, W] latent), audio ``T_a`` (one row per latent frame of [B, C, T_a, F]; none for a video-only
+    latent). Text is cross-attention context, not in the sequence. Checked with python ints before anything
+    exists."""
+    if len(video_shape) != 5 or (audio_shape is not None and len(audio_shape) != 4):
+        raise MemoryModelError(f"LTX-2 latent must be video [B, C, T, H, W] (+ audio [B, C, T_a, F]), got "
+                               f"{tuple(video_shape)}" + (f" + {tuple(audio_shape)}" if audio_shape is not None else ""))
+    dims = [int(x) for x in video_shape] + [int(x) for x in (audio_shape or (1, 1, 1, 1))]
+    if any(x <= 0 for x in dims[:5]) or any(x < 0 for x in dims[5:]):
+        raise MemoryModelError(f"latent has an empty or negative dimension: {tuple(video_shape)}"
+                               + (f" + {tuple(audio_shape)}" if audio_shape is not None else ""))
+    if math.prod(dims[:5]) > MAX_LATENT_ELEMENTS or math.prod(dims[5:]) > MAX_LATENT_ELEMENTS:
+        raise MemoryModelError(f"latent {tuple(video_shape)} is absurdly large ({math.prod(dims[:5]):.3g} elements)")
+    tok = Tokens(video=dims[2] * dims[3] * dims[4], audio=dims[7] if audio_shape is not None else 0)
+    if tok.total > MAX_TOKENS:
+        raise MemoryModelError(f"latent {tuple(video_shape)} packs {tok.total:,} tokens (> {MAX_TOKENS:,}): absurd for "
+                               "any device; check the latent's frames / width / height")
+    return tok
+
+
 REF_KINDS = ("image", "audio", "video", "video_audio")
 
 
@@ -157,10 +178,14 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
     p = Plan(tokens, pred, available, where, opts)
     if p.fits:
         return p
+    group = dims.heads if opts.head_group is None else opts.head_group
     knobs = {"chunk_tokens": [c for c in CHUNKS if opts.chunk is None or c < opts.chunk],
+             "attention_heads_per_call": (sorted({max(1, dims.heads // k) for k in (2, 4, 8)} | {1}, reverse=True)
+                                          if opts.attention != "flash" else []),
              "streaming": [True] if streaming_possible and not opts.streaming else [],
              "weight_format": [f for f in SUGGEST_FORMATS if f in weights and f != opts.weight_format]}
-    cost = {"chunk_tokens": 0, "streaming": 1, "weight_format": 2}
+    knobs["attention_heads_per_call"] = [g for g in knobs["attention_heads_per_call"] if g < group]
+    cost = {"chunk_tokens": 0, "attention_heads_per_call": 0, "streaming": 1, "weight_format": 2}
     names = [k for k in knobs if knobs[k]]
     found: list[tuple[int, int, Suggestion]] = []
     for r in range(1, len(names) + 1):
@@ -184,7 +209,9 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
         if len(p.suggestions) >= max_suggestions:
             break
     if not p.suggestions:
-        best = {"chunk_tokens": CHUNKS[-1], **({"streaming": True} if knobs["streaming"] else {}),
+        best = {"chunk_tokens": CHUNKS[-1],
+                **({"attention_heads_per_call": 1} if knobs["attention_heads_per_call"] else {}),
+                **({"streaming": True} if knobs["streaming"] else {}),
                 **({"weight_format": knobs["weight_format"][-1]} if knobs["weight_format"] else {})}
         o = _apply(opts, best)
         w = weights[o.weight_format]
@@ -206,10 +233,13 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
 
 
 def _gentleness(s: dict) -> int:
-    """Among fitting settings of equal cost prefer the largest chunk and the higher-precision format."""
+    """Among fitting settings of equal cost prefer the largest chunk, the largest head group and the
+    higher-precision format."""
     g = 0
     if "chunk_tokens" in s:
         g += s["chunk_tokens"]
+    if "attention_heads_per_call" in s:
+        g += s["attention_heads_per_call"]
     if s.get("weight_format") == "float8_e4m3fn":
         g += 10 ** 6
     return g
@@ -219,6 +249,8 @@ def _apply(opts: Options, s: dict) -> Options:
     o = opts
     if "chunk_tokens" in s:
         o = replace(o, chunk=s["chunk_tokens"])
+    if "attention_heads_per_call" in s:
+        o = replace(o, head_group=s["attention_heads_per_call"])
     if "streaming" in s:
         o = replace(o, streaming=bool(s["streaming"]))
     if "weight_format" in s:

@@ -11,7 +11,7 @@ from ditkit.errors import DitKitError
 from ditkit.memory.model import (GIB, MAX_TOKENS, DiTDims, MemoryModelError, Options, Tokens, Weights,
                                  activation_parts, predict, sub_quad_chunk, weights_from_inventory)
 from ditkit.memory.preflight import (MemoryShortfallError, check_available, check_limit, h3_keyframe_rows,
-                                    h3_ref_rows, h3_tokens, plan)
+                                    h3_ref_rows, h3_tokens, ltx2_tokens, plan)
 
 D = DiTDims("h3", 5376, 56, 128, 14336, 50)
 W = Weights(tuple([1_000_000_000] * 50), 2_000_000_000, 28672 * 5376)
@@ -251,3 +251,59 @@ def test_head_groups_shrink_score_workspace():
     assert sq1["attention"] < sq
     with pytest.raises(MemoryModelError, match="head_group"):
         activation_parts(D, Tokens(video=k), Options(head_group=0))
+
+
+def test_ltx2_tokens_by_hand():
+    # LTX-2 (ComfyUI's SymmetricPatchifier patch 1, AudioPatchifier(1)): one row per latent voxel, one per audio
+    # latent frame; text is cross-attention context
+    t = ltx2_tokens((1, 128, 13, 16, 16))
+    assert (t.video, t.audio, t.text, t.total) == (13 * 16 * 16, 0, 0, 3328)
+    t = ltx2_tokens((2, 128, 4, 6, 5), (2, 8, 21, 16))
+    assert (t.video, t.audio, t.total) == (120, 21, 141)
+    assert ltx2_tokens((1, 128, 1, 1, 1)).total == 1
+    assert ltx2_tokens((1, 128, 1, 1, 1), (1, 8, 0, 16)).audio == 0          # an empty audio stream
+    assert ltx2_tokens((1, 128, MAX_TOKENS, 1, 1)).total == MAX_TOKENS
+    with pytest.raises(MemoryModelError, match="absurd"):
+        ltx2_tokens((1, 128, MAX_TOKENS + 1, 1, 1))
+
+
+@pytest.mark.parametrize("video,audio", [((1, 128, 4, 4), None), ((1, 128, 0, 4, 4), None), ((1, 128, 2, -4, 4), None),
+                                         ((1, 128, 2, 4, 4), (1, 8, 16)), ((1, 128, 2, 4, 4), (1, 8, -1, 16)),
+                                         ((1, 128, 10**6, 10**4, 10**4), None)])
+def test_ltx2_bad_latents(video, audio):
+    tracemalloc.start()
+    try:
+        with pytest.raises(MemoryModelError):
+            ltx2_tokens(video, audio)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_ltx2_persistent_columns_and_gelu_feed_forward():
+    d = DiTDims("ltx2", 4096, 32, 128, 16384, 48, ffn_kind="gelu", extra_cols=2048)
+    a = activation_parts(d, Tokens(video=1000), Options(compute="bfloat16"))
+    assert a["persistent"] == 1000 * (2 * 4096 + 2048) * 2
+    assert a["feed_forward"] == 1000 * (2 * 4096 + 2 * 16384) * 2
+    assert a["attention"] == 1000 * (2 * 4096 + 6 * 4096) * 2
+
+
+def test_head_groups_are_suggested_only_for_backends_that_hold_scores():
+    tok = Tokens(video=20_000)
+    w = {"bf16": W2}
+    sq = Options(compute="bfloat16", attention="sub_quad", free_bytes=64 * GIB)
+    full = predict(D2, W2, tok, sq).device
+    g1 = predict(D2, W2, tok, Options(compute="bfloat16", attention="sub_quad", free_bytes=64 * GIB, head_group=1))
+    assert g1.device < full
+    p = plan(D2, w, tok, sq, full - 1, "x", False)
+    groups = [s.settings.get("attention_heads_per_call") for s in p.suggestions]
+    assert any(groups) and all(g in (None, 4, 2, 1) for g in groups), p.summary()
+    assert all(s.prediction.device <= full - 1 for s in p.suggestions)
+    fl = Options(compute="bfloat16", attention="flash")
+    pf = plan(D2, w, tok, fl, predict(D2, W2, tok, fl).device - 1, "x", False)
+    assert pf.suggestions and not any("attention_heads_per_call" in s.settings for s in pf.suggestions)
+    already = Options(compute="bfloat16", attention="math", head_group=2)
+    pm = plan(D2, w, tok, already, predict(D2, W2, tok, already).device - 1, "x", False)
+    assert all(s.settings.get("attention_heads_per_call", 1) < 2 for s in pm.suggestions)
+    assert "attention 2 heads per call" in already.describe() and "heads per call" not in fl.describe()
