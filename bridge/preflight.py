@@ -100,8 +100,33 @@ def available_memory(model, limit_gib: float) -> tuple[int, str, bool]:
     return check_available(int(free) + held if free > 0 else int(free), where), where, dev.type != "cpu"
 
 
-def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs: int = 0, keyframes: int = 0
-             ) -> Plan:
+def decode_parts(vae, video_shape) -> dict:
+    """The VAE decode's bytes after sampling, by part, from the VAE as ComfyUI built it: its weights, ComfyUI's
+    own working-set estimate (``memory_used_decode``, what ComfyUI frees memory for) and, on a CPU host, the
+    decoded frames it returns (``upscale_ratio``: frames and pixels; ``vae_output_dtype``)."""
+    import comfy.model_management as mm
+
+    if not callable(getattr(vae, "memory_used_decode", None)) or getattr(vae, "first_stage_model", None) is None:
+        raise MemoryModelError(f"{NODE_ID}: input 'vae' is not a VAE ({type(vae).__name__})")
+    shape = tuple(int(x) for x in video_shape)
+    try:
+        working = float(vae.memory_used_decode(shape, vae.vae_dtype))
+    except Exception as e:   # a VAE of another family: its estimate does not take this latent
+        raise MemoryModelError(f"{NODE_ID}: input 'vae' cannot decode a latent of shape {shape}: "
+                               f"{type(e).__name__}: {e}") from None
+    up = getattr(vae, "upscale_ratio", 1)
+    frames = int(up[0](shape[2])) if isinstance(up, tuple) and callable(up[0]) else shape[2]
+    px = int(vae.spacial_compression_decode())
+    parts = {"VAE weights": int(mm.module_size(vae.first_stage_model)),
+             "VAE working set (ComfyUI's estimate)": working}
+    if torch.device(vae.device).type == "cpu":
+        item = torch.empty((), dtype=vae.vae_output_dtype()).element_size()
+        parts["decoded frames"] = shape[0] * 3 * frames * shape[3] * px * shape[4] * px * item
+    return parts
+
+
+def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs: int = 0, keyframes: int = 0,
+             vae=None) -> Plan:
     limit = check_limit(limit_gib)
     family = family_of(model)
     if family == "h3":
@@ -122,7 +147,9 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs:
         return (f"latent frames <= {max(1, int(t * frac))} of {t} at this resolution, or width and height x "
                 f"{frac ** 0.5:.2f} at this length")
 
-    p = plan(dims, weights, tokens, opts, available, where, streaming_possible, video_scale=scale)
+    dec = decode_parts(vae, video_shape) if vae is not None else None
+    p = plan(dims, weights, tokens, opts, available, where, streaming_possible, video_scale=scale, decode_parts=dec,
+             decode_keeps_weights=torch.device(model.load_device).type == "cpu")
     if installed and chunk is None:
         p.where += " (feed-forward chunking is auto: predicted unchunked, an upper bound)"
     return p
@@ -149,11 +176,11 @@ def refusal(p: Plan) -> MemoryShortfallError:
     return MemoryShortfallError(f"{NODE_ID}: the job does not fit: {p.summary()}. Nothing was loaded or sampled.")
 
 
-def install(m, text: int, limit_gib: float, report) -> None:
+def install(m, text: int, limit_gib: float, report, vae=None) -> None:
     import comfy.patcher_extension as pe
 
     m.model_options.setdefault("transformer_options", {})[WRAPPER_KEY] = {"text": text, "limit_gib": limit_gib,
-                                                                         "report": report}
+                                                                         "report": report, "vae": vae}
     m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, outer_sample_wrapper)
 
 
@@ -231,7 +258,7 @@ def outer_sample_wrapper(executor, *args, **kwargs):
         conds = getattr(guider, "conds", None) or {}
         entries = [c for k in ("positive", "negative") for c in (conds.get(k) or [])]
         text, refs, kf = conditioning_rows(entries, video, info["text"], "the sampler's conditioning")
-    p = run_plan(guider.model_patcher, video, audio, text, info["limit_gib"], refs, kf)
+    p = run_plan(guider.model_patcher, video, audio, text, info["limit_gib"], refs, kf, info.get("vae"))
     target, send = info["report"]
     data = dict(p.as_dict(), phase="sampler", seconds=time.perf_counter() - t0)
     send(target, NODE_ID, "preflight", ("sampler check: " + p.summary()), data)
@@ -291,4 +318,19 @@ def _extra_conds_probe() -> Probe:
 
     conds = inspect.getsource(MiniMaxH3.extra_conds)
     missing = [w for w in ('"minimax_refs"', '"minimax_keyframes"') if w not in conds]
+    return Probe.broken(f"missing {missing}") if missing else Probe.holds("")
+
+
+@entry("comfy.sd.VAE[preflight decode]", nodes=(NODE_ID,), what="attributes",
+       doc="memory_used_decode(shape, dtype), first_stage_model, vae_dtype, upscale_ratio, spacial_compression_decode, "
+           "vae_output_dtype, device: the decode's predicted peak")
+def _vae_probe() -> Probe:
+    import inspect
+
+    from comfy.sd import VAE
+
+    missing = [a for a in ("spacial_compression_decode", "vae_output_dtype", "decode") if not hasattr(VAE, a)]
+    src = inspect.getsource(VAE.__init__)
+    missing += [a for a in ("self.memory_used_decode", "self.first_stage_model", "self.vae_dtype", "self.upscale_ratio",
+                            "self.device") if a not in src]
     return Probe.broken(f"missing {missing}") if missing else Probe.holds("")

@@ -123,10 +123,15 @@ def h3_keyframe_rows(latent_t: int, audio_t: int, frame_rows: int) -> int:
 class Suggestion:
     settings: dict
     prediction: Prediction
+    job_peak: int = 0      # the larger of the step and the VAE decode with these settings (0: the step's)
+
+    @property
+    def peak(self) -> int:
+        return max(self.prediction.device, self.job_peak)
 
     def line(self) -> str:
         s = ", ".join(f"{k} {v}" for k, v in self.settings.items())
-        return f"{s}: predicted {self.prediction.device / GIB:.2f} GiB"
+        return f"{s}: predicted {self.peak / GIB:.2f} GiB"
 
 
 @dataclass
@@ -137,46 +142,80 @@ class Plan:
     where: str
     options: Options
     suggestions: list[Suggestion] = field(default_factory=list)
+    decode_parts: dict = field(default_factory=dict)   # the VAE decode's bytes by part (empty: not planned)
+    decode_keeps_weights: bool = False                 # the DiT's weights stay beside the decode (CPU host)
+
+    def decode_bytes(self, pred: Prediction | None = None) -> int:
+        """Peak of the VAE decode after sampling (0 when no VAE was given)."""
+        if not self.decode_parts:
+            return 0
+        pred = pred or self.prediction
+        return int(sum(self.decode_parts.values())) + (pred.parts["weights_device"] if self.decode_keeps_weights
+                                                       else 0)
+
+    def peak(self, pred: Prediction | None = None) -> int:
+        """The job's peak: the larger of one sampling step and the VAE decode."""
+        pred = pred or self.prediction
+        return max(pred.device, self.decode_bytes(pred))
 
     @property
     def fits(self) -> bool:
-        return self.prediction.device <= self.available
+        return self.peak() <= self.available
 
     @property
     def shortfall(self) -> int:
-        return max(0, self.prediction.device - self.available)
+        return max(0, self.peak() - self.available)
 
     def summary(self) -> str:
         t = self.tokens
         head = (f"{t.total:,} tokens (video {t.video:,}, audio {t.audio:,}, text {t.text:,}, refs {t.refs:,}, "
-                f"keyframes {t.keyframes:,}); predicted peak {self.prediction.device / GIB:.2f} GiB vs "
+                f"keyframes {t.keyframes:,}); predicted peak {self.peak() / GIB:.2f} GiB vs "
                 f"{self.available / GIB:.2f} GiB {self.where} [{self.options.describe()}]")
+        if self.decode_parts:
+            head += (f"; sampling step {self.prediction.device / GIB:.2f} GiB, VAE decode "
+                     f"{self.decode_bytes() / GIB:.2f} GiB")
         if self.fits:
             return head + ": fits"
-        tail = "; ".join(s.line() for s in self.suggestions) or "nothing ditkit can set fits"
+        if self.decode_parts and self.decode_bytes() > self.available and not self.suggestions:
+            tail = ("none: the VAE decode alone needs more; decode tiled (VAE Decode (Tiled)) or lower the "
+                    "resolution / length")
+        else:
+            tail = "; ".join(s.line() for s in self.suggestions) or "nothing ditkit can set fits"
         return head + f": SHORT by {self.shortfall / GIB:.2f} GiB. Settings that fit: {tail}"
 
     def as_dict(self) -> dict:
-        return {"tokens": self.tokens.as_dict(), "predicted_bytes": self.prediction.device,
+        return {"tokens": self.tokens.as_dict(), "predicted_bytes": self.peak(),
+                "step_bytes": self.prediction.device, "decode_bytes": self.decode_bytes(),
+                "decode_parts": dict(self.decode_parts),
                 "available_bytes": self.available, "where": self.where, "fits": self.fits,
                 "shortfall_bytes": self.shortfall, "parts": self.prediction.parts,
-                "suggestions": [{"settings": s.settings, "predicted_bytes": s.prediction.device}
+                "suggestions": [{"settings": s.settings, "predicted_bytes": s.peak}
                                 for s in self.suggestions]}
 
 
 def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Options, available: int, where: str,
-         streaming_possible: bool, video_scale=None, max_suggestions: int = 3) -> Plan:
+         streaming_possible: bool, video_scale=None, max_suggestions: int = 3, decode_parts: dict | None = None,
+         decode_keeps_weights: bool = False) -> Plan:
     """The job's prediction and, when it does not fit, the fitting settings with the fewest changes (then the
     cheapest: chunking before streaming before a lower-precision format), at most ``max_suggestions``; when no
     setting fits, the longest video (fraction of the video tokens) that fits with every saving on.
 
     ``weights``: the model's weights per format name (``opts.weight_format`` must be one of them; formats not
-    present are not suggested)."""
+    present are not suggested).
+
+    ``decode_parts``: the VAE decode's bytes by part (the job's peak is the larger of the step and the decode; a
+    decode that alone exceeds ``available`` gets no DiT suggestion); ``decode_keeps_weights``: the DiT's weights
+    stay in the same memory during the decode (a CPU host), so each setting's weights count there too."""
     if opts.weight_format not in weights:
         raise MemoryModelError(f"no weight inventory for the model's format {opts.weight_format!r}")
+    parts = {}
+    for k, v in (decode_parts or {}).items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise MemoryModelError(f"VAE decode part {k!r} must be a finite number of bytes >= 0, got {v!r}")
+        parts[str(k)] = int(v)
     pred = predict(dims, weights[opts.weight_format], tokens, opts)
-    p = Plan(tokens, pred, available, where, opts)
-    if p.fits:
+    p = Plan(tokens, pred, available, where, opts, decode_parts=parts, decode_keeps_weights=decode_keeps_weights)
+    if p.fits or (parts and sum(parts.values()) > available):
         return p
     group = dims.heads if opts.head_group is None else opts.head_group
     knobs = {"chunk_tokens": [c for c in CHUNKS if opts.chunk is None or c < opts.chunk],
@@ -194,8 +233,8 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
                 s = dict(zip(combo, values))
                 o = _apply(opts, s)
                 pr = predict(dims, weights[o.weight_format], tokens, o)
-                if pr.device <= available:
-                    found.append((sum(cost[k] for k in combo), -_gentleness(s), Suggestion(s, pr)))
+                if p.peak(pr) <= available:
+                    found.append((sum(cost[k] for k in combo), -_gentleness(s), Suggestion(s, pr, p.peak(pr))))
         if found:
             break
     found.sort(key=lambda x: (x[0], x[1]))
@@ -219,7 +258,7 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
         for _ in range(30):
             mid = (lo + hi) / 2
             t = replace(tokens, video=max(1, int(tokens.video * mid)))
-            if predict(dims, w, t, o).device <= available:
+            if p.peak(predict(dims, w, t, o)) <= available:
                 lo = mid
             else:
                 hi = mid
@@ -228,7 +267,8 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
             s = dict(best, video_tokens=f"<= {t.video:,} ({lo:.0%} of the length x area)")
             if video_scale is not None:
                 s["resolution_or_length"] = video_scale(lo)
-            p.suggestions.append(Suggestion(s, predict(dims, w, t, o)))
+            pr = predict(dims, w, t, o)
+            p.suggestions.append(Suggestion(s, pr, p.peak(pr)))
     return p
 
 

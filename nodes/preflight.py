@@ -43,6 +43,11 @@ class DitKitPreflight(io.ComfyNode):
                                       tooltip="Optional: the conditioning the sampler will get. Its text rows, H3 "
                                               "ref2va reference blocks (images, videos, audio) and fl2va keyframes "
                                               "are counted into the packed sequence now instead of at sampling."),
+                io.Vae.Input("vae", optional=True,
+                             tooltip="Optional: the video VAE that will decode the result. Its decode's predicted peak "
+                                     "(weights, ComfyUI's working-set estimate, the decoded frames on a CPU host) "
+                                     "joins the plan: the job's peak is the larger of a sampling step and the "
+                                     "decode."),
             ],
             outputs=[io.Model.Output(tooltip="The model (a clone) with the sampler-time check installed."),
                      io.Latent.Output(tooltip="The latent, unchanged.")],
@@ -50,7 +55,7 @@ class DitKitPreflight(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, latent, limit_gib=0.0, text_tokens=512, positive=None) -> io.NodeOutput:
+    def execute(cls, model, latent, limit_gib=0.0, text_tokens=512, positive=None, vae=None) -> io.NodeOutput:
         t0 = time.perf_counter()
         if isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 0:
             raise MemoryModelError(f"{NODE_ID}: text_tokens must be an int >= 0, got {text_tokens!r}")
@@ -60,14 +65,14 @@ class DitKitPreflight(io.ComfyNode):
         video, audio = bridge.latent_shapes_of(latent["samples"], family)
         text, refs, keyframes = (text_tokens, 0, 0) if positive is None or family != "h3" else \
             bridge.conditioning_rows(positive, video, text_tokens)
-        p = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes)
+        p = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes, vae)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         data = dict(p.as_dict(), phase="node", seconds=time.perf_counter() - t0)
         payload = send_report(node_id, NODE_ID, "preflight", p.summary(), data)
         if not p.fits:
             raise bridge.refusal(p)
         m = model.clone()
-        bridge.install(m, text_tokens, float(limit_gib), (report_target(node_id, NODE_ID), send_report))
+        bridge.install(m, text_tokens, float(limit_gib), (report_target(node_id, NODE_ID), send_report), vae)
         return io.NodeOutput(m, latent, ui=ui_report(payload))
 
 

@@ -252,6 +252,8 @@ def test_preflight_example_badge_shows_predicted_vs_available(comfy_server):
     assert m, rep["summary"]
     assert abs(float(m[1]) - d["predicted_bytes"] / 2**30) < 0.01 and abs(float(m[2]) - d["available_bytes"] / 2**30) < 0.01
     assert "chunk 16" in rep["summary"] and rep["summary"].endswith(": fits"), rep["summary"]
+    assert graph["8"]["inputs"]["vae"] == ["20", 0] and d["decode_bytes"] > 0 and "VAE decode" in rep["summary"]
+    assert d["predicted_bytes"] == max(d["step_bytes"], d["decode_bytes"])
     assert d["tokens"]["video"] == 7 * 2 * 2 and d["tokens"]["audio"] == 2 * 37, d["tokens"]
     assert 0 < d["tokens"]["text"] != 512 and d["tokens"]["refs"] == 0 and d["tokens"]["keyframes"] == 0
     chunk = entry["outputs"]["5"]["ditkit_report"][0]["summary"]

@@ -230,3 +230,76 @@ def test_bad_conditioning_named_errors(model):
                 ["not conditioning"]):
         with pytest.raises(DitKitError, match="input 'positive'") as e:
             DitKitPreflight.execute(model, latent(), limit_gib=1000.0, text_tokens=0, positive=bad)
+
+
+@pytest.fixture(scope="module")
+def vae(comfy, tiny_ckpts):
+    import folder_paths
+
+    from ditkit.nodes.h3_vae import DitKitH3VAELoader
+    from ditkit.tiny import ckpt_h3_vae as ck
+
+    from comfy_api.latest import io
+
+    folder_paths.add_model_folder_path("vae", str(tiny_ckpts / "vae"))
+    before = DitKitH3VAELoader.__dict__.get("hidden")
+    DitKitH3VAELoader.hidden = io.HiddenHolder.from_dict({io.Hidden.unique_id: "vae"})
+    try:
+        out = DitKitH3VAELoader.execute(ck.VIDEO_VAE_NAME)
+    finally:
+        DitKitH3VAELoader.hidden = before
+    return out.args[0] if hasattr(out, "args") else out.result[0]
+
+
+def test_vae_decode_joins_the_plan(model, vae):
+    """With the video VAE connected the job's peak is max(step, decode); the decode's parts are the VAE's weights,
+    ComfyUI's own working-set estimate for the H3 video VAE (its formula written out here from comfy/sd.py:
+    (9.5 x frames x H x W + fixed) x dtype size x 1.03, frames capped at one temporal chunk) and, on this CPU host,
+    the decoded float frames; the DiT's weights stay in RAM beside it."""
+    import comfy.model_management as mm
+
+    from ditkit.nodes.preflight import DitKitPreflight
+
+    lat = latent()
+    v = lat["samples"].tensors[0]
+    t, h, w = v.shape[2], v.shape[3], v.shape[4]
+    frames = (t - 2) // 5 * 17 + 5                        # 17k+5 frames <-> 5k+2 latents
+    fsm = vae.first_stage_model
+    chunk = (fsm.tokens_chunk_size + fsm.token_overlap) * fsm.vae_ratio_t
+    working = (9.5 * min(frames, chunk + 2) * h * 16 * w * 16 + (110_000_000 if frames <= 22 else 270_000_000)) \
+        * mm.dtype_size(vae.vae_dtype) * 1.03
+    weights = sum(p.numel() * p.element_size() for p in fsm.state_dict().values())
+    out_bytes = 3 * frames * h * 16 * w * 16 * torch.empty((), dtype=vae.vae_output_dtype()).element_size()
+    d = DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=TEXT, vae=vae).ui["ditkit_report"][0]
+    data = d["data"]
+    assert data["decode_parts"]["VAE weights"] == weights
+    assert abs(data["decode_parts"]["VAE working set (ComfyUI's estimate)"] - int(working)) <= 1
+    assert data["decode_parts"]["decoded frames"] == out_bytes
+    dit = data["parts"]["weights_device"]
+    assert data["decode_bytes"] == sum(data["decode_parts"].values()) + dit
+    assert data["predicted_bytes"] == max(data["step_bytes"], data["decode_bytes"])
+    assert "VAE decode" in d["summary"] and "sampling step" in d["summary"]
+    plain = DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=TEXT).ui["ditkit_report"][0]["data"]
+    assert plain["step_bytes"] == data["step_bytes"] and plain["decode_bytes"] == 0
+
+
+def test_decode_that_alone_does_not_fit_is_refused_with_its_own_advice(model, vae):
+    from ditkit.memory.model import MemoryModelError
+    from ditkit.memory.preflight import MemoryShortfallError
+    from ditkit.nodes.preflight import DitKitPreflight
+
+    lat = latent()
+    d = DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=TEXT, vae=vae).ui["ditkit_report"][0]["data"]
+    assert d["decode_bytes"] > d["step_bytes"]             # ComfyUI's fixed 110 MB term dominates the tiny H3
+    alone = sum(d["decode_parts"].values())
+    with pytest.raises(MemoryShortfallError, match="VAE decode alone needs more") as e:
+        DitKitPreflight.execute(model, lat, limit_gib=(alone - 1) / 2**30, text_tokens=TEXT, vae=vae)
+    assert "Nothing was loaded" in str(e.value)
+    # between the step and the decode: refused (the job's peak is the decode), the step alone would fit
+    mid = (d["step_bytes"] + d["decode_bytes"]) / 2 / 2**30
+    DitKitPreflight.execute(model, lat, limit_gib=mid, text_tokens=TEXT)
+    with pytest.raises(MemoryShortfallError):
+        DitKitPreflight.execute(model, lat, limit_gib=mid, text_tokens=TEXT, vae=vae)
+    DitKitPreflight.execute(model, lat, limit_gib=d["decode_bytes"] / 2**30, text_tokens=TEXT, vae=vae)   # boundary
+    with pytest.raises(MemoryModelError, match="input 'vae' is not a VAE"):
+        DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=TEXT, vae=object())
