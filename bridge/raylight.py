@@ -15,7 +15,8 @@ attention would attend: 0.107 max difference on a toy), runs VSA-H3 on this rank
 The FastH3 gate made by a block replace on the rank's *sequence* shard goes through the same seq -> head
 all-to-all as q first (``gate_group``). Ring attention (ring degree > 1) is refused by name: VSA's tile selection
 needs every key tile on the rank. Calls the processor cannot take (no ditkit context, another layout, a dense
-step) run ``dense_attention`` and are counted, as the single-GPU override counts them.
+step) run ``dense_attention`` and are counted, as the single-GPU override counts them; a dense step of a packed
+forward gets the rows without Raylight's padding too (its dense attention would attend them), so it stays exact.
 """
 from __future__ import annotations
 
@@ -55,8 +56,12 @@ class VSAInnerAttention:
         elif not ctx.sparse:
             reason = ctx.reason
         if reason is not None:
+            packed = reason != "token refiner / non-packed" and ctx is not None
             if holder is not None:
-                holder.runtime.dense_call(reason, ctx if reason != "token refiner / non-packed" else None)
+                holder.runtime.dense_call(reason, ctx if packed else None)
+            if packed and q.shape[1] > ctx.layout.seq_len:  # a dense step: Raylight's pad rows are not keys either
+                return _restore_pad(dense_attention(*(t[:, :ctx.layout.seq_len] for t in (q, k, v)), **kwargs),
+                                    q.shape[1])
             return dense_attention(q, k, v, **kwargs)
         n = ctx.layout.seq_len
         gate = to.get(GATE_KEY)
@@ -66,10 +71,15 @@ class VSAInnerAttention:
         # BSHD -> the kernels' BHSD, padding rows dropped (they are not tokens of the layout)
         qh, kh, vh = (t[:, :n].transpose(1, 2) for t in (q, k, v))
         out = holder.runtime.attention(qh, kh, vh, ctx, gate=gate).transpose(1, 2)
-        if q.shape[1] > n:
-            # zero rows where Raylight padded: they are sliced off after the inverse all-to-all
-            out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)
-        return out.contiguous()
+        return _restore_pad(out, q.shape[1])
+
+
+def _restore_pad(out: torch.Tensor, padded: int) -> torch.Tensor:
+    """``out`` [B, n, H/N, D] back to Raylight's padded length with zero rows (they are sliced off after the
+    inverse all-to-all)."""
+    if out.shape[1] < padded:
+        out = torch.cat([out, out.new_zeros(out.shape[0], padded - out.shape[1], *out.shape[2:])], dim=1)
+    return out.contiguous()
 
 
 def raylight_available() -> bool:

@@ -264,3 +264,28 @@ def test_reduced_metric_equals_the_single_process_relative_l1_within_rounding():
     conds = [type("C", (), {"prev": {"video": torch.cat([b, torch.zeros(1, 8)])}})()]
     got = st._reduced_changes(conds, {"video": [torch.cat([a, torch.full((1, 8), 9.0)])]})  # the pad row excluded
     assert got[(0, "video")] == pytest.approx(rel_l1(a, b), rel=1e-6)
+
+
+def test_processor_dense_step_excludes_raylight_pad_rows():
+    """A dense step (outside start/end percent) of a padded packed forward: the dense attention gets the layout's
+    rows only (Raylight's pad rows would be attended as keys), the output is padded back with zero rows."""
+    rt = VSAH3Runtime(VSAH3Config(keep=0.25, backend="reference", sigma_start=0.9, sigma_end=0.1))
+    ctx = rt.begin_forward((37, 10), GRID, 0.95)
+    assert not ctx.sparse
+    n = ctx.layout.seq_len
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 3, n + 2, HEAD_DIM, generator=g).transpose(1, 2) for _ in range(3))  # BSHD views
+    seen = []
+
+    def dense(q_, k_, v_, **kw):
+        seen.append((q_.shape[1], k_.shape[1], v_.shape[1], kw))
+        return q_ * 2
+    out = VSAInnerAttention()(dense, q, k, v, transformer_options={HOLDER_KEY: VSAHolder(rt), CTX_KEY: ctx},
+                              causal=False)
+    assert seen == [(n, n, n, {"causal": False})]
+    assert out.shape == q.shape and torch.equal(out[:, :n], q[:, :n] * 2)
+    assert torch.equal(out[:, n:], torch.zeros_like(out[:, n:]))
+    assert rt.calls[ctx.reason] == 1 and rt.steps_dense
+    exact = VSAInnerAttention()(dense, q[:, :n], k[:, :n], v[:, :n],
+                                transformer_options={HOLDER_KEY: VSAHolder(rt), CTX_KEY: ctx})
+    assert exact.shape[1] == n                                          # unpadded: as is, no zero rows added
