@@ -15,12 +15,16 @@ node does, under a USP driver written here from Raylight's description (``../sha
 The final latents must equal the single-process run (ditkit's attention override on the whole sequence) within
 fp32 rounding; one of the three steps is dense (``end_percent``), so the processor's dense path on a padded
 sequence is covered too. The ranks must agree bit for bit.
+
+The same spawn runs TeaCache stacked on it, installed as ``DitKitRayTeaCache`` does on each actor (the block-0
+decision on the shard through the rank reducer): every rank's decisions equal and equal to the single-process
+``DitKitTeaCache``'s; a twin of each rank's state deciding alone (no reducer, same inputs) disagrees across the
+ranks, which is what deadlocks Raylight without the reducer (the test can fail).
 """
 from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import traceback
 import types
 
@@ -50,33 +54,64 @@ def _import_host(comfyui_path):
     import comfy.model_management  # noqa: F401
 
 
-def _model(path, sp):
+TEA = dict(coefficients="shipped:h3_tiny_calibrated", threshold=0.1, audio_threshold=0.1, start_percent=0.0,
+           end_percent=1.0, cache_device="model", strict=False)
+TEA_STEPS = 10
+
+
+def _model(path, sp, teacache=False):
     from ditkit.nodes.h3_loaders import load_h3_model
     from ditkit.nodes.sparse_attention import DitKitSparseAttention
+    from ditkit.nodes.teacache import DitKitTeaCache
 
     m = load_h3_model(path)[0]
-    out = DitKitSparseAttention.execute(m, recipe="custom", keep_percent=25.0, end_percent=END,
-                                        backend="cpu_batched").args[0]
-    if sp:
-        _sparse_patch_as_on_an_actor(out)
-    return out
+    vsa = dict(recipe="custom", keep_percent=25.0, end_percent=END, backend="cpu_batched")
+    if not sp:
+        m = DitKitSparseAttention.execute(m, **vsa).args[0]
+        return DitKitTeaCache.execute(model=m, **TEA).args[0] if teacache else m
+    _stub_xfuser()
+    from ditkit.nodes import raylight as ray_nodes      # the Ray nodes' per-actor patches, as @ray_patch runs them
+
+    m = ray_nodes._sparse_patch(m, **vsa)
+    return ray_nodes._teacache_patch(m, **TEA) if teacache else m
 
 
-def _sparse_patch_as_on_an_actor(m):
-    """What DitKitRaySparseAttention does on each actor: the processor in ``transformer_options`` with a lazy
-    Ulysses group from xFuser's accessor (stood in for: the world group, ring degree 1)."""
-    from ditkit.bridge import raylight as rl
-
+def _stub_xfuser():
+    """xFuser's group accessors on an actor, stood in for: the Ulysses group is the world group, ring degree 1."""
     ps = types.SimpleNamespace(get_ulysses_parallel_group=lambda: None, get_ring_parallel_world_size=lambda: 1)
-    for name, mod in (("xfuser", types.ModuleType("xfuser")), ("xfuser.core", types.ModuleType("xfuser.core")),
-                      ("xfuser.core.distributed", types.ModuleType("xfuser.core.distributed")),
-                      ("xfuser.core.distributed.parallel_state", ps)):
-        sys.modules[name] = mod
+    for name in ("xfuser", "xfuser.core", "xfuser.core.distributed"):
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules["xfuser.core.distributed.parallel_state"] = ps
     sys.modules["xfuser.core.distributed"].parallel_state = ps
-    rl.set_processor(m, rl.VSAInnerAttention(gate_group=rl.LazyGroup(), ring_degree=rl.ring_degree))
 
 
-def _sample(model):
+def _log_decisions(log, twins=None):
+    """Record every TeaCache decision (and, with ``twins``, the decision of a twin state with no reducer fed the
+    same inputs: what this rank would decide alone)."""
+    from ditkit.cache.teacache import TeaCacheState
+    from ditkit.parallel.reduce import LOCAL
+
+    orig = TeaCacheState.decide
+
+    def decide(self, keys, sigma, mods, shapes=None, force=None):
+        skip = orig(self, keys, sigma, mods, shapes, force)
+        log.append(skip)
+        if twins is not None:
+            if id(self) not in twins:
+                twins[id(self)] = (TeaCacheState(self.config, reducer=LOCAL), [])
+                twins[id(self)][0].begin(self.sigmas)
+            tw, tlog = twins[id(self)]
+            tskip = orig(tw, keys, sigma, mods, shapes, force)
+            tlog.append(tskip)
+            if not tskip:
+                z = [torch.zeros(len(keys), *sh) for sh in shapes]
+                tw.store(keys, z, z)
+        return skip
+    TeaCacheState.decide = decide
+    return orig
+
+
+def _sample(model, steps=STEPS):
     import nodes
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
@@ -84,7 +119,7 @@ def _sample(model):
 
     latent = EmptyMiniMaxH3LatentAV.execute(W, H, LENGTH).result[0]
     cond = [[torch.randn(1, TEXT, CONFIG["text_dim"], generator=torch.Generator().manual_seed(0)), {}]]
-    r = nodes.common_ksampler(model, 7, STEPS, 1.0, "euler", "simple", cond, cond, latent)[0]
+    r = nodes.common_ksampler(model, 7, steps, 1.0, "euler", "simple", cond, cond, latent)[0]
     return [t.clone() for t in r["samples"].unbind()]
 
 
@@ -210,29 +245,47 @@ def _rank(rank, world, init, td, ckpt, comfyui_path):
         out = {"video": lat[0], "audio": lat[1], "seq": torch.tensor(seen),
                "sparse": torch.tensor(c.get("sparse", 0)),
                "dense": torch.tensor(c.get("outside start/end percent", 0))}
+        m = _model(ckpt, True, teacache=True)
+        log, twins = [], {}
+        _log_decisions(log, twins)
+        _install_usp(m, rank, world, [])
+        lat = _sample(m, TEA_STEPS)
+        out.update(tc_video=lat[0], tc_audio=lat[1], tc_dec=torch.tensor(log),
+                   tc_alone=torch.tensor([d for _, tl in twins.values() for d in tl]))
     except Exception:
         out = {"error": torch.tensor(list(traceback.format_exc().encode()), dtype=torch.uint8)}
     save_file({k: t.contiguous() for k, t in out.items()}, os.path.join(td, f"out{rank}.safetensors"))
     dist.destroy_process_group()
 
 
-def test_tiny_h3_under_a_usp_driver_equals_the_single_process_run(comfy, comfyui_path, tmp_path):
+@pytest.fixture(scope="module")
+def usp(comfy, comfyui_path, tmp_path_factory):
+    """One 2-rank spawn: the VSA run and the VSA + TeaCache run under the USP driver."""
     import torch.multiprocessing as mp
 
     from ditkit.loaders.safetensors_io import load_file
 
     torch.set_num_threads(1)
-    ckpt = str(tmp_path / "h3_tiny_fasth3_4heads.safetensors")
+    ckpt = str(tmp_path_factory.mktemp("usp") / "h3_tiny_fasth3_4heads.safetensors")
     _ckpt(ckpt)
     world = 2
-    with tempfile.TemporaryDirectory() as td:
-        mp.start_processes(_rank, args=(world, f"file://{td}/rendezvous", td, ckpt, str(comfyui_path)),
-                           nprocs=world, join=True, start_method="spawn")
-        outs = [load_file(os.path.join(td, f"out{r}.safetensors")) for r in range(world)]
+    td = str(tmp_path_factory.mktemp("usp_ranks"))
+    mp.start_processes(_rank, args=(world, f"file://{td}/rendezvous", td, ckpt, str(comfyui_path)),
+                       nprocs=world, join=True, start_method="spawn")
+    outs = [load_file(os.path.join(td, f"out{r}.safetensors")) for r in range(world)]
     for o in outs:
         if "error" in o:
             raise AssertionError(bytes(o["error"].tolist()).decode())
-    m = _model(ckpt, False)
+    return types.SimpleNamespace(outs=outs, ckpt=ckpt, world=world)
+
+
+def _rel(got, want):
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_tiny_h3_under_a_usp_driver_equals_the_single_process_run(usp):
+    outs, world = usp.outs, usp.world
+    m = _model(usp.ckpt, False)
     runs = _counters(m)
     ref = _sample(m)
     seq = outs[0]["seq"].tolist()
@@ -242,7 +295,26 @@ def test_tiny_h3_under_a_usp_driver_equals_the_single_process_run(comfy, comfyui
         assert int(o["sparse"]) == 2 * (STEPS - 1) and int(o["dense"]) == 2, (r, o["sparse"], o["dense"])
         assert torch.equal(o["video"], outs[0]["video"]) and torch.equal(o["audio"], outs[0]["audio"])
     assert runs[-1]["sparse"] == 2 * (STEPS - 1)
-    for got, want in zip((outs[0]["video"], outs[0]["audio"]), ref):
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        print(f"USP x{world} vs one process: relative max error {err:.3g}")
-        assert err <= BOUND, err
+    errs = [_rel(outs[0]["video"], ref[0]), _rel(outs[0]["audio"], ref[1])]
+    assert max(errs) <= BOUND, f"USP x{world} vs one process: relative max error {errs}"
+
+
+def test_ray_teacache_ranks_agree_and_equal_the_single_process_decisions(usp, monkeypatch):
+    from ditkit.cache.teacache import TeaCacheState
+
+    outs = usp.outs
+    m = _model(usp.ckpt, False, teacache=True)
+    log = []
+    monkeypatch.setattr(TeaCacheState, "decide", TeaCacheState.decide)   # restored after the test
+    _log_decisions(log)
+    ref = _sample(m, TEA_STEPS)
+    assert any(log) and not all(log), f"the single-process run must skip some calls and compute others: {log}"
+    dec = [o["tc_dec"].tolist() for o in outs]
+    assert dec[0] == dec[1], dec                            # strict: the ranks never disagree
+    assert dec[0] == log, (dec[0], log)                     # and decide as one process does
+    alone = [o["tc_alone"].tolist() for o in outs]
+    assert alone[0] != alone[1], f"each rank deciding alone must disagree somewhere (the deadlock case): {alone}"
+    for o in outs:
+        assert torch.equal(o["tc_video"], outs[0]["tc_video"]) and torch.equal(o["tc_audio"], outs[0]["tc_audio"])
+    errs = [_rel(outs[0]["tc_video"], ref[0]), _rel(outs[0]["tc_audio"], ref[1])]
+    assert max(errs) <= BOUND, f"USP x2 + TeaCache vs one process: relative max error {errs}"

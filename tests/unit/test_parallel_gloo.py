@@ -289,3 +289,81 @@ def test_processor_dense_step_excludes_raylight_pad_rows():
     exact = VSAInnerAttention()(dense, q[:, :n], k[:, :n], v[:, :n],
                                 transformer_options={HOLDER_KEY: VSAHolder(rt), CTX_KEY: ctx})
     assert exact.shape[1] == n                                          # unpadded: as is, no zero rows added
+
+
+# ------------------------------------------------------------------------------ TeaCache on Raylight's shards
+def test_lazy_group_resolves_once_and_resolve_group_passes_plain_groups():
+    from ditkit.parallel.reduce import LazyGroup, resolve_group
+
+    calls = []
+    g = LazyGroup(lambda: calls.append(1) or "ulysses")
+    assert resolve_group(g) == "ulysses" and resolve_group(g) == "ulysses" and calls == [1]
+    assert resolve_group(None) is None and resolve_group("world") == "world"
+
+
+@pytest.mark.parametrize("rank,span,expect", [(0, (250, 303), (152, 152)), (1, (250, 303), (98, 151)),
+                                              (0, (0, 152), (0, 152)), (1, (0, 152), (0, 0)),
+                                              (0, (151, 153), (151, 152)), (1, (151, 153), (0, 1))])
+def test_shard_plan_places_global_rows_on_the_shard(rank, span, expect):
+    from ditkit.bridge.raylight import ShardPlan
+
+    plan = ShardPlan(303, {}, rank, 2)       # 303 tokens on 2 ranks: shards of 152, one pad row on rank 1
+    assert plan.shard == 152 and plan.local(*span) == expect
+
+
+def _fake_block(hidden, rows):
+    g = torch.Generator().manual_seed(5)
+    mods = tuple(torch.randn(rows, hidden, generator=g) for _ in range(6))
+    return type("Blk", (), {"adaln_proj": staticmethod(lambda t: mods),
+                            "norm1": staticmethod(lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))})()
+
+
+def test_sharded_h3_adapter_covers_the_streams_exactly_once_without_pad_rows():
+    """The ranks' stream rows put together are the whole streams, modulated as one process does (oracle: the
+    modulation formula of H3's block on the unsplit rows); pad rows never enter."""
+    from ditkit.bridge.blocks import CallCtx
+    from ditkit.bridge.raylight import SHARD_KEY, ShardPlan, ShardedH3Adapter
+
+    s, hidden, world = 45, 8, 2                  # text 0..10, audio 10..21 (row 2), video 21..45 (row 0)
+    segs = [(0, 10, 1), (10, 21, 2), (21, 45, 0)]
+    blk = _fake_block(hidden, 3)
+    h = torch.randn(s, hidden, generator=torch.Generator().manual_seed(6))
+    shift, scale = blk.adaln_proj(None)[:2]
+
+    def oracle(a, b, row):
+        x = blk.norm1(h[a:b])
+        return x * (1 + scale[row]) + shift[row]
+    got = {"video": [], "audio": []}
+    for r in range(world):
+        shard = _shard_rows(h[None, :, None], r, world)[0, :, 0]
+        lo = r * shard.shape[0]
+        local = [(max(a, lo) - lo, min(b, lo + shard.shape[0]) - lo, row) for a, b, row in segs
+                 if max(a, lo) < min(b, lo + shard.shape[0])]
+        plan = ShardPlan(s, {"video": (21, 45), "audio": (10, 21)}, r, world)
+        ctx = CallCtx(None, None, ["c"], 0.5, meta={"expect_rows": (24, 11)})
+        args = {"img": shard, "t_emb": None, "mod_segments": local, "transformer_options": {SHARD_KEY: plan}}
+        out = ShardedH3Adapter().modulated_inputs(type("M", (), {"blocks": [blk]})(), args, 1, ctx)
+        for k in got:
+            got[k].append(out[k][0])
+    assert torch.allclose(torch.cat(got["video"]), oracle(21, 45, 0), atol=1e-6)
+    assert torch.allclose(torch.cat(got["audio"]), oracle(10, 21, 2), atol=1e-6)
+    assert got["audio"][1].shape == (0, hidden)        # rank 1 holds no audio row: an empty part, not a pad row
+
+
+def test_sharded_h3_adapter_refuses_a_forward_without_plan_or_with_other_rows():
+    from ditkit.bridge.blocks import CallCtx
+    from ditkit.bridge.raylight import SHARD_KEY, ShardPlan, ShardedH3Adapter
+
+    ctx = CallCtx(None, None, ["c"], 0.5, meta={"expect_rows": (24, 12)})
+    with pytest.raises(BackendError, match="no shard plan"):
+        ShardedH3Adapter().prepare(None, {"transformer_options": {}}, ctx)
+    plan = ShardPlan(45, {"video": (21, 45), "audio": (10, 21)}, 0, 2)
+    with pytest.raises(RuntimeError, match=r"\(24, 11\) rows .* imply \(24, 12\)"):
+        ShardedH3Adapter().prepare(None, {"transformer_options": {SHARD_KEY: plan}}, ctx)
+
+
+def test_shard_plan_wrapper_leaves_other_models_alone():
+    from ditkit.bridge.raylight import shard_plan_wrapper
+
+    ex = lambda *a, **kw: ("ran", a, kw)   # noqa: E731
+    assert shard_plan_wrapper(ex, 1, 2, 3, {}, k=1) == ("ran", (1, 2, 3, {}), {"k": 1})
