@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError, CoefficientError, UnsupportedModelError
-from ..parallel.reduce import DistReducer, LazyGroup as _LazyGroup, resolve_group
+from ..parallel.reduce import DistReducer, LazyGroup as _LazyGroup, RanksReport, gather_objects, resolve_group
+from ..report import Report
 from ..parallel.ulysses import padded_len, seq_to_head
 from .attention import CTX_KEY, GATE_KEY, HOLDER_KEY, packed_layout
 from .blocks import HOLDER_KEY as TC_HOLDER_KEY, H3Adapter, block_modulation
@@ -271,3 +272,42 @@ def shard_teacache(m, who: str, sp_group=None, world_group=None, device=None) ->
     holder.state.reducer = DistReducer(sp_group=sp_group, world_group=world_group, device=device)
     m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, SHARD_WRAPPER_KEY, shard_plan_wrapper)
     return "sequence-parallel (metric sums over the Ulysses group without pad rows, decision MIN over all ranks)"
+
+
+# ----------------------------------------------------------------------------------------------- rank-0 reports
+def vsa_figures(data: dict) -> dict:
+    """A rank's VSA-H3 run figures (from the runtime's report data)."""
+    calls = data.get("calls") or {}
+    return {"steps_sparse": data.get("steps_sparse"), "steps_dense": data.get("steps_dense"),
+            "sparse_calls": calls.get("sparse", 0), "dense_calls": sum(v for k, v in calls.items() if k != "sparse"),
+            "density": data.get("measured_density")}
+
+
+VSA_AGREE = ("steps_sparse", "steps_dense", "sparse_calls", "dense_calls")
+
+
+def teacache_figures(data: dict) -> dict:
+    """A rank's TeaCache run figures (from its report data)."""
+    return {"calls": data.get("calls"), "computed": data.get("computed"), "skipped": data.get("skipped")}
+
+
+TEACACHE_AGREE = ("calls", "computed", "skipped")
+
+
+class RankTarget:
+    """A node's report sink on a Raylight actor (in place of its :class:`~.reports.ReportTarget`): every rank sends
+    its run report once, the figures are gathered over ``group`` (all ranks by default) and rank 0 alone sends the
+    node's report: its own, plus every rank's figures (:class:`~..parallel.reduce.RanksReport`), so one report
+    says what each GPU did and whether the ranks agreed, instead of one per actor."""
+
+    def __init__(self, target, figures: Callable[[dict], dict], must_agree: tuple = (), group=None):
+        self.target, self.figures, self.must_agree, self.group = target, figures, tuple(must_agree), group
+
+    def send(self, kind: str, summary, data: Optional[dict] = None) -> dict:
+        if isinstance(summary, Report):
+            data, summary = {**summary.as_dict(), **(data or {})}, summary.summary()
+        every = gather_objects(self.figures(data or {}), self.group)
+        if dist.get_rank(resolve_group(self.group)) != 0:
+            return {}
+        ranks = RanksReport(every, self.must_agree)
+        return self.target.send(kind, f"{summary} | {ranks.summary()}", {**(data or {}), "ranks": ranks.as_dict()})

@@ -3,7 +3,8 @@ importable; nothing changes without it).
 
 Raylight holds one ModelPatcher per GPU inside Ray actors and passes ``RAY_ACTORS`` between its nodes; a patch
 node runs on every actor through Raylight's ``@ray_patch``. Each node here runs the ordinary ditkit node on each
-actor's model (same inputs, same checks, same report) and adds what sequence parallelism needs:
+actor's model (same inputs, same checks) and adds what sequence parallelism needs; the run reports of the sparse
+attention and TeaCache come from rank 0 alone and carry every rank's figures (``bridge/raylight.RankTarget``):
 
 * ``DitKitRaySparseAttention``: VSA-H3 as Raylight's inner-attention processor ``ditkit:vsa_h3`` (Raylight's USP
   never calls ComfyUI's attention override, where the single-GPU node sits); Ulysses only, ring refused by name;
@@ -16,11 +17,14 @@ The FastH3 schedule has no Ray variant yet (docs/multigpu.md says why).
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 from comfy_api.latest import io
 
 from ..bridge import raylight as rl
+from ..bridge.attention import HOLDER_KEY as VSA_HOLDER_KEY
+from ..bridge.blocks import HOLDER_KEY as TC_HOLDER_KEY
 from .adaln_cache import DitKitH3AdaLNCache
 from .sparse_attention import DitKitSparseAttention
 from .teacache import DitKitTeaCache
@@ -36,6 +40,9 @@ def _base_inputs(base: type[io.ComfyNode]) -> list:
 def _sparse_patch(model, **kw):
     m = DitKitSparseAttention.execute(model=model, **kw).result[0]
     rl.set_processor(m, rl.VSAInnerAttention(gate_group=rl.LazyGroup(), ring_degree=rl.ring_degree))
+    holder = m.model_options["transformer_options"][VSA_HOLDER_KEY]   # the run report: from rank 0, every rank's
+    send = holder.on_run_end   # functools.partial(send_run_report, target): the same, to a RankTarget
+    holder.on_run_end = functools.partial(send.func, rl.RankTarget(send.args[0], rl.vsa_figures, rl.VSA_AGREE))
     return m
 
 
@@ -46,6 +53,8 @@ def _adaln_patch(model, **kw):
 def _teacache_patch(model, **kw):
     m = DitKitTeaCache.execute(model=model, **kw).result[0]
     rl.shard_teacache(m, "DitKitRayTeaCache", sp_group=rl.LazyGroup(), device=getattr(m, "load_device", None))
+    info = m.model_options["transformer_options"][TC_HOLDER_KEY].info
+    info["report_to"] = rl.RankTarget(info["report_to"], rl.teacache_figures, rl.TEACACHE_AGREE)
     return m
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..report import Report
 from .ulysses import valid_rows
 
 
@@ -123,3 +124,35 @@ class DistReducer(Reducer):
     def describe(self) -> str:
         return (f"sequence-parallel x{dist.get_world_size(resolve_group(self.sp_group))} (sums all-reduced, "
                 f"decisions MIN over {dist.get_world_size(resolve_group(self.world_group))} ranks)")
+
+
+def gather_objects(obj, group=None) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank of ``group`` (a :class:`LazyGroup` too)."""
+    g = resolve_group(group)
+    out = [None] * dist.get_world_size(g)
+    dist.all_gather_object(out, obj, group=g)
+    return out
+
+
+@dataclass
+class RanksReport(Report):
+    """One run's figures of every rank, for the single report rank 0 sends. ``ranks[r]`` are rank r's figures
+    (name -> value); ``must_agree`` the names whose values every rank must share (decisions, step counts): a
+    difference is named in the summary (it means the ranks did not run the same program)."""
+
+    ranks: list
+    must_agree: tuple = ()
+
+    KEYS = ("ranks", "disagree")
+    VALUES = {"disagree": lambda r: r.disagree}
+
+    @property
+    def disagree(self) -> list:
+        return [k for k in self.must_agree if len({repr(f.get(k)) for f in self.ranks}) > 1]
+
+    def summary(self) -> str:
+        per = "; ".join(f"rank {r}: {self.kv_list(f, ', ')}" for r, f in enumerate(self.ranks))
+        bad = self.disagree
+        return (f"{len(self.ranks)} ranks ({per})" + (f"; WARNING: the ranks disagree on {', '.join(bad)}" if bad
+                                                     else (f"; ranks agree on {', '.join(self.must_agree)}"
+                                                           if self.must_agree else "")))

@@ -16,13 +16,15 @@ The final latents must equal the single-process run (ditkit's attention override
 fp32 rounding; one of the three steps is dense (``end_percent``), so the processor's dense path on a padded
 sequence is covered too. The ranks must agree bit for bit.
 
-The same spawn runs TeaCache stacked on it, installed as ``DitKitRayTeaCache`` does on each actor (the block-0
+The same spawn runs TeaCache stacked on it (its run reports and the sparse attention's come from rank 0 alone,
+with both ranks' figures), installed as ``DitKitRayTeaCache`` does on each actor (the block-0
 decision on the shard through the rank reducer): every rank's decisions equal and equal to the single-process
 ``DitKitTeaCache``'s; a twin of each rank's state deciding alone (no reducer, same inputs) disagrees across the
 ranks, which is what deadlocks Raylight without the reducer (the test can fail).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -246,12 +248,17 @@ def _rank(rank, world, init, td, ckpt, comfyui_path):
                "sparse": torch.tensor(c.get("sparse", 0)),
                "dense": torch.tensor(c.get("outside start/end percent", 0))}
         m = _model(ckpt, True, teacache=True)
-        log, twins = [], {}
+        log, twins, sent = [], {}, []
         _log_decisions(log, twins)
         _install_usp(m, rank, world, [])
+        from ditkit.bridge.reports import ReportTarget
+
+        ReportTarget.send = lambda self, kind, summary, data=None: sent.append(   # what reaches a node's sink
+            {"node": self.node_type, "kind": kind, "summary": summary, "data": data}) or {}
         lat = _sample(m, TEA_STEPS)
         out.update(tc_video=lat[0], tc_audio=lat[1], tc_dec=torch.tensor(log),
-                   tc_alone=torch.tensor([d for _, tl in twins.values() for d in tl]))
+                   tc_alone=torch.tensor([d for _, tl in twins.values() for d in tl]),
+                   reports=torch.tensor(list(json.dumps(sent, default=str).encode()), dtype=torch.uint8))
     except Exception:
         out = {"error": torch.tensor(list(traceback.format_exc().encode()), dtype=torch.uint8)}
     save_file({k: t.contiguous() for k, t in out.items()}, os.path.join(td, f"out{rank}.safetensors"))
@@ -318,3 +325,20 @@ def test_ray_teacache_ranks_agree_and_equal_the_single_process_decisions(usp, mo
         assert torch.equal(o["tc_video"], outs[0]["tc_video"]) and torch.equal(o["tc_audio"], outs[0]["tc_audio"])
     errs = [_rel(outs[0]["tc_video"], ref[0]), _rel(outs[0]["tc_audio"], ref[1])]
     assert max(errs) <= BOUND, f"USP x2 + TeaCache vs one process: relative max error {errs}"
+
+
+def test_ray_run_reports_come_from_rank_0_with_every_ranks_figures(usp):
+    sent = [json.loads(bytes(o["reports"].tolist()).decode()) for o in usp.outs]
+    assert sent[1] == [], "only rank 0 sends the nodes' run reports"
+    by = {r["node"]: r for r in sent[0]}
+    assert set(by) == {"DitKitSparseAttention", "DitKitTeaCache"} and len(sent[0]) == 2
+    dec = usp.outs[0]["tc_dec"].tolist()
+    tc = by["DitKitTeaCache"]["data"]["ranks"]
+    assert tc["disagree"] == [] and len(tc["ranks"]) == 2
+    assert all(f == {"calls": len(dec), "computed": dec.count(False), "skipped": dec.count(True)} for f in tc["ranks"])
+    vsa = by["DitKitSparseAttention"]["data"]["ranks"]
+    assert vsa["disagree"] == [] and vsa["ranks"][0]["sparse_calls"] > 0
+    # every computed forward runs both blocks' attention, sparse or dense (end_percent): skipped ones none
+    assert all(f["sparse_calls"] + f["dense_calls"] == 2 * dec.count(False) for f in vsa["ranks"])
+    assert "2 ranks (rank 0: " in by["DitKitTeaCache"]["summary"] and "rank 1: " in by["DitKitTeaCache"]["summary"]
+    assert "ranks agree on calls, computed, skipped" in by["DitKitTeaCache"]["summary"]

@@ -367,3 +367,57 @@ def test_shard_plan_wrapper_leaves_other_models_alone():
 
     ex = lambda *a, **kw: ("ran", a, kw)   # noqa: E731
     assert shard_plan_wrapper(ex, 1, 2, 3, {}, k=1) == ("ran", (1, 2, 3, {}), {"k": 1})
+
+
+# --------------------------------------------------------------------------------------------- rank-0 reports
+def test_ranks_report_names_what_the_ranks_disagree_on():
+    from ditkit.parallel.reduce import RanksReport
+
+    ok = RanksReport([{"computed": 3, "skipped": 2}, {"computed": 3, "skipped": 2}], ("computed", "skipped"))
+    assert ok.disagree == [] and ok.as_dict() == {"ranks": ok.ranks, "disagree": []}
+    assert ok.summary() == ("2 ranks (rank 0: computed: 3, skipped: 2; rank 1: computed: 3, skipped: 2); ranks agree "
+                            "on computed, skipped")
+    bad = RanksReport([{"computed": 3, "skipped": 2}, {"computed": 4, "skipped": 2}], ("computed", "skipped"))
+    assert bad.disagree == ["computed"] and "WARNING: the ranks disagree on computed" in bad.summary()
+    assert "agree" not in RanksReport([{"a": 1}]).summary()
+
+
+def test_figures_of_the_ray_reports():
+    from ditkit.bridge.raylight import teacache_figures, vsa_figures
+
+    assert vsa_figures({"calls": {"sparse": 4, "outside start/end percent": 2, "token refiner / non-packed": 1},
+                        "steps_sparse": 2, "steps_dense": 1, "measured_density": 0.25}) == {
+        "steps_sparse": 2, "steps_dense": 1, "sparse_calls": 4, "dense_calls": 3, "density": 0.25}
+    assert teacache_figures({"calls": 5, "computed": 3, "skipped": 2, "streams": {}}) == {
+        "calls": 5, "computed": 3, "skipped": 2}
+
+
+def test_rank_target_sends_once_from_rank_0_with_the_gathered_figures(tmp_path):
+    from ditkit.bridge.raylight import RankTarget
+    from ditkit.parallel.reduce import gather_objects
+    from ditkit.report import Report
+
+    class Sink:
+        sent = []
+
+        def send(self, kind, summary, data=None):
+            self.sent.append((kind, summary, data))
+            return {"ok": 1}
+
+    class Rep(Report):
+        def as_dict(self):
+            return {"computed": 1}
+
+        def summary(self):
+            return "one computed"
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rv", rank=0, world_size=1)
+    try:
+        assert gather_objects({"x": 1}) == [{"x": 1}]
+        t = RankTarget(Sink(), lambda d: {"computed": d["computed"]}, ("computed",))
+        assert t.send("teacache", Rep(), {"extra": 2}) == {"ok": 1}
+    finally:
+        dist.destroy_process_group()
+    kind, summary, data = Sink.sent[0]
+    assert kind == "teacache" and summary == "one computed | 1 ranks (rank 0: computed: 1); ranks agree on computed"
+    assert data == {"computed": 1, "extra": 2, "ranks": {"ranks": [{"computed": 1}], "disagree": []}}
