@@ -17,7 +17,7 @@ from comfy.weight_adapter.base import WeightAdapterBase
 from ..errors import AdapterError
 from ..kernels import delta_fuse
 from ..loaders import h3_adapters as core
-from . import adapter_bypass, quant_requant
+from . import adapter_bypass, quant_requant, turbo_curve
 from .loaders import GATE_ATTACHMENT
 from .lokr import check_weight_keys, fuse_quantized, quantized_note
 
@@ -43,9 +43,12 @@ class DitKitAdapterPatch(WeightAdapterBase):
 
 
 def apply_h3_adapter(model, path: str, strength: float, source: str | None = None, qkv_layout: str = "auto",
-                     scale: float | None = None, mode: str = "fuse"):
+                     scale: float | None = None, mode: str = "fuse", silu_grid: str | None = None,
+                     time_embedder: str | None = None, grid_name: str | None = None, ckpt_name: str | None = None):
     """-> (patched clone, plan). Raises a DitKitError before touching anything on bad input. ``mode`` "fuse"
-    patches the weights; "bypass" runs the adapter beside the untouched weights (``bridge/adapter_bypass``)."""
+    patches the weights; "bypass" runs the adapter beside the untouched weights (``bridge/adapter_bypass``).
+    ``silu_grid`` (a grid file) or ``time_embedder`` (an unpruned checkpoint) gives silu(t_emb) on the grid of a
+    curve-form base for a Turbo LoRA's AdaLN pairs (``bridge/turbo_curve``)."""
     if mode not in MODES:
         raise AdapterError(f"{NODE_ID}: mode {mode!r} is not one of {list(MODES)}")
     source = source or os.path.basename(path)
@@ -71,8 +74,24 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
 
     af = core.read_adapter_file(path, g, input_name="adapter_name")
     plan = core.plan(af, g, base_weight, source=source, qkv_layout=qkv_layout, scale_override=scale)
+    carry = widened = None
+    if plan.curve:
+        carry = turbo_curve.make_carry(model, plan, float(strength), source, silu_grid, time_embedder, grid_name,
+                                       ckpt_name)
+        widened = turbo_curve.check_fuse(model, carry, source) if mode == "fuse" else None
+    elif silu_grid or time_embedder:
+        plan.notes.append(f"silu(t_emb) source {grid_name or ckpt_name or silu_grid or time_embedder} unused: the file "
+                          "has no Turbo AdaLN pair on a curve-form base")
+    carried = turbo_curve.carried_keys(model)
+    for it in plan.items:
+        if mode == "fuse" and it.target.key in carried:
+            raise AdapterError(f"{NODE_ID}: '{it.target.key}' carries Turbo curve columns (an earlier loader); fusing "
+                               f"'{source}' onto it is not supported. Put this loader first, or use mode bypass")
     if mode == "bypass":
-        return _apply_bypass(model, plan, strength, source), plan
+        m = _apply_bypass(model, plan, strength, source)
+        if carry is not None:
+            plan.notes.extend(turbo_curve.install(m, carry, mode))
+        return m, plan
     bypassed = set(adapter_bypass.current(model))
     for it in plan.items:
         if it.target.key.rsplit(".", 1)[0] in bypassed:
@@ -106,6 +125,8 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
         m.add_object_patch(k, w)
     if gates is not None:
         m.set_attachments(GATE_ATTACHMENT, gates)
+    if carry is not None:
+        plan.notes.extend(turbo_curve.install(m, carry, mode, widened))
     return m, plan
 
 

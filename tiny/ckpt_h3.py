@@ -587,3 +587,31 @@ def turbo_lora_state_dict(cfg=CONFIG, rank: int = ADAPTER_RANK, seed: int = SEED
         out[f"diffusion_model.{m}.lora_up.weight"] = dyadic((o, rank), g).to(torch.bfloat16)
         out[f"diffusion_model.{m}.alpha"] = torch.tensor(float(rank))
     return out
+
+
+TURBO_LORA = "loras/h3_tiny_turbo.safetensors"
+SILU_GRID_FILE = "loras/h3_tiny_silu_t_emb_grid.safetensors"
+
+
+def silu_t_emb_grid_state_dict(base: dict[str, torch.Tensor] | None = None, cfg=CONFIG,
+                               grid: int = CURVE_GRID) -> dict[str, torch.Tensor]:
+    """The grid input a Turbo LoRA needs on the curve-form base (``h3_tiny_curve``): ``silu_t_emb_grid
+    [grid, time_embed_dim]`` = silu(t_emb(t_i)) of the unpruned base at ``t_i = i / (grid - 1)`` (float64 rounded
+    to float32) and ``t_grid [grid]``: the layout of the community ``h3_silu_temb_grid.safetensors`` (h3.md §9),
+    stored float32 instead of bf16."""
+    base = base_state_dict() if base is None else base
+    t = torch.linspace(0.0, 1.0, grid, dtype=torch.float64)
+    s = torch.nn.functional.silu(_time_embed(base, t, cfg))
+    return {"silu_t_emb_grid": s.to(torch.float32).contiguous(), "t_grid": t.to(torch.float32).contiguous()}
+
+
+@register("h3_turbo")
+def gen_h3_turbo(out: Path) -> list[Path]:
+    """The tiny Turbo-style LoRA (AdaLN pairs on silu(t_emb)) and the silu(t_emb) grid of the curve-form base."""
+    files = []
+    for rel, sd in ((TURBO_LORA, turbo_lora_state_dict()), (SILU_GRID_FILE, silu_t_emb_grid_state_dict())):
+        p = Path(out) / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        save_file(sd, p)
+        files.append(p)
+    return files
