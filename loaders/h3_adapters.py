@@ -49,7 +49,8 @@ Scale (ΔW = scale * B @ A, per module; the report says which rule gave it):
   (``modelscope/DiffSynth-Studio:diffsynth/trainers/utils.py`` ``add_lora_to_model``: ``lora_alpha`` defaults
   to ``lora_rank`` and the training scripts pass none).
 * diffusers names without metadata: ``lora_alpha = r`` -> 1.0, as diffusers loads them
-  (``huggingface/diffusers:src/diffusers/utils/peft_utils.py`` ``get_peft_kwargs``).
+  (``huggingface/diffusers:src/diffusers/utils/peft_utils.py`` ``get_peft_kwargs``); not with PEFT's ``.default.``
+  infix (lightx2v's Turbo LoRAs: their reference uses alpha 8 whatever the rank): refused, naming ``scale``.
 * ``diffusion_model.*`` + ``lora_up``/``lora_down`` without ``.alpha``: 1.0, ComfyUI's own rule for such files
   (``comfy/weight_adapter/lora.py`` ``LoRAAdapter.calculate_weight``: no alpha -> 1.0).
 * metadata ``alpha`` in a file without ``.alpha`` keys: alpha / rank (diffusers ``MiniMaxH3LoraLoaderMixin``).
@@ -771,8 +772,12 @@ def _lora_scale(m: Module, pre: str, rank: int, writer: str, tgt: Target, cfg: d
                       "without 'lora_adapter_metadata': PEFT scales by lora_alpha / r from that config")
     if m.family == "peft-default" and tgt.naming == "original":
         return 1.0, _CONVENTIONS["diffsynth"]
-    if m.family in ("peft", "peft-default") and tgt.naming == "diffusers":
+    if m.family == "peft" and tgt.naming == "diffusers":
         return 1.0, _CONVENTIONS["diffusers"]
+    if m.family == "peft-default" and tgt.naming == "diffusers" and net_alpha is None:
+        return None, ("diffusers names with PEFT's '.default.' infix and no alpha: the layout of lightx2v's H3 Turbo "
+                      "LoRAs, whose reference loads them with lora_alpha 8 whatever the rank (ModelTC/Minimax-H3-Turbo "
+                      "inference_minimax_h3.py DEFAULT_LORA_ALPHA; alpha = rank would be 16x too strong at rank 128)")
     if net_alpha is not None:
         return net_alpha / rank, (f"metadata 'alpha' = {net_alpha:g} / rank {rank} (network alpha of an alpha-less file, "
                                   "as diffusers' MiniMaxH3LoraLoaderMixin honors it)")

@@ -354,3 +354,29 @@ def test_curve_contract_probe_holds(comfy):
     from ditkit.bridge import turbo_curve
 
     assert turbo_curve._curve_contract().state == "holds"
+
+
+def test_lightx2v_layout_without_alpha_needs_the_scale_input(comfy, tmp_path):
+    """Diffusers names + PEFT '.default.' + no alpha (lightx2v Turbo v0.1): refused naming 'scale' (its reference
+    uses alpha 8, not rank); with scale 8/128 it applies that scale."""
+    import comfy.sd
+
+    from ditkit.nodes.adapters import apply_h3_adapter
+
+    g = torch.Generator().manual_seed(5)
+    mod = "transformer_blocks.0.attn.to_out.0"
+    o, n = c.CONFIG["hidden_size"], c.inner_dim()
+    sd = {f"{mod}.lora_A.default.weight": torch.randn(128, n, generator=g),
+          f"{mod}.lora_B.default.weight": torch.randn(o, 128, generator=g)}
+    p = tmp_path / "minimax_h3_fl2v_turbo_4step_v0.1.safetensors"
+    save_file(sd, p)
+    q = comfy.sd.load_diffusion_model_state_dict(c.base_state_dict())
+    with pytest.raises(AdapterError, match=r"does not determine the scale.*lightx2v.*lora_alpha 8.*'scale' input"):
+        apply_h3_adapter(q, str(p), 1.0)
+    _untouched(q)
+    _, plan = apply_h3_adapter(q, str(p), 1.0, scale=8 / 128)
+    assert plan.items[0].scale == 8 / 128
+    meta = tmp_path / "with_meta.safetensors"
+    save_file(sd, meta, metadata={"alpha": "8"})
+    _, plan = apply_h3_adapter(q, str(meta), 1.0)
+    assert plan.items[0].scale == 8 / 128
