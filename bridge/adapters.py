@@ -88,9 +88,10 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
             raise AdapterError(f"{NODE_ID}: '{it.target.key}' carries Turbo curve columns (an earlier loader); fusing "
                                f"'{source}' onto it is not supported. Put this loader first, or use mode bypass")
     if mode == "bypass":
-        m = _apply_bypass(model, plan, strength, source)
+        divert = {k[: -len(".weight")] for k in (carry.columns if carry is not None else ())}
+        m, diverted = _apply_bypass(model, plan, strength, source, divert)
         if carry is not None:
-            plan.notes.extend(turbo_curve.install(m, carry, mode))
+            plan.notes.extend(turbo_curve.install(m, carry, mode, entries=diverted))
         return m, plan
     bypassed = set(adapter_bypass.current(model))
     for it in plan.items:
@@ -130,15 +131,18 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
     return m, plan
 
 
-def _apply_bypass(model, plan: core.Plan, strength: float, source: str):
+def _apply_bypass(model, plan: core.Plan, strength: float, source: str, divert: set | None = None):
     """The plan's items as bypass entries on a clone; fused / bypassed on one layer and the host's own bypass
-    injection are refused before anything is registered."""
+    injection are refused before anything is registered. Entries on a module in ``divert`` (AdaLN linears this
+    loader carries Turbo curve columns on) are returned, not installed: they run in the curve hook.
+    -> (clone, {module key: entries})."""
     if model.get_injections("bypass_lora"):
         raise AdapterError(f"{NODE_ID}: the model carries ComfyUI's own bypass LoRA (LoraLoaderBypass); its hooks and "
                            "ditkit's would eject in the wrong order. Put this loader before LoraLoaderBypass, or use "
                            "mode fuse")
     new: dict[str, list] = {}
     regular: dict = {}
+    carried = {k[: -len(".weight")] for k in turbo_curve.carried_keys(model)}
     for it in plan.items:
         k = it.target.key
         if k.startswith("gate:"):
@@ -151,6 +155,10 @@ def _apply_bypass(model, plan: core.Plan, strength: float, source: str):
                                f"fuse or ComfyUI's LoraLoader); bypassing '{source}' on it as well mixes the two "
                                "modes on one layer. Set 'mode' to fuse on this loader too (or bypass on both)")
         param = "bias" if k.endswith(".bias") else "weight"
+        if k.rsplit(".", 1)[0] in carried:
+            raise AdapterError(f"{NODE_ID}: layer '{k}' carries Turbo curve columns in bypass mode (an earlier "
+                               f"loader); a second bypass adapter on it is not supported. Put '{source}' before "
+                               "the Turbo LoRA's loader, or use mode fuse")
         new.setdefault(k, []).append(adapter_bypass.Entry(
             param, it.kind, it.parts, float(it.scale) * float(strength), it.row_map, it.target.rows,
             f"{source}: {it.module.prefix}"))
@@ -161,10 +169,12 @@ def _apply_bypass(model, plan: core.Plan, strength: float, source: str):
         m.add_patches(regular, strength_patch=float(strength))
         plan.notes.append(f"mode bypass: {len(regular)} non-Linear weights (norm .diff) patched as regular weight "
                           "patches, as ComfyUI's own bypass loader does: " + ", ".join(sorted(regular)))
+    diverted = {mod: [e for k, es in new.items() if k.rsplit(".", 1)[0] == mod for e in es] for mod in divert or ()}
+    new = {k: es for k, es in new.items() if k.rsplit(".", 1)[0] not in (divert or ())}
     lines = adapter_bypass.install(m, new)
     if gates is not None:
         m.set_attachments(GATE_ATTACHMENT, gates)
     plan.notes.append(f"mode bypass: {len(lines)} layers run the adapter beside their untouched weights "
                       "(y = base(x) + s·ΔW x each call; no requantization, no weight copy)")
     plan.notes.extend(lines)
-    return m
+    return m, diverted

@@ -6,12 +6,14 @@ its rows into ``t_emb``, which every ``adaln_proj`` receives). Then:
 * fuse: each carried ``adaln_proj.linear.weight`` is object-patched with ``[W | 0 .. s B .. 0]`` (the host's
   ``AdalnProj.forward`` is ``linear(t_emb)`` without SiLU on curve bases, so nothing else changes and ModelSave
   writes a curve-form file whose table and AdaLN widths agree);
-* bypass: the weights stay; the ``adaln_proj`` module runs its own forward on ``t_emb[..., :k]`` (its linear's
-  hooks and patches included) and adds ``s B t_emb[..., cols]`` to each chunk, the view / chunk of the host's
-  ``AdalnProj.forward`` reproduced (contract probe below). The injection lives under :data:`INJECTION_KEY`.
+* bypass: the weights stay; each carried ``adaln_proj.linear``'s forward is replaced (while the clone is loaded)
+  by ``linear(t_emb[..., :k]) + s B t_emb[..., cols]`` plus the loader's other bypass deltas on that linear (one
+  wrapper per linear: two nested forward wrappers would not eject in the right order, the host ejects in
+  injection order). Every caller of the linear sees it: the host's ``AdalnProj.forward`` and
+  ``DitKitH3AdaLNCache``'s lookup module. The injection lives under :data:`INJECTION_KEY`.
 
-The carry is kept on the clone (attachment :data:`ATTACHMENT`): a second carry on the same model, and a later
-adapter fused onto a widened AdaLN weight, are refused by name.
+The carry is kept on the clone (attachment :data:`ATTACHMENT`): a second carry on the same model, a later adapter
+fused onto a widened AdaLN weight and a later bypass delta on a carried AdaLN linear are refused by name.
 """
 from __future__ import annotations
 
@@ -82,43 +84,60 @@ def check_fuse(model, carry: core.CurveCarry, source: str) -> dict[str, torch.nn
     return out
 
 
-def install(clone, carry: core.CurveCarry, mode: str, widened: dict | None = None) -> list[str]:
+def install(clone, carry: core.CurveCarry, mode: str, widened: dict | None = None,
+            entries: dict | None = None) -> list[str]:
+    """Register the carry on ``clone``. bypass: ``entries`` (module key -> ditkit bypass entries of this loader on
+    a carried AdaLN linear, ``bridge/adapter_bypass.Entry``) run inside the same hook, so one wrapper per linear."""
     clone.add_object_patch(TABLE_KEY, carry.table)
     clone.set_attachments(ATTACHMENT, carry)
+    lines = []
     if mode == "fuse":
         for k, w in (widened or {}).items():
             clone.add_object_patch(k, w)
-        how = "fused: AdaLN weights widened with the extra columns (ModelSave writes a consistent curve-form file)"
+        extra = sum(int(w.numel()) - int(w.shape[0]) * carry.base_width for w in (widened or {}).values())
+        how = (f"fused: AdaLN weights widened with the extra columns (+{extra * 4 / 2**20:.1f} MiB fp32; ModelSave "
+               "writes a consistent curve-form file)")
     else:
-        clone.set_injections(INJECTION_KEY, [_injection(clone, carry, k) for k in carry.columns])
-        how = "bypass: AdaLN weights untouched, s·B·t_emb[cols] added beside each adaln_proj"
-    return [carry.summary() + f"; {how}"] + carry.lines
+        entries = entries or {}
+        clone.set_injections(INJECTION_KEY, [_injection(clone, carry, k, entries.get(k[: -len(".weight")], ()))
+                                             for k in carry.columns])
+        how = "bypass: AdaLN weights untouched, s·B·t_emb[cols] added to each adaln_proj.linear's output"
+        lines = [f"bypass layer {k[len('diffusion_model.'):-len('.weight')]}: {len(v)} other delta(s) in the curve hook "
+                 f"[{'; '.join(e.describe() for e in v)}]" for k, v in entries.items() if v]
+    return [carry.summary() + f"; {how}"] + carry.lines + lines
 
 
-def _adaln_forward(mod, orig, carry: core.CurveCarry, key: str):
-    def forward(t_emb):
-        chunks = orig(t_emb[..., : carry.base_width])
-        d = core.curve_delta(t_emb, carry, key)
-        d = d.view(d.shape[0] * mod.modalities, mod.expand * mod.hidden).chunk(mod.expand, dim=-1)
-        return tuple(c + dd.to(c.dtype) for c, dd in zip(chunks, d))
+def _linear_forward(orig, carry: core.CurveCarry, key: str, entries, out_features: int):
+    from .adapter_bypass import h_sum
+
+    def forward(x):
+        xk = x[..., : carry.base_width]
+        y = orig(xk)
+        y = y + core.curve_delta(x, carry, key).to(y.dtype)
+        if entries:
+            y = y + h_sum(entries, xk, out_features, y.dtype)
+        return y
     return forward
 
 
-def _injection(clone, carry: core.CurveCarry, key: str):
+def _injection(clone, carry: core.CurveCarry, key: str, entries=()):
+    """Replace ``adaln_proj.linear.forward`` while the clone is loaded: every caller of the linear (the host's
+    ``AdalnProj.forward``, ``DitKitH3AdaLNCache``'s lookup module) gets the carried delta."""
     import comfy.utils
     from comfy.patcher_extension import PatcherInjection
 
-    mod = comfy.utils.get_attr(clone.model, key[: -len(".linear.weight")])
+    lin = comfy.utils.get_attr(clone.model, key[: -len(".weight")])
+    out_features = int(carry.extra[key].shape[0])
     state = {}
 
     def inject(_mp):
         if "orig" not in state:
-            state["orig"] = mod.forward
-            mod.forward = _adaln_forward(mod, state["orig"], carry, key)
+            state["orig"] = lin.forward
+            lin.forward = _linear_forward(state["orig"], carry, key, tuple(entries), out_features)
 
     def eject(_mp):
         if "orig" in state:
-            mod.forward = state.pop("orig")
+            lin.forward = state.pop("orig")
 
     return PatcherInjection(inject=inject, eject=eject)
 

@@ -380,3 +380,60 @@ def test_lightx2v_layout_without_alpha_needs_the_scale_input(comfy, tmp_path):
     save_file(sd, meta, metadata={"alpha": "8"})
     _, plan = apply_h3_adapter(q, str(meta), 1.0)
     assert plan.items[0].scale == 8 / 128
+
+
+@pytest.mark.parametrize("mode", ["fuse", "bypass"])
+def test_turbo_curve_under_adaln_cache_samples_the_same(comfy, files, mode):
+    """DitKitH3AdaLNCache replaces every adaln_proj with its lookup module, which calls the same linear: the carry
+    (widened weight / linear hook) reaches it, and the cached run samples exactly as the uncached one."""
+    import comfy.model_management
+
+    from ditkit.nodes.adapters import apply_h3_adapter
+    from ditkit.nodes.adaln_cache import DitKitH3AdaLNCache
+    from tests.integration.test_h3_adapters_quant_host import _sample
+
+    q = curve_base()
+    m, _ = apply_h3_adapter(q, files["lora"], STRENGTH, mode=mode, silu_grid=files["grid"])
+    ref = _sample(m)
+    comfy.model_management.unload_all_models()
+    got = _sample(DitKitH3AdaLNCache.execute(m, True).result[0])
+    comfy.model_management.unload_all_models()
+    assert all(torch.equal(x, y) for x, y in zip(got.unbind(), ref.unbind()))
+
+
+def test_other_deltas_on_a_carried_linear_share_its_hook(comfy, files, tmp_path):
+    """A '.diff' on a carried AdaLN weight in the same file runs inside the curve hook (one forward wrapper per
+    linear); a later bypass loader on a carried linear is refused; every forward is the class's own after eject."""
+    import comfy.model_management
+
+    from ditkit.nodes.adapters import apply_h3_adapter
+    from tests.integration.test_h3_adapters_quant_host import _sample
+
+    q = curve_base()
+    k = q.model.diffusion_model.adaln_t_table.shape[1]
+    mod = "blocks.1.adaln_proj"
+    out = q.model.diffusion_model.blocks[1].adaln_proj.linear.weight.shape[0]
+    d = torch.randn(out, k, generator=torch.Generator().manual_seed(3)) / 8
+    sd = c.turbo_lora_state_dict()
+    sd[f"diffusion_model.{mod}.linear.diff"] = d
+    p = tmp_path / "turbo_diff.safetensors"
+    save_file(sd, p)
+    base_table = q.model.diffusion_model.adaln_t_table.detach().clone()
+    base = _base_out(q, mod, base_table)
+    m, plan = apply_h3_adapter(q, str(p), STRENGTH, mode="bypass", silu_grid=files["grid"])
+    assert any("other delta(s) in the curve hook" in n for n in plan.notes)
+    s = _silu_t_emb64(files["base"], base_table.shape[0])
+    with _patched(m, "bypass"):
+        got = _adaln_out(m, mod, m.model.diffusion_model.adaln_t_table, True) - base
+    ref = _oracle_delta(c.turbo_lora_state_dict(), mod, s) + STRENGTH * base_table.double() @ d.double().T
+    assert (got - ref).abs().max().item() <= 1e-6 * ref.abs().max().item()
+    only = tmp_path / "diff_only.safetensors"
+    save_file({f"diffusion_model.{mod}.linear.diff": d}, only)
+    with pytest.raises(AdapterError, match=r"'diffusion_model\.blocks\.1\.adaln_proj\.linear\.weight' carries Turbo "
+                                           r"curve columns in bypass mode.*Put 'diff_only\.safetensors' before"):
+        apply_h3_adapter(m, str(only), 1.0, mode="bypass")
+    _sample(m)
+    comfy.model_management.unload_all_models()
+    for module in q.model.modules():
+        f = vars(module).get("forward")
+        assert f is None or (getattr(f, "__func__", None) is type(module).forward and f.__self__ is module), module
