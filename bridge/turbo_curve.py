@@ -110,10 +110,15 @@ def install(clone, carry: core.CurveCarry, mode: str, widened: dict | None = Non
 def _linear_forward(orig, carry: core.CurveCarry, key: str, entries, out_features: int):
     from .adapter_bypass import h_sum
 
+    on_device: dict = {}          # s·B moved once per device while injected, not on every call
+
     def forward(x):
         xk = x[..., : carry.base_width]
         y = orig(xk)
-        y = y + core.curve_delta(x, carry, key).to(y.dtype)
+        w = on_device.get(x.device)
+        if w is None:
+            w = on_device[x.device] = carry.extra[key].to(x.device)
+        y = y + core.curve_delta(x, carry, key, w).to(y.dtype)
         if entries:
             y = y + h_sum(entries, xk, out_features, y.dtype)
         return y

@@ -227,8 +227,10 @@ def widened_weight(base: torch.Tensor, carry: CurveCarry, key: str) -> torch.Ten
     return out
 
 
-def curve_delta(t_emb: torch.Tensor, carry: CurveCarry, key: str) -> torch.Tensor:
-    """Bypass mode: ``s B x[..., cols]`` for the widened ``t_emb`` (float32, the AdaLN linear's output width)."""
+def curve_delta(t_emb: torch.Tensor, carry: CurveCarry, key: str, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """Bypass mode: ``s B x[..., cols]`` for the widened ``t_emb`` (float32, the AdaLN linear's output width);
+    ``extra``: ``carry.extra[key]`` already on ``t_emb``'s device (the caller's copy), else moved here."""
     c0, c1 = carry.columns[key]
     x = t_emb[..., c0:c1].float()
-    return x @ carry.extra[key].to(device=x.device).T
+    w = carry.extra[key] if extra is None else extra
+    return x @ w.to(device=x.device).T

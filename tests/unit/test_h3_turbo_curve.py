@@ -168,3 +168,6 @@ def test_widened_weight_layout_and_curve_delta_noncontiguous(dtype):
     x = torch.randn(K + 4, 3).T          # non-contiguous t_emb
     d = tc.curve_delta(x, carry, key)
     assert torch.allclose(d.double(), x[:, K + 2:].double() @ carry.extra[key].double().T, atol=1e-6)
+    other = torch.ones_like(carry.extra[key])        # the caller's copy is used when given
+    assert torch.allclose(tc.curve_delta(x, carry, key, other).double(), x[:, K + 2:].double().sum(-1, keepdim=True)
+                          .expand(-1, other.shape[0]), atol=1e-6)
