@@ -24,11 +24,6 @@ ALLOWED = {
     "kernels/block_sparse_triton.py:block_sparse_attn_triton_op": _REGISTRY + " (torch.library custom op)",
     "kernels/tile_pack.py:pack_triton_op": _REGISTRY + " (torch.library custom op)",
     "kernels/tile_pack.py:unpack_combine_triton_op": _REGISTRY + " (torch.library custom op)",
-    "cache/calibrate.py:pair_file_bytes": _OWED,
-    "cache/calibrate.py:fit_non_negative": _OWED,
-    "cache/coefficients.py:load_inside": _OWED,
-    "cache/coefficients.py:is_coefficient_file": _OWED,
-    "cache/coefficients.py:sigmas_list": _OWED,
     "loaders/h3.py:detect": _OWED,
     "loaders/h3.py:rope_inv_freq": _OWED,
     "loaders/h3.py:comfy_metadata": _OWED,
@@ -42,11 +37,6 @@ ALLOWED = {
     "loaders/quantize.py:model_prefix": _OWED,
     "loaders/quantize.py:refuse_quantized_source": _OWED,
     "loaders/quantize.py:file_sha256": _OWED,
-    "vae/metadata.py:is_image_vae_metadata": _OWED,
-    "vae/video_stream.py:require_av": _OWED,
-    "vae/video_stream.py:expand_prefix": _OWED,
-    "vae/video_stream.py:next_counter": _OWED,
-    "vae/video_stream.py:probe_audio_encoder": _OWED,
 }
 
 
