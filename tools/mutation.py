@@ -134,8 +134,10 @@ def _stage(module: str, tests: list[str], root: Path, tests_rev: str | None = No
         'pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q"]\n'
         'also_copy = ["ditkit/"]\n'
         'process_isolation = "forkserver"\n'
-        # the machine is shared: a mutant is a timeout only well past the clean run's time
-        "timeout_multiplier = 40.0\ntimeout_constant = 20.0\n"
+        # the machine is shared: a mutant is a timeout only well past the clean run's time. mutmut 3.8 kills a
+        # child after (estimate + constant) * multiplier wall seconds: >= 100 s here (40 / 20 made a mutant that
+        # blocks on a FIFO hold a worker for 13+ minutes)
+        "timeout_multiplier = 10.0\ntimeout_constant = 10.0\n"
         "use_git_change_detection = false\n", encoding="utf-8")
     return tests
 
