@@ -45,15 +45,18 @@ TESTS: dict[str, list[str]] = {
     "guards.py": ["tests/unit/test_guards.py", "tests/unit/test_teacache_guards.py"],
     "strict_json.py": ["tests/unit/test_strict_json.py"],
     "loaders/safe_fs.py": ["tests/unit/test_safe_fs.py", "tests/unit/test_safe_writes.py",
-                           "tests/unit/test_public_direct.py"],
-    "kernels/vsa_select.py": ["tests/unit/test_kernels_vsa_select.py"],
+                           "tests/unit/test_public_direct.py", "tests/unit/test_safe_fs_paths.py",
+                           "tests/unit/test_user_files_once.py"],
+    "kernels/vsa_select.py": ["tests/unit/test_kernels_vsa_select.py", "tests/unit/test_public_direct_kernels.py"],
     "kernels/tile_pack.py": ["tests/unit/test_kernels_vsa.py", "tests/unit/test_kernels_int64.py",
                              "tests/unit/test_vsa_layout_buffers.py"],
     "kernels/delta_fuse.py": ["tests/unit/test_kernels_delta_fuse.py", "tests/unit/test_kernels_delta_fuse_layouts.py",
                               "tests/unit/test_public_direct.py"],
     "kernels/quant.py": ["tests/unit/test_quant.py", "tests/unit/test_public_direct.py"],
     "cache/teacache.py": ["tests/unit/test_teacache.py", "tests/unit/test_teacache_guards.py"],
-    "cache/coefficients.py": ["tests/unit/test_teacache_files.py", "tests/unit/test_coefficient_safety.py"],
+    "cache/coefficients.py": ["tests/unit/test_teacache_files.py", "tests/unit/test_coefficient_safety.py",
+                              "tests/unit/test_public_direct_cache_vae.py"],
+    "cache/audio_guard.py": ["tests/unit/test_audio_guard.py"],
     "cache/adaln.py": ["tests/unit/test_adaln_core.py", "tests/unit/test_h3_modulation_memo.py"],
     "vae/t1_decode.py": ["tests/unit/test_vae_t1.py", "tests/unit/test_vae_t1_dtypes.py", "tests/unit/test_preflight.py"],
     "vae/preflight.py": ["tests/unit/test_preflight.py", "tests/unit/test_public_direct.py"],
@@ -62,7 +65,7 @@ TESTS: dict[str, list[str]] = {
     "sampling/fasth3_recipe.py": ["tests/unit/test_fasth3_recipe.py", "tests/unit/test_fasth3_recipe_bounds.py"],
     "offload/streamer.py": ["tests/unit/test_offload_streamer.py", "tests/unit/test_offload_streamer_layouts.py"],
     "loaders/safetensors_io.py": ["tests/unit/test_safetensors_io.py", "tests/unit/test_safe_reader_open_once.py"],
-    "loaders/h3.py": ["tests/unit/test_loaders_h3.py"],
+    "loaders/h3.py": ["tests/unit/test_loaders_h3.py", "tests/unit/test_public_direct_loaders.py"],
     "loaders/lokr_math.py": ["tests/unit/test_public_direct.py", "tests/unit/test_lokr.py"],
     "loaders/quant_cache.py": ["tests/unit/test_quant_cache.py"],
 }
@@ -131,8 +134,10 @@ def _stage(module: str, tests: list[str], root: Path, tests_rev: str | None = No
         'pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q"]\n'
         'also_copy = ["ditkit/"]\n'
         'process_isolation = "forkserver"\n'
-        # the machine is shared: a mutant is a timeout only well past the clean run's time
-        "timeout_multiplier = 40.0\ntimeout_constant = 20.0\n"
+        # the machine is shared: a mutant is a timeout only well past the clean run's time. mutmut 3.8 kills a
+        # child after (estimate + constant) * multiplier wall seconds: >= 100 s here (40 / 20 made a mutant that
+        # blocks on a FIFO hold a worker for 13+ minutes)
+        "timeout_multiplier = 10.0\ntimeout_constant = 10.0\n"
         "use_git_change_detection = false\n", encoding="utf-8")
     return tests
 

@@ -14,7 +14,6 @@ CORE_DIRS = ("kernels", "loaders", "cache", "vae", "sampling", "offload")
 CORE_FILES = ("guards.py", "strict_json.py")
 
 _REGISTRY = "a backend registered in kernels/registry and called by the tests through REGISTRY.resolve(...).fn"
-_OWED = "reached only through its callers' tests; a direct test is owed (issue 29, not yet written)"
 ALLOWED = {
     "kernels/block_sparse.py:block_sparse_attn_reference": _REGISTRY,
     "kernels/block_sparse_cpu.py:block_sparse_attn_cpu": _REGISTRY,
@@ -24,41 +23,6 @@ ALLOWED = {
     "kernels/block_sparse_triton.py:block_sparse_attn_triton_op": _REGISTRY + " (torch.library custom op)",
     "kernels/tile_pack.py:pack_triton_op": _REGISTRY + " (torch.library custom op)",
     "kernels/tile_pack.py:unpack_combine_triton_op": _REGISTRY + " (torch.library custom op)",
-    "kernels/_triton.py:existing_custom_op": _OWED,
-    "kernels/block_sparse_flex.py:build_flex_block_mask": _OWED,
-    "kernels/registry.py:triton_interpreter": _OWED,
-    "kernels/registry.py:triton_check": _OWED,
-    "kernels/registry.py:need_cuda": _OWED,
-    "kernels/vsa.py:pool_tiles": _OWED + " (gpu_check.py calls it)",
-    "kernels/vsa.py:resolve_aux": _OWED,
-    "kernels/vsa_layout.py:video_tile_partition": _OWED,
-    "kernels/vsa_layout.py:merge_prefix_segments": _OWED,
-    "kernels/vsa_select.py:exact_topk_mask": _OWED,
-    "kernels/vsa_select.py:h3_block_mask": _OWED,
-    "kernels/vsa_select.py:mask_to_index": _OWED,
-    "cache/calibrate.py:pair_file_bytes": _OWED,
-    "cache/calibrate.py:fit_non_negative": _OWED,
-    "cache/coefficients.py:load_inside": _OWED,
-    "cache/coefficients.py:is_coefficient_file": _OWED,
-    "cache/coefficients.py:sigmas_list": _OWED,
-    "loaders/h3.py:detect": _OWED,
-    "loaders/h3.py:rope_inv_freq": _OWED,
-    "loaders/h3.py:comfy_metadata": _OWED,
-    "loaders/h3_adapters.py:swap_map": _OWED,
-    "loaders/h3_adapters.py:underscored": _OWED,
-    "loaders/h3_adapters.py:strip_prefix": _OWED,
-    "loaders/h3_adapters.py:assigned_gates": _OWED,
-    "loaders/host_memory.py:adopt": _OWED,
-    "loaders/host_memory.py:release_free_heap": _OWED,
-    "loaders/lokr_apply.py:read_peft_config_file": _OWED,
-    "loaders/quantize.py:model_prefix": _OWED,
-    "loaders/quantize.py:refuse_quantized_source": _OWED,
-    "loaders/quantize.py:file_sha256": _OWED,
-    "vae/metadata.py:is_image_vae_metadata": _OWED,
-    "vae/video_stream.py:require_av": _OWED,
-    "vae/video_stream.py:expand_prefix": _OWED,
-    "vae/video_stream.py:next_counter": _OWED,
-    "vae/video_stream.py:probe_audio_encoder": _OWED,
 }
 
 
