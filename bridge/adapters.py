@@ -71,6 +71,7 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
 
     af = core.read_adapter_file(path, g, input_name="adapter_name")
     plan = core.plan(af, g, base_weight, source=source, qkv_layout=qkv_layout, scale_override=scale)
+    plan.notes.append(core.partition_note(source, af.metadata)[1])
     if mode == "bypass":
         return _apply_bypass(model, plan, strength, source), plan
     bypassed = set(adapter_bypass.current(model))
