@@ -87,6 +87,7 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
         if mode == "fuse" and it.target.key in carried:
             raise AdapterError(f"{NODE_ID}: '{it.target.key}' carries Turbo curve columns (an earlier loader); fusing "
                                f"'{source}' onto it is not supported. Put this loader first, or use mode bypass")
+    plan.notes.append(core.partition_note(source, af.metadata)[1])
     if mode == "bypass":
         divert = {k[: -len(".weight")] for k in (carry.columns if carry is not None else ())}
         m, diverted = _apply_bypass(model, plan, strength, source, divert)

@@ -64,6 +64,7 @@ Scale (ΔW = scale * B @ A, per module; the report says which rule gave it):
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -680,7 +681,10 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
         diff = (t.double() - base.double()).abs().max().item()
         if diff > TABLE_TOL:
             raise AdapterError(f"{source}: key {k!r} differs from the base's adaln_t_table by {diff:.3g} (> {TABLE_TOL:g}): "
-                               "the adapter's AdaLN weights were made for another curve basis; use its own base")
+                               "the adapter's AdaLN weights were made for another curve basis, i.e. another pruned "
+                               "base (the other partition, fl2va vs ref2va, or another pruning); nothing was applied. "
+                               "Choose the adapter made for this base ('adapter_name') or load the base it was made "
+                               "for (the model loader's file)")
         unused[k] = f"curve table kept from the base (equal within {diff:.3g} <= {TABLE_TOL:g})"
     curve_sets = [it for it in items if it.module.family == "curve"]
     if curve_sets and not g.curve:
@@ -693,6 +697,30 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
         notes.append(f"scale: the node's 'scale' input {scale_override:g} replaces the file's alpha/rank scale of the "
                      "low-rank modules")
     return Plan(items, unused, refused, layout, layout_reason, writer, notes, gates, curve)
+
+
+_PARTITION = re.compile(r"(?:^|[^a-z0-9])(fl2va?|ref2va?)(?=$|[^a-z0-9])")
+PARTITION_FIELDS = ("base_model", "finetuned_model", "ss_base_model_version", "ss_sd_model_name",
+                    "modelspec.architecture", "modelspec.title", "partition")
+
+
+def partition_note(source: str, metadata: dict | None) -> tuple[str, str]:
+    """-> (partition named by the adapter's file name / metadata: "fl2va", "ref2va", "both" or "unknown", report
+    line). Not a check: FL2VA and Ref2VA checkpoints have the same keys, shapes and config (h3.md §2.1, §9; their
+    files name the partition only in the file name), and a loaded model does not carry its file name, so nothing
+    in the model says which partition it is. The line says what the adapter names and that it was not verified."""
+    found: dict[str, str] = {}
+    for where, text in [("file name", os.path.basename(str(source)))] + [
+            (f"metadata '{f}'", str((metadata or {}).get(f))) for f in PARTITION_FIELDS if (metadata or {}).get(f)]:
+        for tok in _PARTITION.findall(text.lower()[:4096]):
+            found.setdefault("fl2va" if tok.startswith("fl2v") else "ref2va", f"{where} ({tok})")
+    part = "both" if len(found) > 1 else next(iter(found), "unknown")
+    said = ("names no partition (no fl2va / ref2va token in its file name or metadata)" if not found else
+            "names " + " and ".join(f"{p.upper()} by its {w}" for p, w in found.items()))
+    return part, (f"partition: not verified. The adapter {said}; FL2VA and Ref2VA checkpoints have the same keys and "
+                  "shapes and the loaded model does not carry its file name, so ditkit cannot tell which partition "
+                  "the model is. An adapter trained on the other partition applies without error and changes the "
+                  "output: check that the model loader's file (minimax_h3_fl2va_* / minimax_h3_ref2va_*) matches")
 
 
 def _overlap(rows, tgt: Target) -> bool:
