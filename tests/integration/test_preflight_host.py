@@ -228,7 +228,7 @@ def test_bad_conditioning_named_errors(model):
                 [[text, {"minimax_keyframes": [{"latent": torch.zeros(24, 1)}]}]],
                 [[text, {"minimax_keyframes": [{"latent": torch.empty(1, 24, 10**6, 16, 16, device="meta")}]}]],
                 ["not conditioning"]):
-        with pytest.raises(DitKitError, match="input 'positive'") as e:
+        with pytest.raises(DitKitError, match="input 'positive'"):
             DitKitPreflight.execute(model, latent(), limit_gib=1000.0, text_tokens=0, positive=bad)
 
 
