@@ -39,7 +39,9 @@ def plan(m, lat, limit=1000.0):
 
 
 def test_tokens_dims_and_weights_from_the_model(ltx):
-    from ditkit.bridge.preflight import model_facts
+    from ditkit.bridge.preflight import family_of, model_facts
+
+    assert family_of(ltx) == "ltx2"
 
     lat = video_latent()
     t = lat["samples"].shape            # [1, 128, (97 - 1) / 8 + 1 = 13, 512 / 32 = 16, 16]
