@@ -136,7 +136,8 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs:
     dims, weights, current, compute = model_facts(model)
     installed, chunk = installed_chunk(model)
     ov = (model.model_options.get("transformer_options") or {}).get("optimized_attention_override")
-    head_group = ov.heads_per_call if getattr(ov, "_ditkit_head_groups", False) else None
+    # head groups split H3's packed self-attention only (skip_reshape calls); LTX-2's attention passes through them
+    head_group = ov.heads_per_call if getattr(ov, "_ditkit_head_groups", False) and family == "h3" else None
     available, where, streaming_possible = available_memory(model, limit)
     # auto chunking (chunk None) is counted unchunked: the upper bound, said in the report
     opts = Options(compute=compute, weight_format=current, chunk=chunk if installed else None,
@@ -149,7 +150,7 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs:
 
     dec = decode_parts(vae, video_shape) if vae is not None else None
     p = plan(dims, weights, tokens, opts, available, where, streaming_possible, video_scale=scale, decode_parts=dec,
-             decode_keeps_weights=torch.device(model.load_device).type == "cpu")
+             decode_keeps_weights=torch.device(model.load_device).type == "cpu", head_groups=family == "h3")
     if installed and chunk is None:
         p.where += " (feed-forward chunking is auto: predicted unchunked, an upper bound)"
     return p

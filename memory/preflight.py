@@ -195,7 +195,7 @@ class Plan:
 
 def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Options, available: int, where: str,
          streaming_possible: bool, video_scale=None, max_suggestions: int = 3, decode_parts: dict | None = None,
-         decode_keeps_weights: bool = False) -> Plan:
+         decode_keeps_weights: bool = False, head_groups: bool = True) -> Plan:
     """The job's prediction and, when it does not fit, the fitting settings with the fewest changes (then the
     cheapest: chunking before streaming before a lower-precision format), at most ``max_suggestions``; when no
     setting fits, the longest video (fraction of the video tokens) that fits with every saving on.
@@ -205,7 +205,8 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
 
     ``decode_parts``: the VAE decode's bytes by part (the job's peak is the larger of the step and the decode; a
     decode that alone exceeds ``available`` gets no DiT suggestion); ``decode_keeps_weights``: the DiT's weights
-    stay in the same memory during the decode (a CPU host), so each setting's weights count there too."""
+    stay in the same memory during the decode (a CPU host), so each setting's weights count there too;
+    ``head_groups``: whether attention head groups apply to this model (suggested only then)."""
     if opts.weight_format not in weights:
         raise MemoryModelError(f"no weight inventory for the model's format {opts.weight_format!r}")
     parts = {}
@@ -220,7 +221,7 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
     group = dims.heads if opts.head_group is None else opts.head_group
     knobs = {"chunk_tokens": [c for c in CHUNKS if opts.chunk is None or c < opts.chunk],
              "attention_heads_per_call": (sorted({max(1, dims.heads // k) for k in (2, 4, 8)} | {1}, reverse=True)
-                                          if opts.attention != "flash" else []),
+                                          if opts.attention != "flash" and head_groups else []),
              "streaming": [True] if streaming_possible and not opts.streaming else [],
              "weight_format": [f for f in SUGGEST_FORMATS if f in weights and f != opts.weight_format]}
     knobs["attention_heads_per_call"] = [g for g in knobs["attention_heads_per_call"] if g < group]

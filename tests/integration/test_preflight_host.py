@@ -228,7 +228,7 @@ def test_bad_conditioning_named_errors(model):
                 [[text, {"minimax_keyframes": [{"latent": torch.zeros(24, 1)}]}]],
                 [[text, {"minimax_keyframes": [{"latent": torch.empty(1, 24, 10**6, 16, 16, device="meta")}]}]],
                 ["not conditioning"]):
-        with pytest.raises(DitKitError, match="input 'positive'") as e:
+        with pytest.raises(DitKitError, match="input 'positive'"):
             DitKitPreflight.execute(model, latent(), limit_gib=1000.0, text_tokens=0, positive=bad)
 
 
@@ -281,6 +281,10 @@ def test_vae_decode_joins_the_plan(model, vae):
     assert "VAE decode" in d["summary"] and "sampling step" in d["summary"]
     plain = DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=TEXT).ui["ditkit_report"][0]["data"]
     assert plain["step_bytes"] == data["step_bytes"] and plain["decode_bytes"] == 0
+    from ditkit.bridge.preflight import decode_parts, family_of
+
+    assert {k: int(x) for k, x in decode_parts(vae, tuple(v.shape)).items()} == data["decode_parts"]
+    assert family_of(model) == "h3"
 
 
 def test_decode_that_alone_does_not_fit_is_refused_with_its_own_advice(model, vae):

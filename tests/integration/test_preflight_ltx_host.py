@@ -39,7 +39,9 @@ def plan(m, lat, limit=1000.0):
 
 
 def test_tokens_dims_and_weights_from_the_model(ltx):
-    from ditkit.bridge.preflight import model_facts
+    from ditkit.bridge.preflight import family_of, model_facts
+
+    assert family_of(ltx) == "ltx2"
 
     lat = video_latent()
     t = lat["samples"].shape            # [1, 128, (97 - 1) / 8 + 1 = 13, 512 / 32 = 16, 16]
@@ -72,33 +74,43 @@ def test_audio_video_latent_counts_audio_rows(ltx):
     assert (p.tokens.video, p.tokens.audio, p.tokens.total) == (4 * 6 * 5, 21, 4 * 6 * 5 + 21)
 
 
-def test_refuses_then_suggestion_runs(ltx):
-    """On this CPU host (ComfyUI's sub_quad attention) the score workspace is the tiny LTX-2's peak: the refusal
-    names attention head groups (DitKitActivationChunking's attention_heads_per_call); following it runs."""
+@pytest.fixture
+def sdpa(monkeypatch):
+    """ComfyUI's own SDPA attention selected in process (what --use-pytorch-cross-attention selects; no score
+    matrix, as flash / sage on a GPU): LTX-2 calls comfy.ldm.modules.attention.optimized_attention at run time and
+    the preflight reads the same attribute."""
+    from comfy.ldm.modules import attention as a
+
+    monkeypatch.setattr(a, "optimized_attention", a.attention_pytorch)
+
+
+def test_refuses_then_suggestion_runs(ltx, sdpa):
+    """With a backend that holds no scores the feed-forward (GELU, 2D + 2F per token) is LTX-2's peak: a job made to
+    exceed limit_gib is refused before anything loads, naming the chunk size that fits; following it passes the node
+    and samples. Head groups are never suggested for LTX-2 (they split H3's packed self-attention only)."""
     import comfy.model_management as mm
     import nodes
 
+    from ditkit.bridge.preflight import attention_class
     from ditkit.memory.preflight import MemoryShortfallError
     from ditkit.nodes.activation_chunking import DitKitActivationChunking
     from ditkit.nodes.preflight import DitKitPreflight
 
+    assert attention_class() == "flash"
     lat = video_latent()
-    one = DitKitActivationChunking.execute(ltx, chunk_tokens=0, attention_heads_per_call=1).args[0]
-    # sub_quad sizes its query chunk from the free memory (here: the limit), so the prediction depends on it: the
-    # smallest limit (MiB steps) where all heads per call do not fit and one head per call does
-    limit = next(mib / 1024 for mib in range(4, 512) if not plan(ltx, lat, mib / 1024).fits
-                 and plan(one, lat, mib / 1024).fits)
+    full = plan(ltx, lat).prediction.device
+    chunked = plan(DitKitActivationChunking.execute(ltx, chunk_tokens=256).args[0], lat).prediction.device
+    assert chunked < full
+    limit = (full + chunked) / 2 / 2**30
     loaded_before = [id(x.model) for x in mm.current_loaded_models]
     with pytest.raises(MemoryShortfallError) as e:
         DitKitPreflight.execute(ltx, lat, limit_gib=limit, text_tokens=0)
     assert [id(x.model) for x in mm.current_loaded_models] == loaded_before
     msg = str(e.value)
-    assert "SHORT by" in msg and "3,328 tokens (video 3,328" in msg, msg
-    m = re.search(r"Settings that fit: ([^:]*): predicted ([\d.]+) GiB", msg)
-    assert m and "attention_heads_per_call" in m.group(1), msg
-    s = dict(kv.rsplit(" ", 1) for kv in m.group(1).split(", "))
-    fixed = DitKitActivationChunking.execute(ltx, chunk_tokens=int(s.get("chunk_tokens", 0)),
-                                             attention_heads_per_call=int(s["attention_heads_per_call"])).args[0]
+    assert "SHORT by" in msg and "3,328 tokens (video 3,328" in msg and "attention_heads_per_call" not in msg, msg
+    m = re.search(r"chunk_tokens (\d+): predicted ([\d.]+) GiB", msg)
+    assert m, msg
+    fixed = DitKitActivationChunking.execute(ltx, chunk_tokens=int(m.group(1))).args[0]
     out = DitKitPreflight.execute(fixed, lat, limit_gib=limit, text_tokens=0)
     assert abs(plan(fixed, lat, limit).prediction.device / 2**30 - float(m.group(2))) < 0.01
     assert out.ui["ditkit_report"][0]["data"]["fits"] is True
@@ -107,6 +119,22 @@ def test_refuses_then_suggestion_runs(ltx):
     out = DitKitPreflight.execute(fixed, small, limit_gib=limit, text_tokens=0)
     res = nodes.common_ksampler(out.args[0], 3, 1, 1.0, "euler", "simple", cond, cond, out.args[1])[0]["samples"]
     assert torch.isfinite(res).all()
+
+
+def test_head_groups_are_not_counted_or_suggested_for_ltx(ltx):
+    """On the CPU default (sub_quad) the score workspace is the tiny LTX-2's peak, but LTX-2's attention calls pass
+    through the head-group override (measured: bench_memory ltx2-h1024-512x512x97-heads1, peak unchanged), so the
+    preflight neither counts an installed head group nor suggests one."""
+    from ditkit.bridge.preflight import attention_class
+    from ditkit.nodes.activation_chunking import DitKitActivationChunking
+
+    assert attention_class() == "sub_quad"
+    lat = video_latent()
+    one = DitKitActivationChunking.execute(ltx, chunk_tokens=0, attention_heads_per_call=1).args[0]
+    assert plan(one, lat).prediction.device == plan(ltx, lat).prediction.device
+    assert plan(one, lat).options.head_group is None
+    p = plan(ltx, lat, 0.02)
+    assert not p.fits and not any("attention_heads_per_call" in s.settings for s in p.suggestions), p.summary()
 
 
 def test_sampler_check_refuses_ltx_before_any_forward(ltx):

@@ -307,3 +307,5 @@ def test_head_groups_are_suggested_only_for_backends_that_hold_scores():
     pm = plan(D2, w, tok, already, predict(D2, W2, tok, already).device - 1, "x", False)
     assert all(s.settings.get("attention_heads_per_call", 1) < 2 for s in pm.suggestions)
     assert "attention 2 heads per call" in already.describe() and "heads per call" not in fl.describe()
+    off = plan(D2, w, tok, sq, full - 1, "x", False, head_groups=False)       # a model they do not apply to
+    assert not any("attention_heads_per_call" in s.settings for s in off.suggestions)
