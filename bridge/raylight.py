@@ -311,3 +311,11 @@ class RankTarget:
             return {}
         ranks = RanksReport(every, self.must_agree)
         return self.target.send(kind, f"{summary} | {ranks.summary()}", {**(data or {}), "ranks": ranks.as_dict()})
+
+
+def run_on_actor0(ray_actors, fn, *args, **kwargs):
+    """``fn(model, *args, **kwargs)`` on actor 0's model, its value returned (Raylight's own
+    ``@ray_patch_with_return``, as its schedulers use it; the model itself is not replaced there)."""
+    from raylight.comfy_extra_dist.ray_patch_decorator import ray_patch_with_return
+
+    return ray_patch_with_return(lambda _self, model, *a, **kw: fn(model, *a, **kw))(None, ray_actors, *args, **kwargs)

@@ -13,7 +13,11 @@ attention and TeaCache come from rank 0 alone and carry every rank's figures (``
 * ``DitKitRayTeaCache``: TeaCache deciding on the rank's shard through the rank reducer: the target streams' rows
   placed by each forward's unpadded layout (Raylight's pad rows excluded), the metric's sums all-reduced over the
   Ulysses group and the skip MIN-reduced over all ranks, so every rank makes the single-process decision.
-The FastH3 schedule has no Ray variant yet (docs/multigpu.md says why).
+* ``DitKitRayFastH3Schedule``: the recipe's per-stream shifts set on every actor's model (``@ray_patch``) and the
+  shifted video ladder computed on actor 0 (``@ray_patch_with_return``, as Raylight's own schedulers), for
+  Raylight's ``XFuserSamplerCustom`` / ``XFuserSamplerCustomAdvanced``.
+Adapters have no Ray variant: Raylight applies LoRAs in its own loader path (``RayLoraLoader`` -> ``RayUNETLoader``),
+which is the only place the weights are whole before FSDP shards them (docs/multigpu.md).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from ..bridge import raylight as rl
 from ..bridge.attention import HOLDER_KEY as VSA_HOLDER_KEY
 from ..bridge.blocks import HOLDER_KEY as TC_HOLDER_KEY
 from .adaln_cache import DitKitH3AdaLNCache
+from .fasth3 import DitKitFastH3Schedule
 from .sparse_attention import DitKitSparseAttention
 from .teacache import DitKitTeaCache
 
@@ -124,12 +129,44 @@ class DitKitRayTeaCache(io.ComfyNode):
         return io.NodeOutput(*rl.run_on_actors(ray_actors, _teacache_patch, **kw))
 
 
+def _fasth3_patch(model, **kw):
+    return DitKitFastH3Schedule.execute(model=model, **kw).result[0]
+
+
+def _fasth3_sigmas(model, **kw):
+    return DitKitFastH3Schedule.execute(model=model, **kw).result[1]
+
+
+class DitKitRayFastH3Schedule(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        base = DitKitFastH3Schedule.GET_SCHEMA()
+        return io.Schema(
+            node_id="DitKitRayFastH3Schedule",
+            display_name="FastH3 Schedule for Raylight (ditkit)",
+            category="ditkit/sampling",
+            description=("DitKitFastH3Schedule on every Raylight actor: the recipe's video/audio shifts set on each "
+                         "actor's model, and the shifted video sigmas (computed on actor 0) for Raylight's XFuser "
+                         "custom samplers."),
+            search_aliases=["raylight fasth3 schedule", "multi gpu fasth3", "ray fasth3 sigmas"],
+            inputs=[RAY_ACTORS.Input("ray_actors", tooltip="Raylight's actors (from its model loader): one model per GPU."),
+                    *_base_inputs(DitKitFastH3Schedule)],
+            outputs=[RAY_ACTORS.Output(tooltip="The actors, each model with the recipe's video/audio shifts set."),
+                     io.Sigmas.Output(display_name="sigmas", tooltip=base.outputs[1].tooltip)],
+        )
+
+    @classmethod
+    def execute(cls, ray_actors, **kw) -> io.NodeOutput:
+        (actors,) = rl.run_on_actors(ray_actors, _fasth3_patch, **kw)
+        return io.NodeOutput(actors, rl.run_on_actor0(actors, _fasth3_sigmas, **kw))
+
+
 def _setup() -> list[type[io.ComfyNode]]:
     if not rl.raylight_available():
         return []
     rl.register()
     rl.make_pickle_by_value(sys.modules[__name__.rsplit(".", 2)[0]])
-    return [DitKitRaySparseAttention, DitKitRayAdaLNCache, DitKitRayTeaCache]
+    return [DitKitRaySparseAttention, DitKitRayAdaLNCache, DitKitRayTeaCache, DitKitRayFastH3Schedule]
 
 
 NODES = _setup()
