@@ -21,14 +21,11 @@ which is the only place the weights are whole before FSDP shards them (docs/mult
 """
 from __future__ import annotations
 
-import functools
 import sys
 
 from comfy_api.latest import io
 
 from ..bridge import raylight as rl
-from ..bridge.attention import HOLDER_KEY as VSA_HOLDER_KEY
-from ..bridge.blocks import HOLDER_KEY as TC_HOLDER_KEY
 from .adaln_cache import DitKitH3AdaLNCache
 from .fasth3 import DitKitFastH3Schedule
 from .sparse_attention import DitKitSparseAttention
@@ -45,9 +42,7 @@ def _base_inputs(base: type[io.ComfyNode]) -> list:
 def _sparse_patch(model, **kw):
     m = DitKitSparseAttention.execute(model=model, **kw).result[0]
     rl.set_processor(m, rl.VSAInnerAttention(gate_group=rl.LazyGroup(), ring_degree=rl.ring_degree))
-    holder = m.model_options["transformer_options"][VSA_HOLDER_KEY]   # the run report: from rank 0, every rank's
-    send = holder.on_run_end   # functools.partial(send_run_report, target): the same, to a RankTarget
-    holder.on_run_end = functools.partial(send.func, rl.RankTarget(send.args[0], rl.vsa_figures, rl.VSA_AGREE))
+    rl.vsa_reports_from_rank0(m)
     return m
 
 
@@ -58,8 +53,7 @@ def _adaln_patch(model, **kw):
 def _teacache_patch(model, **kw):
     m = DitKitTeaCache.execute(model=model, **kw).result[0]
     rl.shard_teacache(m, "DitKitRayTeaCache", sp_group=rl.LazyGroup(), device=getattr(m, "load_device", None))
-    info = m.model_options["transformer_options"][TC_HOLDER_KEY].info
-    info["report_to"] = rl.RankTarget(info["report_to"], rl.teacache_figures, rl.TEACACHE_AGREE)
+    rl.teacache_reports_from_rank0(m)
     return m
 
 
