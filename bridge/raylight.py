@@ -311,3 +311,27 @@ class RankTarget:
             return {}
         ranks = RanksReport(every, self.must_agree)
         return self.target.send(kind, f"{summary} | {ranks.summary()}", {**(data or {}), "ranks": ranks.as_dict()})
+
+
+def vsa_reports_from_rank0(m) -> None:
+    """The VSA-H3 run report of the clone ``m`` sent by rank 0 alone, with every rank's figures (its holder's
+    ``on_run_end`` is ``functools.partial(send_run_report, target)``: the same, to a :class:`RankTarget`)."""
+    import functools
+
+    holder = m.model_options["transformer_options"][HOLDER_KEY]
+    send = holder.on_run_end
+    holder.on_run_end = functools.partial(send.func, RankTarget(send.args[0], vsa_figures, VSA_AGREE))
+
+
+def teacache_reports_from_rank0(m) -> None:
+    """The TeaCache run report of the clone ``m`` sent by rank 0 alone, with every rank's figures."""
+    info = m.model_options["transformer_options"][TC_HOLDER_KEY].info
+    info["report_to"] = RankTarget(info["report_to"], teacache_figures, TEACACHE_AGREE)
+
+
+def run_on_actor0(ray_actors, fn, *args, **kwargs):
+    """``fn(model, *args, **kwargs)`` on actor 0's model, its value returned (Raylight's own
+    ``@ray_patch_with_return``, as its schedulers use it; the model itself is not replaced there)."""
+    from raylight.comfy_extra_dist.ray_patch_decorator import ray_patch_with_return
+
+    return ray_patch_with_return(lambda _self, model, *a, **kw: fn(model, *a, **kw))(None, ray_actors, *args, **kwargs)

@@ -13,19 +13,21 @@ attention and TeaCache come from rank 0 alone and carry every rank's figures (``
 * ``DitKitRayTeaCache``: TeaCache deciding on the rank's shard through the rank reducer: the target streams' rows
   placed by each forward's unpadded layout (Raylight's pad rows excluded), the metric's sums all-reduced over the
   Ulysses group and the skip MIN-reduced over all ranks, so every rank makes the single-process decision.
-The FastH3 schedule has no Ray variant yet (docs/multigpu.md says why).
+* ``DitKitRayFastH3Schedule``: the recipe's per-stream shifts set on every actor's model (``@ray_patch``) and the
+  shifted video ladder computed on actor 0 (``@ray_patch_with_return``, as Raylight's own schedulers), for
+  Raylight's ``XFuserSamplerCustom`` / ``XFuserSamplerCustomAdvanced``.
+Adapters have no Ray variant: Raylight applies LoRAs in its own loader path (``RayLoraLoader`` -> ``RayUNETLoader``),
+which is the only place the weights are whole before FSDP shards them (docs/multigpu.md).
 """
 from __future__ import annotations
 
-import functools
 import sys
 
 from comfy_api.latest import io
 
 from ..bridge import raylight as rl
-from ..bridge.attention import HOLDER_KEY as VSA_HOLDER_KEY
-from ..bridge.blocks import HOLDER_KEY as TC_HOLDER_KEY
 from .adaln_cache import DitKitH3AdaLNCache
+from .fasth3 import DitKitFastH3Schedule
 from .sparse_attention import DitKitSparseAttention
 from .teacache import DitKitTeaCache
 
@@ -40,9 +42,7 @@ def _base_inputs(base: type[io.ComfyNode]) -> list:
 def _sparse_patch(model, **kw):
     m = DitKitSparseAttention.execute(model=model, **kw).result[0]
     rl.set_processor(m, rl.VSAInnerAttention(gate_group=rl.LazyGroup(), ring_degree=rl.ring_degree))
-    holder = m.model_options["transformer_options"][VSA_HOLDER_KEY]   # the run report: from rank 0, every rank's
-    send = holder.on_run_end   # functools.partial(send_run_report, target): the same, to a RankTarget
-    holder.on_run_end = functools.partial(send.func, rl.RankTarget(send.args[0], rl.vsa_figures, rl.VSA_AGREE))
+    rl.vsa_reports_from_rank0(m)
     return m
 
 
@@ -53,8 +53,7 @@ def _adaln_patch(model, **kw):
 def _teacache_patch(model, **kw):
     m = DitKitTeaCache.execute(model=model, **kw).result[0]
     rl.shard_teacache(m, "DitKitRayTeaCache", sp_group=rl.LazyGroup(), device=getattr(m, "load_device", None))
-    info = m.model_options["transformer_options"][TC_HOLDER_KEY].info
-    info["report_to"] = rl.RankTarget(info["report_to"], rl.teacache_figures, rl.TEACACHE_AGREE)
+    rl.teacache_reports_from_rank0(m)
     return m
 
 
@@ -124,12 +123,44 @@ class DitKitRayTeaCache(io.ComfyNode):
         return io.NodeOutput(*rl.run_on_actors(ray_actors, _teacache_patch, **kw))
 
 
+def _fasth3_patch(model, **kw):
+    return DitKitFastH3Schedule.execute(model=model, **kw).result[0]
+
+
+def _fasth3_sigmas(model, **kw):
+    return DitKitFastH3Schedule.execute(model=model, **kw).result[1]
+
+
+class DitKitRayFastH3Schedule(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        base = DitKitFastH3Schedule.GET_SCHEMA()
+        return io.Schema(
+            node_id="DitKitRayFastH3Schedule",
+            display_name="FastH3 Schedule for Raylight (ditkit)",
+            category="ditkit/sampling",
+            description=("DitKitFastH3Schedule on every Raylight actor: the recipe's video/audio shifts set on each "
+                         "actor's model, and the shifted video sigmas (computed on actor 0) for Raylight's XFuser "
+                         "custom samplers."),
+            search_aliases=["raylight fasth3 schedule", "multi gpu fasth3", "ray fasth3 sigmas"],
+            inputs=[RAY_ACTORS.Input("ray_actors", tooltip="Raylight's actors (from its model loader): one model per GPU."),
+                    *_base_inputs(DitKitFastH3Schedule)],
+            outputs=[RAY_ACTORS.Output(tooltip="The actors, each model with the recipe's video/audio shifts set."),
+                     io.Sigmas.Output(display_name="sigmas", tooltip=base.outputs[1].tooltip)],
+        )
+
+    @classmethod
+    def execute(cls, ray_actors, **kw) -> io.NodeOutput:
+        (actors,) = rl.run_on_actors(ray_actors, _fasth3_patch, **kw)
+        return io.NodeOutput(actors, rl.run_on_actor0(actors, _fasth3_sigmas, **kw))
+
+
 def _setup() -> list[type[io.ComfyNode]]:
     if not rl.raylight_available():
         return []
     rl.register()
     rl.make_pickle_by_value(sys.modules[__name__.rsplit(".", 2)[0]])
-    return [DitKitRaySparseAttention, DitKitRayAdaLNCache, DitKitRayTeaCache]
+    return [DitKitRaySparseAttention, DitKitRayAdaLNCache, DitKitRayTeaCache, DitKitRayFastH3Schedule]
 
 
 NODES = _setup()

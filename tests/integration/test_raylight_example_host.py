@@ -137,3 +137,13 @@ def _check_real(src, deps):
     assert widget_problems(graph, info, RAYLIGHT_CLASSES - {"RayUNETLoader"}) == []   # (its file list is local)
     assert graph_problems(graph, {**emb, **info}) == []
     assert rh.sync_example(src, deps, check=True) == []
+
+
+def test_raylight_example_is_laid_out_and_titled_like_the_main_examples():
+    from tests.unit import test_example_layout as lay
+
+    ui = json.loads(wfm.twin_path(API).read_text(encoding="utf-8"))
+    assert lay.layout_problems(ui, lay._badge_height()) + lay.note_problems(ui) == []
+    assert lay.chain_problems(_graph()) + lay.output_problems(_graph()) == []
+    meta = (ui.get("extra") or {}).get("ditkit_template") or {}
+    assert meta.get("title") and meta.get("description") and meta.get("look_at") == "DitKitRayTeaCache"

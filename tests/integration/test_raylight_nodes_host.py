@@ -37,6 +37,12 @@ def fake_raylight(monkeypatch):
             return (ray_actors,)
         return wrapper
 
+    def ray_patch_with_return(fn):      # actor 0 only; its model is not replaced
+        def wrapper(self, ray_actors, *a, **kw):
+            ray_actors.on_actor0 = getattr(ray_actors, "on_actor0", 0) + 1
+            return fn(self, ray_actors.models[0], *a, **kw)
+        return wrapper
+
     mods = {
         "raylight": types.ModuleType("raylight"),
         "raylight.distributed_modules": types.ModuleType("raylight.distributed_modules"),
@@ -44,7 +50,8 @@ def fake_raylight(monkeypatch):
         "raylight.distributed_modules.inner_attention.registry": types.SimpleNamespace(
             register_inner_attention=register_inner_attention),
         "raylight.comfy_extra_dist": types.ModuleType("raylight.comfy_extra_dist"),
-        "raylight.comfy_extra_dist.ray_patch_decorator": types.SimpleNamespace(ray_patch=ray_patch),
+        "raylight.comfy_extra_dist.ray_patch_decorator": types.SimpleNamespace(
+            ray_patch=ray_patch, ray_patch_with_return=ray_patch_with_return),
         "ray": types.ModuleType("ray"),
         "ray.cloudpickle": types.SimpleNamespace(register_pickle_by_value=by_value.append),
     }
@@ -80,7 +87,7 @@ def test_ray_sparse_attention_installs_the_processor_on_every_actor(comfy, fake_
 
     mod = _reload_ray_nodes()
     assert [c.GET_SCHEMA().node_id for c in mod.NODES] == ["DitKitRaySparseAttention", "DitKitRayAdaLNCache",
-                                                           "DitKitRayTeaCache"]
+                                                           "DitKitRayTeaCache", "DitKitRayFastH3Schedule"]
     assert fake_raylight.registered == {"ditkit:vsa_h3": rl.VSAInnerAttention}
     assert [m.__name__ for m in fake_raylight.by_value] == [mod.__name__.rsplit(".", 2)[0]]   # the pack, by value
     assert rl.register(sys.modules["raylight.distributed_modules.inner_attention.registry"]).endswith(
@@ -152,3 +159,27 @@ def test_ray_teacache_refuses_what_cannot_run_on_shards(comfy, fake_raylight, ti
     holder.family = "h3"
     with pytest.raises(CoefficientError, match="DitKitRayTeaCache: coefficients: .*Calibrate"):
         rl.shard_teacache(m, "DitKitRayTeaCache")
+
+
+def test_ray_fasth3_schedule_shifts_every_actor_and_returns_actor_0s_sigmas(comfy, fake_raylight, tiny_ckpts):
+    import comfy.sd
+    import torch
+
+    from ditkit.nodes.fasth3 import DitKitFastH3Schedule
+
+    mod = _reload_ray_nodes()
+    base = comfy.sd.load_diffusion_model(str(tiny_ckpts / "diffusion_models" / "h3_tiny_fasth3.safetensors"))
+    actors = fake_raylight.Actors([base, base.clone()])
+    out, sigmas = mod.DitKitRayFastH3Schedule.execute(ray_actors=actors, recipe="fasth3_preview_4step",
+                                                      contract_file="").result
+    ref_model, ref_sigmas = DitKitFastH3Schedule.execute(model=base, recipe="fasth3_preview_4step",
+                                                         contract_file="").result
+    assert out is actors and actors.on_actor0 == 1                       # the ladder: computed once, on actor 0
+    assert torch.equal(sigmas, ref_sigmas) and sigmas.shape == (5,)      # 4 rungs + the final 0
+    want = {k: v for k, v in ref_model.model_options["transformer_options"].items() if "sigma_shift" in k}
+    assert want and all(m is not base for m in out.models)
+    for m in out.models:                                                 # the shifts: on every actor's model
+        assert {k: v for k, v in m.model_options["transformer_options"].items() if "sigma_shift" in k} == want
+    schema = mod.DitKitRayFastH3Schedule.GET_SCHEMA()
+    assert [o.io_type for o in schema.outputs] == ["RAY_ACTORS", "SIGMAS"]
+    assert [i.id for i in schema.inputs] == ["ray_actors", "recipe", "contract_file"]

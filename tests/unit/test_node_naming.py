@@ -13,7 +13,7 @@ NODES_DIR = ROOT / "nodes"
 
 CATEGORIES = {"ditkit/loaders", "ditkit/attention", "ditkit/cache", "ditkit/vae", "ditkit/sampling", "ditkit/latent"}
 NODE_IDS = {"DitKitActivationChunking", "DitKitAdapterLoader", "DitKitPreflight", "DitKitRayAdaLNCache", "DitKitRaySparseAttention",
-            "DitKitRayTeaCache", "DitKitFastH3Schedule", "DitKitH3AdaLNCache", "DitKitH3EmptyImageLatent", "DitKitH3EncodeImage",
+            "DitKitRayTeaCache", "DitKitRayFastH3Schedule", "DitKitFastH3Schedule", "DitKitH3AdaLNCache", "DitKitH3EmptyImageLatent", "DitKitH3EncodeImage",
             "DitKitH3ModelLoader", "DitKitH3TextEncoderLoader", "DitKitLTX2ModelLoader", "DitKitFlux2ModelLoader", "DitKitH3VAEDecode", "DitKitH3VAELoader",
             "DitKitLTXTextEncoderLoader", "DitKitLoKrLoader", "DitKitSaveVideo", "DitKitSparseAttention",
             "DitKitStepCache", "DitKitTeaCache", "DitKitTeaCacheCalibrate", "DitKitZImageLoader"}

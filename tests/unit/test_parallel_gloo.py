@@ -421,3 +421,28 @@ def test_rank_target_sends_once_from_rank_0_with_the_gathered_figures(tmp_path):
     kind, summary, data = Sink.sent[0]
     assert kind == "teacache" and summary == "one computed | 1 ranks (rank 0: computed: 1); ranks agree on computed"
     assert data == {"computed": 1, "extra": 2, "ranks": {"ranks": [{"computed": 1}], "disagree": []}}
+
+
+def test_reports_from_rank0_swap_the_sinks_for_rank_targets():
+    import functools
+    import types
+
+    from ditkit.bridge.attention import HOLDER_KEY as VSA_KEY
+    from ditkit.bridge.blocks import HOLDER_KEY as TC_KEY
+    from ditkit.bridge.raylight import (RankTarget, teacache_figures, teacache_reports_from_rank0, vsa_figures,
+                                        vsa_reports_from_rank0)
+
+    def send_run_report(target, rt):
+        return target, rt
+    target = object()
+    vsa = types.SimpleNamespace(on_run_end=functools.partial(send_run_report, target))
+    tc = types.SimpleNamespace(info={"report_to": target})
+    m = types.SimpleNamespace(model_options={"transformer_options": {VSA_KEY: vsa, TC_KEY: tc}})
+    vsa_reports_from_rank0(m)
+    teacache_reports_from_rank0(m)
+    rt_target, rt = vsa.on_run_end("runtime")
+    assert rt == "runtime" and isinstance(rt_target, RankTarget) and rt_target.target is target
+    assert rt_target.figures is vsa_figures and "sparse_calls" in rt_target.must_agree
+    t = tc.info["report_to"]
+    assert isinstance(t, RankTarget) and t.target is target and t.figures is teacache_figures
+    assert t.must_agree == ("calls", "computed", "skipped")
