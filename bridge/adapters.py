@@ -95,11 +95,22 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
             plan.notes.extend(turbo_curve.install(m, carry, mode, entries=diverted))
         return m, plan
     bypassed = set(adapter_bypass.current(model))
+    host_bypassed = adapter_bypass.host_bypass_modules(model)
+    if host_bypassed is None:
+        raise AdapterError(f"{NODE_ID}: the model carries ComfyUI's own bypass LoRA (LoraLoaderBypass) and ditkit "
+                           "cannot read which layers it hooks; fusing could mix fused and bypassed adapters on one "
+                           "layer. Set 'mode' to bypass on this loader and put it before LoraLoaderBypass, or load "
+                           "the other LoRA with LoraLoader")
     for it in plan.items:
         if it.target.key.rsplit(".", 1)[0] in bypassed:
             raise AdapterError(f"{NODE_ID}: layer '{it.target.key}' already carries an adapter in bypass mode (an "
                                f"earlier loader); fusing '{source}' onto it as well mixes the two modes on one layer. "
                                "Set 'mode' to bypass on this loader too (or fuse on both)")
+        if it.target.key.rsplit(".", 1)[0] in host_bypassed:
+            raise AdapterError(f"{NODE_ID}: layer '{it.target.key}' already carries an adapter of ComfyUI's "
+                               f"LoraLoaderBypass (bypass mode); fusing '{source}' onto it as well mixes the two modes "
+                               "on one layer. Set 'mode' to bypass on this loader and put it before "
+                               "LoraLoaderBypass, or load the other LoRA with LoraLoader (fused)")
     quant = check_weight_keys(model, sorted({it.target.key for it in plan.items}), "H3 adapters", NODE_ID)
     qdeltas: dict[str, list] = {}
     for it in plan.items:

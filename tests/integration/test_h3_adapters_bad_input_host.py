@@ -188,3 +188,58 @@ def test_partition_reported_not_verified(comfy, tmp_path, name, meta, says):
         text = report_text(plan, name, 1.0, None, "auto")
         line = next(ln for ln in text.splitlines() if ln.startswith("note: partition: not verified"))
         assert says in line and "the loaded model does not carry its file name" in line, line
+
+
+# ------------------------------------------------------------------ fused + bypassed on one layer: ComfyUI's bypass
+def _host_bypass(q, layer: str):
+    """ComfyUI's LoraLoaderBypass (``comfy.sd.load_bypass_lora_for_models``) with a rank-2 LoRA on ``layer``."""
+    import comfy.sd
+    import comfy.utils
+
+    w = comfy.utils.get_attr(q.model, f"diffusion_model.{layer}.weight")
+    g = torch.Generator().manual_seed(3)
+    lora = {f"diffusion_model.{layer}.lora_up.weight": torch.randn(w.shape[0], 2, generator=g),
+            f"diffusion_model.{layer}.lora_down.weight": torch.randn(2, w.shape[1], generator=g)}
+    m, _ = comfy.sd.load_bypass_lora_for_models(q, None, lora, 1.0, 0.0)
+    assert m.get_injections("bypass_lora")
+    return m
+
+
+def test_fuse_onto_a_layer_comfyui_bypasses_refused(comfy, tmp_path):
+    """LoraLoaderBypass on blocks.0.attn.out_proj, then DitKitAdapterLoader fuse of a LoRA that touches it: refused
+    naming the layer and what to change; the same file when the host bypasses a layer it does not touch: fused."""
+    from ditkit.bridge import adapter_bypass
+    from ditkit.nodes.adapters import apply_h3_adapter
+
+    q = quant_base("int8_convrot")
+    sd, meta, cfg, expect = build("diffsynth", seed=4)
+    p = str(write(tmp_path, "diffsynth", sd, meta, cfg))
+    assert "diffusion_model.blocks.0.attn.out_proj.weight" in expect
+    hb = _host_bypass(q, "blocks.0.attn.out_proj")
+    assert adapter_bypass.host_bypass_modules(hb) == {"diffusion_model.blocks.0.attn.out_proj"}
+    with pytest.raises(AdapterError, match=r"layer 'diffusion_model\.blocks\.0\.attn\.out_proj\.weight' already carries "
+                                           r"an adapter of ComfyUI's LoraLoaderBypass.*Set 'mode' to bypass on this "
+                                           r"loader and put it before LoraLoaderBypass"):
+        apply_h3_adapter(hb, p, 1.0)
+    assert not hb.object_patches and not hb.patches
+    untouched = [k for k in ("blocks.1.attn.out_proj", "token_refiner.blocks.0.attn.out_proj")
+                 if f"diffusion_model.{k}.weight" not in expect]
+    assert untouched
+    other = _host_bypass(q, untouched[0])
+    m, _ = apply_h3_adapter(other, p, 1.0)
+    assert set(m.object_patches) >= {k for k in expect if "qkv_proj" in k}
+
+
+def test_unreadable_host_bypass_refused(comfy, tmp_path):
+    """An injection under ComfyUI's key that does not close over a BypassInjectionManager: ditkit cannot tell which
+    layers it hooks, so fuse is refused (never guessed)."""
+    from comfy.patcher_extension import PatcherInjection
+
+    from ditkit.nodes.adapters import apply_h3_adapter
+
+    q = quant_base("int8_convrot")
+    m = q.clone()
+    m.set_injections("bypass_lora", [PatcherInjection(inject=lambda mp: None, eject=lambda mp: None)])
+    sd, meta, cfg, _ = build("diffsynth", seed=4)
+    with pytest.raises(AdapterError, match="cannot read which layers it hooks"):
+        apply_h3_adapter(m, str(write(tmp_path, "diffsynth", sd, meta, cfg)), 1.0)
