@@ -58,7 +58,8 @@ TESTS: dict[str, list[str]] = {
                               "tests/unit/test_public_direct_cache_vae.py"],
     "cache/audio_guard.py": ["tests/unit/test_audio_guard.py"],
     "cache/adaln.py": ["tests/unit/test_adaln_core.py", "tests/unit/test_h3_modulation_memo.py"],
-    "vae/t1_decode.py": ["tests/unit/test_vae_t1.py", "tests/unit/test_vae_t1_dtypes.py", "tests/unit/test_preflight.py"],
+    "vae/t1_decode.py": ["tests/unit/test_vae_t1.py", "tests/unit/test_vae_t1_dtypes.py", "tests/unit/test_preflight.py",
+                         "tests/unit/test_vae_t1_report.py", "tests/unit/test_progress_callbacks.py"],
     "vae/preflight.py": ["tests/unit/test_preflight.py", "tests/unit/test_public_direct.py"],
     "vae/h3_layout.py": ["tests/unit/test_ckpt_h3_vae.py"],
     "sampling/fasth3.py": ["tests/unit/test_fasth3_schedule.py", "tests/unit/test_public_direct.py"],
@@ -85,6 +86,23 @@ EQUIVALENT: dict[str, str] = {
     "ditkit.sampling.fasth3_recipe.x_normalize_id__mutmut_20": ("split('@', 2) vs split('@', 1): element [0] is "
                                                                  "the same string either way"),
     "ditkit.sampling.fasth3_recipe.x_load_provenance__mutmut_25": "'UTF-8' and 'utf-8' name the same codec",
+    # loaders/safe_fs.py (reviewed 2026-12-04)
+    "ditkit.loaders.safe_fs.xǁSafeDirǁsubdir__mutmut_12": "os.mkdir's default mode is 0o777: the same folder mode",
+    "ditkit.loaders.safe_fs.xǁSafeDirǁsubdir__mutmut_18": "os.mkdir's default mode is 0o777: the same folder mode",
+    "ditkit.loaders.safe_fs.x__is_reparse__mutmut_11": ("getattr(st, 'st_file_attributes', 1): 1 & "
+                                                       "FILE_ATTRIBUTE_REPARSE_POINT (0x400) is 0, as 0 is"),
+    "ditkit.loaders.safe_fs.x__is_reparse__mutmut_14": ("stat.FILE_ATTRIBUTE_REPARSE_POINT is defined by every "
+                                                       "Python's stat.py: the getattr default is never used"),
+    "ditkit.loaders.safe_fs.x__is_reparse__mutmut_17": ("stat.FILE_ATTRIBUTE_REPARSE_POINT is defined by every "
+                                                       "Python's stat.py: the getattr default is never used"),
+    "ditkit.loaders.safe_fs.x__is_reparse__mutmut_20": ("stat.FILE_ATTRIBUTE_REPARSE_POINT is defined by every "
+                                                       "Python's stat.py: the getattr default is never used"),
+    "ditkit.loaders.safe_fs.x__write_chunk__mutmut_5": "cast('b') vs cast('B'): os.write writes the same bytes",
+    "ditkit.loaders.safe_fs.x_read_fd__mutmut_14": "2 MiB read pieces instead of 1 MiB: the same bytes are returned",
+    "ditkit.loaders.safe_fs.x_read_fd__mutmut_15": "2 MiB read pieces instead of 1 MiB: the same bytes are returned",
+    "ditkit.loaders.safe_fs.x_validate_name__mutmut_22": "'UTF-8' and 'utf-8' name the same codec",
+    "ditkit.loaders.safe_fs.x__rename2__mutmut_26": ("getattr(errno, 'EOPNOTSUPP') without a default: defined "
+                                                    "wherever renameat2 exists (Linux: 95)"),
     "ditkit.guards.x_guard_node__mutmut_42": ("bind_partial(None, ...): only the value bound to execute's first "
                                               "parameter (cls) changes; no FLOAT input can have that name"),
 }

@@ -397,3 +397,168 @@ def test_read_user_file_refusals(tmp_path, monkeypatch):
         safe_fs.read_user_file(p, 5, "thing", MyError)
     with pytest.raises(DitKitError, match="cannot be read"):
         safe_fs.read_user_file(p, 5, "thing")                           # the default class
+
+
+# ---- names: every boundary of the refused character ranges, every message
+@pytest.mark.parametrize("o,bad", [(0, True), (31, True), (32, False), (0x7E, False), (0x7F, True), (0x9F, True),
+                                   (0xA0, False), (0x2027, False), (0x2028, True), (0x2029, True), (0x202A, False),
+                                   (0xD7FF, False), (0xD800, True), (0xDFFF, True), (0xE000, False)])
+def test_bad_char_ranges(o, bad):
+    assert safe_fs._bad_char(chr(o)) is bad
+    name = "ab" + chr(o) + "c"
+    if bad:
+        with pytest.raises(MyError, match=re.escape(f"input 'n' contains the control character U+{o:04X} at "
+                                                    "position 2 (NUL, line breaks and other control characters "
+                                                    "are refused in file names)")):
+            safe_fs.validate_name(name, "input 'n'", MyError)
+    else:
+        assert safe_fs.validate_name(name, "input 'n'", MyError) == [name]
+
+
+def test_validate_name_messages():
+    def refused(name, msg, **kw):
+        with pytest.raises(MyError) as e:
+            safe_fs.validate_name(name, "input 'n'", MyError, **kw)
+        assert str(e.value) == msg
+    refused(3, "input 'n' must be a string, got int")
+    refused(b"x", "input 'n' must be a string, got bytes")
+    refused("", "input 'n' is empty")
+    refused("a\\b", "input 'n' contains '\\'; a plain file name is expected")
+    refused("a\\b", "input 'n' contains '\\'; use '/' between folders", allow_subdirs=True)
+    refused("/a", "input 'n' is an absolute path; a name relative to the output folder is expected")
+    refused("C:", "input 'n' is an absolute path; a name relative to the output folder is expected")
+    refused("C:x", "input 'n' is an absolute path; a name relative to the output folder is expected")
+    refused("a/b", "input 'n' contains '/'; a plain file name is expected (no folders)")
+    refused("a/../b", "input 'n' has an empty, '.' or '..' path component ('a/../b'); folders below the output "
+                      "folder only", allow_subdirs=True)
+    long = "x" * 50
+    refused(long, f"input 'n': the name part {long[:40]!r}... is 50 bytes long; file systems allow at most 49 bytes "
+                  "per name", max_component_bytes=49)
+    assert safe_fs.validate_name(long, "n", max_component_bytes=50) == [long]
+    assert safe_fs.validate_name("C", "n") == ["C"] and safe_fs.validate_name("ab:", "n") == ["ab:"]
+
+
+def test_validate_name_total_length_boundary():
+    exact = "/".join(["y" * 200] * 20) + "/" + "w" * 76                # 20 * 201 + 76 = 4096 bytes
+    assert len(exact.encode()) == 4096
+    assert safe_fs.validate_name(exact, "n", allow_subdirs=True)[-1] == "w" * 76
+    with pytest.raises(MyError, match=re.escape("input 'n' is 4097 bytes long; the limit is 4096")):
+        safe_fs.validate_name(exact + "z", "input 'n'", MyError, allow_subdirs=True)
+    with pytest.raises(MyError, match="4097 bytes long"):                  # counted in UTF-8 bytes, not characters
+        safe_fs.validate_name(exact[:-1] + "é", "input 'n'", MyError, allow_subdirs=True)
+
+
+def test_write_file_name_and_existing_messages(tmp_path):
+    with SafeDir.open_root(tmp_path, error=MyError) as d:
+        with pytest.raises(MyError, match=re.escape("file name 'a/b' contains '/'")):
+            safe_fs.write_file(d, "a/b", b"x")
+        (tmp_path / "dir").mkdir()
+        with pytest.raises(MyError) as e:
+            safe_fs.write_file(d, "dir", b"x", replace_if=lambda old: True)
+        assert str(e.value) == (f"'{tmp_path / 'dir'}' exists and is not a regular file (a folder, a symlink or a "
+                                "special file is in the way); move it or choose another name")
+        (tmp_path / "f").write_bytes(b"mine")
+        with pytest.raises(MyError) as e:
+            safe_fs.write_file(d, "f", b"x", replace_if=lambda old: False)
+        assert str(e.value) == (f"'{tmp_path / 'f'}' already exists and was not written by ditkit for this name; "
+                                "move it or choose another name (ditkit never replaces a file it did not write)")
+    assert sorted(os.listdir(tmp_path)) == ["dir", "f"]
+
+
+# ---- renameat2: which errors mean "unsupported here"
+def _fake_renameat2(rc, err, calls):
+    import ctypes
+
+    def fn(sfd, src, dfd, dst, flags):
+        calls.append((sfd, src, dfd, dst, flags))
+        ctypes.set_errno(err)
+        return rc
+    return fn
+
+
+@pytest.mark.parametrize("err", [errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP])
+def test_rename2_unsupported_means_false(monkeypatch, err):
+    calls = []
+    monkeypatch.setattr(safe_fs, "_renameat2", _fake_renameat2(-1, err, calls))
+    assert safe_fs._rename2(3, "a", 4, "bé", 2) is False
+    assert calls == [(3, b"a", 4, "bé".encode(), 2)]
+
+
+@pytest.mark.parametrize("err", [errno.EEXIST, errno.EACCES, errno.EXDEV])
+def test_rename2_other_errors_raise(monkeypatch, err):
+    monkeypatch.setattr(safe_fs, "_renameat2", _fake_renameat2(-1, err, []))
+    with pytest.raises(OSError) as e:
+        safe_fs._rename2(3, "a", 4, "dst-name", 1)
+    assert e.value.errno == err and e.value.strerror == os.strerror(err) and e.value.filename == "dst-name"
+    monkeypatch.setattr(safe_fs, "_renameat2", _fake_renameat2(0, err, []))
+    assert safe_fs._rename2(3, "a", 4, "b", 1) is True
+
+
+@posix_only
+def test_rename2_real_noreplace(tmp_path):
+    if safe_fs._renameat2 is None:
+        pytest.skip("no renameat2 in this C library")
+    (tmp_path / "a").write_bytes(b"a")
+    (tmp_path / "b").write_bytes(b"b")
+    with SafeDir.open_root(tmp_path) as d:
+        try:
+            done = safe_fs._rename2(d.fd, "a", d.fd, "b", safe_fs.RENAME_NOREPLACE)
+        except FileExistsError as e:
+            assert e.filename == "b"
+        else:
+            assert done is False                                      # a file system without it
+    assert (tmp_path / "b").read_bytes() == b"b"
+
+
+# ---- opening, closing, lstat, open_new in both implementations
+def test_open_root_refusals(tmp_path, mode):
+    (tmp_path / "file").write_bytes(b"x")
+    for target in (tmp_path / "missing", tmp_path / "file"):
+        with pytest.raises(MyError) as e:
+            SafeDir.open_root(target, error=MyError, what="the folder")
+        msg = str(e.value)
+        if mode == "path":
+            assert msg == f"the folder '{target}' does not exist or is not a folder"
+        else:
+            assert msg.startswith(f"the folder '{target}' cannot be opened (") and msg.endswith(")")
+            assert ("No such file" in msg) if target.name == "missing" else ("Not a directory" in msg)
+
+
+def test_close(tmp_path, mode):
+    d = SafeDir.open_root(tmp_path)
+    fd = d.fd
+    d.close()
+    d.close()                                                         # twice: nothing
+    if mode == "fd":
+        assert d.fd == -1
+        with pytest.raises(OSError):
+            os.fstat(fd)                                              # the descriptor really was closed
+    else:
+        assert d.fd is None
+    with SafeDir.open_root(tmp_path) as e:
+        kept = e.fd
+    assert e.fd == (-1 if mode == "fd" else None) and (kept is None) is (mode == "path")
+
+
+def test_lstat(tmp_path, mode, monkeypatch):
+    monkeypatch.chdir("/")
+    (tmp_path / "f").write_bytes(b"abc")
+    os.symlink(tmp_path / "f", tmp_path / "l")
+    with SafeDir.open_root(tmp_path) as d:
+        assert d.lstat("f").st_size == 3 and stat.S_ISREG(d.lstat("f").st_mode)
+        assert stat.S_ISLNK(d.lstat("l").st_mode)                     # the link itself, not followed
+        assert d.lstat("missing") is None
+        assert d.lstat("f/x") is None                                 # a file used as a folder: NotADirectoryError
+
+
+def test_open_new_modes(tmp_path, mode, umask022):
+    with SafeDir.open_root(tmp_path) as d:
+        os.close(d.open_new("a"))
+        os.close(d.open_new("b", 0o600))
+        assert _mode(tmp_path / "a") == 0o644 and _mode(tmp_path / "b") == 0o600
+        with pytest.raises(FileExistsError):
+            d.open_new("a")
+        os.symlink(tmp_path / "target", tmp_path / "l")
+        with pytest.raises(FileExistsError):
+            d.open_new("l")                                           # never created through a link
+    assert not (tmp_path / "target").exists()
