@@ -60,6 +60,7 @@ def lora_for(base: dict, seed: int = 5, rel: float = 0.05) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--smoke", action="store_true", help="1 prompt x 1 seed (CI smoke)")
     add_rows_argument(ap)
     a = ap.parse_args(argv)
     import tempfile
@@ -88,17 +89,18 @@ def main(argv=None) -> int:
     for mode in ("bypass", "fuse"):
         models[f"pruned + LoRA, AdaLN pairs as curve columns ({mode})"] = apply_h3_adapter(
             pruned, str(full_p), 1.0, mode=mode, time_embedder=str(L.DIT_FILE))[0]
+    prompts, seeds = (PROMPTS[:1], SEEDS[:1]) if a.smoke else (PROMPTS, SEEDS)
     outs = {}
     for name, m in models.items():
         outs[name] = []
-        for p in PROMPTS:
-            for s in SEEDS:
+        for p in prompts:
+            for s in seeds:
                 v, au, _, _ = lab.sample(m, p, s)
                 outs[name].append(lab.decode(v, au))
         comfy.model_management.unload_all_models()
     ref = outs["unpruned + LoRA (reference)"]
     rows = Rows(a.rows, "turbo_curve_lab")
-    print(f"turbo curve lab: {len(PROMPTS)} prompts x {len(SEEDS)} seeds, {a.steps} steps, cfg {lab.cfg:g}, "
+    print(f"turbo curve lab: {len(prompts)} prompts x {len(seeds)} seeds, {a.steps} steps, cfg {lab.cfg:g}, "
           f"grid {GRID}, basis {BASIS}, LoRA rank {RANK}")
     print(f"{'vs unpruned + LoRA':64s} {'PSNR dB':>8s} {'SSIM':>7s} {'LSD dB':>7s}")
     for name, got in outs.items():
@@ -113,6 +115,9 @@ def main(argv=None) -> int:
         rows.add(name, "ssim", ms, min=min(ss), max=max(ss), n=len(ss))
         rows.add(name, "audio_lsd", ml, "dB", min=min(ls), max=max(ls), n=len(ls))
     lab.close()
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
