@@ -77,7 +77,7 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
     carry = widened = None
     if plan.curve:
         carry = turbo_curve.make_carry(model, plan, float(strength), source, silu_grid, time_embedder, grid_name,
-                                       ckpt_name)
+                                       ckpt_name, mode)
         widened = turbo_curve.check_fuse(model, carry, source) if mode == "fuse" else None
     elif silu_grid or time_embedder:
         plan.notes.append(f"silu(t_emb) source {grid_name or ckpt_name or silu_grid or time_embedder} unused: the file "
@@ -167,7 +167,7 @@ def _apply_bypass(model, plan: core.Plan, strength: float, source: str, divert: 
                                f"fuse or ComfyUI's LoraLoader); bypassing '{source}' on it as well mixes the two "
                                "modes on one layer. Set 'mode' to fuse on this loader too (or bypass on both)")
         param = "bias" if k.endswith(".bias") else "weight"
-        if k.rsplit(".", 1)[0] in carried:
+        if k.rsplit(".", 1)[0] in carried and k.rsplit(".", 1)[0] not in (divert or ()):
             raise AdapterError(f"{NODE_ID}: layer '{k}' carries Turbo curve columns in bypass mode (an earlier "
                                f"loader); a second bypass adapter on it is not supported. Put '{source}' before "
                                "the Turbo LoRA's loader, or use mode fuse")

@@ -12,8 +12,10 @@ its rows into ``t_emb``, which every ``adaln_proj`` receives). Then:
   injection order). Every caller of the linear sees it: the host's ``AdalnProj.forward`` and
   ``DitKitH3AdaLNCache``'s lookup module. The injection lives under :data:`INJECTION_KEY`.
 
-The carry is kept on the clone (attachment :data:`ATTACHMENT`): a second carry on the same model, a later adapter
-fused onto a widened AdaLN weight and a later bypass delta on a carried AdaLN linear are refused by name.
+The carry is kept on the clone (attachment :data:`ATTACHMENT`): a second Turbo LoRA in the same mode is merged into
+it (each layer's columns contiguous, factors concatenated: the deltas add), rebuilt as one table and one hook /
+widened weight per layer. A carry in the other mode, a later adapter fused onto a widened AdaLN weight and a later
+non-Turbo bypass delta on a carried AdaLN linear are refused by name.
 """
 from __future__ import annotations
 
@@ -37,14 +39,18 @@ def carried_keys(model) -> set[str]:
 
 
 def make_carry(model, plan, strength: float, source: str, grid_path: str | None, ckpt_path: str | None,
-               grid_name: str | None = None, ckpt_name: str | None = None) -> core.CurveCarry:
-    """The carry of ``plan.curve`` on ``model`` (validated; nothing registered). Refuses a model that already
-    carries one, a missing / ambiguous / invalid grid, and quantized carried AdaLN weights in fuse mode."""
-    if model.get_attachment(ATTACHMENT) is not None or TABLE_KEY in model.object_patches:
-        raise AdapterError(f"{source}: the model already carries Turbo AdaLN curve columns (an earlier "
-                           "DitKitAdapterLoader); stacking two such LoRAs on one curve-form base is not supported. "
-                           "Load them on the unpruned checkpoint, or apply one")
-    table = model.get_model_object(TABLE_KEY)
+               grid_name: str | None = None, ckpt_name: str | None = None, mode: str = "bypass") -> core.CurveCarry:
+    """The carry of ``plan.curve`` on ``model`` (validated; nothing registered), merged with the carry an earlier
+    loader put on it (same mode only). Refuses a missing / ambiguous / invalid grid."""
+    prev = model.get_attachment(ATTACHMENT)
+    if prev is None and TABLE_KEY in model.object_patches:
+        raise AdapterError(f"{source}: the model's adaln_t_table is already replaced (another node's object patch); "
+                           "a Turbo carry on top of it is not supported")
+    if prev is not None and prev.mode != mode:
+        raise AdapterError(f"{source}: the model already carries Turbo AdaLN curve columns in mode {prev.mode} (an "
+                           f"earlier DitKitAdapterLoader); stacking one in mode {mode} mixes the two modes on the AdaLN "
+                           f"layers. Set 'mode' to {prev.mode} on this loader too")
+    table = prev.table[:, : prev.base_width] if prev is not None else model.get_model_object(TABLE_KEY)
     table = getattr(table, "data", table)
     rows = int(table.shape[0])
     width = int(plan.curve[0].down.shape[1])
@@ -65,14 +71,17 @@ def make_carry(model, plan, strength: float, source: str, grid_path: str | None,
         what = f"the time embedder of {ckpt_name or os.path.basename(ckpt_path)} (float64, {rows}-point grid)"
     else:
         grid, what = None, ""
-    return core.build_carry(table.detach().cpu(), plan.curve, grid, strength, what, source)
+    carry = core.build_carry(table.detach().cpu(), plan.curve, grid, strength, what, source)
+    carry.mode = mode
+    return carry if prev is None else core.merge_carries(prev, carry)
 
 
 def check_fuse(model, carry: core.CurveCarry, source: str) -> dict[str, torch.nn.Parameter]:
     """Widened AdaLN weights for fuse mode (float weights only; a quantized AdaLN is refused naming bypass)."""
     out = {}
+    prev = carried_keys(model)
     for k in carry.columns:
-        if k in model.patches or k in model.object_patches:
+        if k in model.patches or (k in model.object_patches and k not in prev):
             raise AdapterError(f"{source}: '{k}' already carries a fused adapter; widening it for the Turbo curve "
                                "columns would drop it. Put this loader first, or use mode bypass")
         w = model.get_model_object(k)
@@ -80,6 +89,8 @@ def check_fuse(model, carry: core.CurveCarry, source: str) -> dict[str, torch.nn
         if type(w).__name__ == "QuantizedTensor" or not w.is_floating_point() or w.element_size() < 2:
             raise AdapterError(f"{source}: '{k}' is stored quantized ({type(w).__name__} {w.dtype}); widening it for "
                                "the Turbo curve columns is done on float AdaLN weights only. Set 'mode' to bypass")
+        if k in prev:                      # widened by the earlier carry: its first columns are the base weight
+            w = w[:, : carry.base_width]
         out[k] = torch.nn.Parameter(core.widened_weight(w.detach().cpu(), carry, k).to(w.device), requires_grad=False)
     return out
 
@@ -98,7 +109,10 @@ def install(clone, carry: core.CurveCarry, mode: str, widened: dict | None = Non
         how = (f"fused: AdaLN weights widened with the extra columns (+{extra * 4 / 2**20:.1f} MiB fp32; ModelSave "
                "writes a consistent curve-form file)")
     else:
-        entries = entries or {}
+        for mod, es in (entries or {}).items():
+            if es:
+                carry.entries[mod] = tuple(carry.entries.get(mod, ())) + tuple(es)
+        entries = carry.entries
         clone.set_injections(INJECTION_KEY, [_injection(clone, carry, k, entries.get(k[: -len(".weight")], ()))
                                              for k in carry.columns])
         how = "bypass: AdaLN weights untouched, s·B·t_emb[cols] added to each adaln_proj.linear's output"

@@ -161,6 +161,8 @@ class CurveCarry(Report):
     extra: dict[str, torch.Tensor]
     grid_source: str
     lines: list[str] = field(default_factory=list)
+    mode: str = ""                              # fuse | bypass, set when registered on a model
+    entries: dict = field(default_factory=dict)  # bypass: module -> other bypass deltas run in the curve hook
 
     KEYS = ("grid_source", "base_width", "width", "columns", "lines")
     VALUES = {"width": lambda c: int(c.table.shape[1])}
@@ -213,6 +215,36 @@ def build_carry(base_table: torch.Tensor, pairs: list[CurvePair], silu_grid: tor
         at += r
     table = torch.cat(parts, dim=1).to(torch.float32).contiguous()
     return CurveCarry(table, k, cols, extra, grid_source, lines)
+
+
+def merge_carries(prev: CurveCarry, new: CurveCarry) -> CurveCarry:
+    """Two carries on one base (stacked Turbo LoRAs): every layer's columns made contiguous again, ``prev``'s
+    before ``new``'s, and its ``s·B`` factors concatenated in the same order, so each layer's delta is the sum of
+    the two (columns and factors copied bit for bit)."""
+    k = prev.base_width
+    if new.base_width != k or new.table.shape[0] != prev.table.shape[0]:
+        raise AdapterError(f"curve carries of different bases (table {tuple(prev.table.shape)} with base width {k} vs "
+                           f"{tuple(new.table.shape)} with {new.base_width})")
+    if not torch.equal(prev.table[:, :k], new.table[:, :k]):
+        raise AdapterError("curve carries of different bases (their adaln_t_table columns differ)")
+    parts, cols, extra, at = [prev.table[:, :k]], {}, {}, k
+    for key in list(prev.columns) + [x for x in new.columns if x not in prev.columns]:
+        blocks, factors = [], []
+        for c in (prev, new):
+            if key in c.columns:
+                c0, c1 = c.columns[key]
+                blocks.append(c.table[:, c0:c1])
+                factors.append(c.extra[key])
+        w = sum(int(b.shape[1]) for b in blocks)
+        parts += blocks
+        cols[key] = (at, at + w)
+        extra[key] = torch.cat(factors, dim=1)
+        at += w
+    entries = {m: tuple(prev.entries.get(m, ())) + tuple(new.entries.get(m, ()))
+               for m in list(prev.entries) + [m for m in new.entries if m not in prev.entries]}
+    return CurveCarry(torch.cat(parts, dim=1).contiguous(), k, cols, extra,
+                      f"{prev.grid_source}; then {new.grid_source}", prev.lines + new.lines, new.mode or prev.mode,
+                      entries)
 
 
 def widened_weight(base: torch.Tensor, carry: CurveCarry, key: str) -> torch.Tensor:

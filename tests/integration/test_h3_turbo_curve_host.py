@@ -329,16 +329,41 @@ def test_pruned_checkpoint_as_time_embedder_refused(comfy, files, tmp_path):
     _untouched(q)
 
 
-def test_second_turbo_carry_and_fuse_on_carried_weight_refused(comfy, files):
-    from ditkit.nodes.adapters import apply_h3_adapter
+@pytest.mark.parametrize("mode", ["fuse", "bypass"])
+def test_two_turbo_loras_stack_their_deltas(comfy, files, tmp_path, mode):
+    """A second Turbo LoRA on the carried model (same mode) merges into the carry: at every grid point the AdaLN
+    output is the base's plus both unpruned deltas; the other mode is refused naming it; the base untouched."""
+    import comfy.model_management
 
+    from ditkit.nodes.adapters import apply_h3_adapter
+    from tests.integration.test_h3_adapters_quant_host import _sample
+
+    second = c.turbo_lora_state_dict(seed=c.SEED + 31)
+    p2 = tmp_path / "turbo2.safetensors"
+    save_file(second, p2)
     q = curve_base()
-    m, _ = apply_h3_adapter(q, files["lora"], 1.0, mode="bypass", silu_grid=files["grid"])
-    with pytest.raises(AdapterError, match="already carries Turbo AdaLN curve columns"):
-        apply_h3_adapter(m, files["lora"], 1.0, mode="bypass", silu_grid=files["grid"])
-    f, _ = apply_h3_adapter(q, files["lora"], 1.0, mode="fuse", silu_grid=files["grid"])
-    assert "diffusion_model.blocks.0.adaln_proj.linear.weight" in f.object_patches
+    base_table = q.model.diffusion_model.adaln_t_table.detach().clone()
+    base = {mod: _base_out(q, mod, base_table) for mod in ADALN}
+    m1, _ = apply_h3_adapter(q, files["lora"], STRENGTH, mode=mode, silu_grid=files["grid"])
+    m2, plan = apply_h3_adapter(m1, str(p2), -0.5, mode=mode, time_embedder=files["ckpt"])
+    assert "then the time embedder" in plan.notes[-1] or any("then the time embedder" in n for n in plan.notes)
+    s = _silu_t_emb64(files["base"], base_table.shape[0])
+    with _patched(m2, mode):
+        table = m2.model.diffusion_model.adaln_t_table
+        assert table.shape[1] == base_table.shape[1] + 2 * c.ADAPTER_RANK * len(ADALN)
+        for mod in ADALN:
+            got = _adaln_out(m2, mod, table, mode == "bypass") - base[mod]
+            ref = _oracle_delta(c.turbo_lora_state_dict(), mod, s) + (-0.5 / STRENGTH) * _oracle_delta(second, mod, s)
+            assert (got - ref).abs().max().item() <= 1e-6 * ref.abs().max().item(), mod
+    other = "bypass" if mode == "fuse" else "fuse"
+    with pytest.raises(AdapterError, match=rf"already carries Turbo AdaLN curve columns in mode {mode}.*Set 'mode' "
+                                           rf"to {mode}"):
+        apply_h3_adapter(m1, str(p2), 1.0, mode=other, silu_grid=files["grid"])
+    out = _sample(m2)
+    comfy.model_management.unload_all_models()
+    assert all(torch.isfinite(x).all() for x in out.unbind())
     _untouched(q)
+    assert "diffusion_model.adaln_t_table" in m1.object_patches
 
 
 def test_grid_given_without_turbo_pairs_is_reported_unused(comfy, files, tmp_path):

@@ -67,3 +67,20 @@ def test_gen_h3_turbo_writes_the_three_files(comfy, tmp_path):
     grid = load_file(tmp_path / c.SILU_GRID_FILE)
     assert grid["silu_t_emb_grid"].shape == (c.CURVE_GRID, c.CONFIG["time_embed_dim"])
     assert torch.equal(grid["t_grid"], torch.linspace(0, 1, c.CURVE_GRID))
+
+
+def test_example_with_the_unpruned_checkpoint_instead_of_the_grid(comfy_server):
+    """The other source through the real node: the unpruned tiny checkpoint's time embedder in
+    'time_embedder_checkpoint'; both inputs set at once fails naming both."""
+    g = copy.deepcopy(_graph())
+    g["5"]["inputs"]["silu_t_emb_grid"] = "none"
+    g["5"]["inputs"]["time_embedder_checkpoint"] = "h3_tiny_comfy.safetensors"
+    g["23"]["inputs"]["filename_prefix"] = "ditkit/h3_turbo_bypass_tiny_ckpt"
+    before = comfy_server.log_text().count("Turbo AdaLN pairs as curve columns")
+    entry = comfy_server.run(g)
+    assert entry["status"]["status_str"] == "success"
+    assert comfy_server.log_text().count("Turbo AdaLN pairs as curve columns") > before
+    assert "the time embedder of h3_tiny_comfy.safetensors" in json.dumps(entry["outputs"])
+    g["5"]["inputs"]["silu_t_emb_grid"] = "h3_tiny_silu_t_emb_grid.safetensors"
+    err = str(comfy_server.run_expect_failure(g))
+    assert "both 'silu_t_emb_grid'" in err and "'time_embedder_checkpoint'" in err

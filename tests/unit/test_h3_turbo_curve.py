@@ -171,3 +171,28 @@ def test_widened_weight_layout_and_curve_delta_noncontiguous(dtype):
     other = torch.ones_like(carry.extra[key])        # the caller's copy is used when given
     assert torch.allclose(tc.curve_delta(x, carry, key, other).double(), x[:, K + 2:].double().sum(-1, keepdim=True)
                           .expand(-1, other.shape[0]), atol=1e-6)
+
+
+def test_merge_carries_adds_the_deltas_and_keeps_columns_contiguous():
+    g = torch.Generator().manual_seed(4)
+    table = torch.randn(ROWS, K)
+    s = torch.randn(ROWS, D)
+    a = tc.build_carry(table, _pairs(g), s, 1.0, "A", "f")
+    pb = _pairs(g, (D,), rank=3)                      # only block 0, rank 3
+    b = tc.build_carry(table, pb, s, -2.0, "B", "f")
+    a.entries = {"m": ("e1",)}
+    b.entries = {"m": ("e2",), "n": ("e3",)}
+    m = tc.merge_carries(a, b)
+    assert m.table.shape == (ROWS, K + 4 + 3) and torch.equal(m.table[:, :K], table)
+    k0, k1 = list(a.columns)
+    assert m.columns == {k0: (K, K + 5), k1: (K + 5, K + 7)}
+    assert m.entries == {"m": ("e1", "e2"), "n": ("e3",)} and m.grid_source == "A; then B"
+    x = torch.randn(5, K + 7, dtype=torch.float64).float()
+    for key, parts in ((k0, [(a, k0), (b, pb[0].target)]), (k1, [(a, k1)])):
+        want = sum(tc.curve_delta(c.table, c, kk).double() for c, kk in parts)     # each carry on its own table
+        assert torch.allclose(tc.curve_delta(m.table, m, key).double(), want, atol=1e-5)
+    other = tc.build_carry(table + 1, _pairs(g), s, 1.0, "C", "f")
+    with pytest.raises(AdapterError, match="different bases"):
+        tc.merge_carries(a, other)
+    with pytest.raises(AdapterError, match="different bases"):
+        tc.merge_carries(a, tc.build_carry(table[:, :2], _pairs(g), s, 1.0, "C", "f"))
