@@ -26,7 +26,6 @@ import comfy.model_patcher
 import comfy.patcher_extension
 import comfy.utils
 import folder_paths
-import torch
 
 from ..cache import coefficients as coef
 from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files, pair_file_bytes

@@ -187,7 +187,6 @@ def test_merge_carries_adds_the_deltas_and_keeps_columns_contiguous():
     k0, k1 = list(a.columns)
     assert m.columns == {k0: (K, K + 5), k1: (K + 5, K + 7)}
     assert m.entries == {"m": ("e1", "e2"), "n": ("e3",)} and m.grid_source == "A; then B"
-    x = torch.randn(5, K + 7, dtype=torch.float64).float()
     for key, parts in ((k0, [(a, k0), (b, pb[0].target)]), (k1, [(a, k1)])):
         want = sum(tc.curve_delta(c.table, c, kk).double() for c, kk in parts)     # each carry on its own table
         assert torch.allclose(tc.curve_delta(m.table, m, key).double(), want, atol=1e-5)
