@@ -24,7 +24,15 @@ def _kinds_sent_by_nodes() -> set[str]:
     for path in [*(ROOT / "nodes").glob("*.py"), *(ROOT / "bridge").glob("*.py")]:
         if path.parent.name == "bridge" and path.name == "reports.py":
             continue
-        for call in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        # a sink that forwards its own ``kind`` (a ``send(self, kind, ...)`` passing ``kind`` on, e.g. the Raylight
+        # rank-0 target) sends no kind of its own: its callers' literals are checked where they are
+        forwards = {id(c) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "send"
+                    for c in ast.walk(f) if isinstance(c, ast.Call) and c.args and isinstance(c.args[0], ast.Name)
+                    and c.args[0].id == "kind" and "kind" in [a.arg for a in f.args.args]}
+        for call in ast.walk(tree):
+            if id(call) in forwards:
+                continue
             if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "send_report":
                 arg = call.args[2] if len(call.args) > 2 else next((k.value for k in call.keywords if k.arg == "kind"), None)
             elif isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "send" \
