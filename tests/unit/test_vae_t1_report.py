@@ -4,6 +4,7 @@ counts. Oracles: the tile plan recomputed here from the fake VAE's split_tiles, 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -110,3 +111,50 @@ def test_summary_of_the_host_single_image_path():
     r = T1DecodeReport("host_single_image", 3, (4, 4), 1, 0)
     assert r.summary() == "T=1 decode: ComfyUI's own single-image path (the host has one; ditkit deferred to it), " \
                           "batch 3"
+
+
+@pytest.mark.parametrize("shape,empty", [((0, 24, 1, 4, 4), "B=0"), ((1, 24, 1, 0, 4), "H=0"),
+                                         ((1, 24, 1, 4, 0), "W=0")])
+def test_an_empty_latent_is_refused_naming_the_node_and_input(shape, empty):
+    from ditkit.vae.t1_decode import direct_decode_t1, repeat_decode_t1
+
+    ops = _ops()
+    for run in (lambda: repeat_decode_t1(ops, torch.zeros(shape)), lambda: direct_decode_t1(ops, torch.zeros(shape), 0)):
+        with pytest.raises(DitKitError, match=re.escape(f"H3 T=1 decode: input 'samples' is an empty latent (shape "
+                                                        f"{shape}: {empty})")):
+            run()
+
+
+def test_the_latent_checks_run_unless_the_caller_says_it_ran_them():
+    from ditkit.vae.t1_decode import direct_decode_t1, repeat_decode_t1
+
+    ops = _ops()
+    two = torch.randn(1, 24, 2, 4, 4)
+    with pytest.raises(DitKitError, match="T=1 decode got a latent with T=2"):
+        repeat_decode_t1(ops, two)
+    with pytest.raises(DitKitError, match="T=1 decode got a latent with T=2"):
+        direct_decode_t1(ops, two, 0)
+    out, _ = repeat_decode_t1(ops, torch.randn(1, 24, 1, 4, 4), checked=True)
+    assert out.shape == (1, 3, 1, 8, 8)
+
+
+def test_host_tiled_decode_counts_with_many_tiles():
+    sizes = [5, 4, 1, 2]                                    # items per on_tile call (b = 2): 2, 2, 1 and 1 tile(s)
+
+    def tiled_frame(z, frame, on_tile):
+        for n in sizes:
+            on_tile(torch.zeros(n, 3, 1, 2, 2))
+        return torch.zeros(z.shape[0], 3, 1, 22, 14)
+
+    ops = _ops(tiled_frame=tiled_frame)
+    z = torch.randn(2, 24, 1, 11, 7)
+    fake = FakeH3()
+    ny, _ = _plan(fake, 22)
+    nx, _ = _plan(fake, 14)
+    total = ny * nx * 2
+    assert total > sum(sizes)
+    rep = T1DecodeReport("direct_image_vae", 2, (11, 7), 1, 0)
+    calls = []
+    tiled_decode_frame(ops, z, 0, rep, lambda d, t: calls.append((d, t)))
+    assert calls == [(5, total), (9, total), (10, total), (12, total)]
+    assert rep.tiles == 2 + 2 + 1 + 1 and type(rep.tiles) is int
