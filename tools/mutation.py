@@ -120,6 +120,17 @@ EQUIVALENT: dict[str, str] = {
     "ditkit.loaders.safe_fs.xǁSafeDirǁpublish_noreplace__mutmut_47": _FALSY,
     "ditkit.loaders.safe_fs.xǁSafeDirǁfd_path__mutmut_1": ("'and' -> 'or' before the /proc test: with fd None or -1, "
                                                           "/proc/self/fd/None and /proc/self/fd/-1 never exist"),
+    # vae/t1_decode.py (reviewed 2026-12-04)
+    "ditkit.vae.t1_decode.x_tiled_decode_frame__mutmut_66": ("above = None: row 0 never reads it (i > 0 only) and "
+                                                            "every later row reads the list the row before set"),
+    "ditkit.vae.t1_decode.x_tiled_decode_frame__mutmut_69": ("tile = '' before the loops: always assigned before use;"
+                                                            " with no tile at all both None and '' raise on .shape"),
+    "ditkit.vae.t1_decode.x_tiled_decode_frame__mutmut_76": ("left = '' at a row start: read only for j > 0, after "
+                                                            "left = right set it"),
+    "ditkit.vae.t1_decode.x_unwhiten__mutmut_8": ("mean.view(-1, 1, 1, 1) vs view(1, -1, 1, 1, 1): against the 5-D "
+                                                 "latent (checked) both broadcast over dim 1"),
+    "ditkit.vae.t1_decode.x_unwhiten__mutmut_26": ("std.view(-1, 1, 1, 1) vs view(1, -1, 1, 1, 1): against the 5-D "
+                                                  "latent (checked) both broadcast over dim 1"),
     "ditkit.guards.x_guard_node__mutmut_42": ("bind_partial(None, ...): only the value bound to execute's first "
                                               "parameter (cls) changes; no FLOAT input can have that name"),
 }
