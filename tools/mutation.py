@@ -127,6 +127,8 @@ EQUIVALENT: dict[str, str] = {
                                                             " with no tile at all both None and '' raise on .shape"),
     "ditkit.vae.t1_decode.x_tiled_decode_frame__mutmut_76": ("left = '' at a row start: read only for j > 0, after "
                                                             "left = right set it"),
+    "ditkit.vae.t1_decode.x__check_latent__mutmut_17": ("check_latent_shape(shape, node) without 'samples': its "
+                                                       "input_name default is 'samples'"),
     "ditkit.vae.t1_decode.x_unwhiten__mutmut_8": ("mean.view(-1, 1, 1, 1) vs view(1, -1, 1, 1, 1): against the 5-D "
                                                  "latent (checked) both broadcast over dim 1"),
     "ditkit.vae.t1_decode.x_unwhiten__mutmut_26": ("std.view(-1, 1, 1, 1) vs view(1, -1, 1, 1, 1): against the 5-D "
