@@ -601,8 +601,18 @@ def test_publish_noreplace_between_a_descriptor_and_a_path(tmp_path, src_fd, dst
 
 def test_publish_noreplace_on_windows_renames(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(safe_fs.os, "name", "nt")
-    monkeypatch.setattr(safe_fs.os, "rename", lambda a, b: calls.append((a, b)))
+
+    class NtOs:                       # safe_fs's view of os only: the process's os.name stays (pytest needs it)
+        name = "nt"
+
+        @staticmethod
+        def rename(a, b):
+            calls.append((a, b))
+
+        def __getattr__(self, k):
+            return getattr(os, k)
+
+    monkeypatch.setattr(safe_fs, "os", NtOs())
     d = SafeDir(str(tmp_path), None, DitKitError, "w")
     d.publish_noreplace("t", d, "out")
     assert calls == [(os.path.join(str(tmp_path), "t"), os.path.join(str(tmp_path), "out"))]
