@@ -77,6 +77,8 @@ _ELSE_BRANCH = ("guard_node's else branch is reached only when execute is not a 
                 "with the classmethod check disabled, cls.execute.__func__ is the same function as raw.__func__")
 _PEP446 = "Python opens every descriptor non-inheritable (PEP 446: os.open adds O_CLOEXEC itself)"
 _EOP = "EOPNOTSUPP == ENOTSUP (95) on Linux, where the attribute exists: the same tuple"
+_LINK = ("the path fallback's os.link(src, dst) with follow_symlinks True: without dir_fd CPython "
+         "calls link(2), which never follows a symlink on Linux (the descriptor branch's linkat is tested)")
 _FALSY = "follow_symlinks=None is falsy: the same call as follow_symlinks=False"
 EQUIVALENT: dict[str, str] = {
     "ditkit.guards.x_guard_node__mutmut_11": _ELSE_BRANCH,   # raw = None
@@ -118,6 +120,8 @@ EQUIVALENT: dict[str, str] = {
     "ditkit.loaders.safe_fs.xǁSafeDirǁlstat__mutmut_4": _FALSY,
     "ditkit.loaders.safe_fs.xǁSafeDirǁpublish_noreplace__mutmut_18": _FALSY,
     "ditkit.loaders.safe_fs.xǁSafeDirǁpublish_noreplace__mutmut_47": _FALSY,
+    "ditkit.loaders.safe_fs.xǁSafeDirǁpublish_noreplace__mutmut_50": _LINK,
+    "ditkit.loaders.safe_fs.xǁSafeDirǁpublish_noreplace__mutmut_51": _LINK,
     "ditkit.loaders.safe_fs.xǁSafeDirǁfd_path__mutmut_1": ("'and' -> 'or' before the /proc test: with fd None or -1, "
                                                           "/proc/self/fd/None and /proc/self/fd/-1 never exist"),
     # vae/t1_decode.py (reviewed 2026-12-04)
