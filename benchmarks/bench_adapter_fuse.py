@@ -34,7 +34,8 @@ Comfy-Org H3 repack format), codes written chunk by chunk (``--only convrot``):
                             with stochastic rounding);
 * ``bypass-convrot``     -- mode bypass: nothing is done to the weight; the peak is that of one ``h`` call on 64
                             tokens, and the per-call time of (int8 ConvRot linear + h) over the linear alone,
-                            5 interleaved pairs per run.
+                            ``--bypass-pairs`` interleaved pairs per run, on the first ``--bypass-rows`` rows
+                            (the host's CPU int8 ConvRot linear takes ~140 s per call on the whole layer).
 
 Runs are interleaved (one of each mode per round, in a fixed order) ``--repeat`` times; the median and min-max of
 each and the ditkit/native ratios are printed from this one run (``--only fp8`` / ``--only float`` runs one group).
@@ -118,14 +119,23 @@ if mode.endswith("-convrot"):
         sec = time.perf_counter() - t
         peak = (hwm_kib() - h0) / 1024
         base_t, byp_t = [], []
-        for _ in range(5):                             # interleaved: base forward, base forward + h
-            t = time.perf_counter(); yb = torch.nn.functional.linear(x, qt); base_t.append(time.perf_counter() - t)
-            t = time.perf_counter(); yb = torch.nn.functional.linear(x, qt); yb = yb + adapter_bypass.h_sum([ent], x, rows, yb.dtype); byp_t.append(time.perf_counter() - t)
+        # the host's int8 ConvRot linear on CPU costs ~6 s per 1024 rows x 64 tokens (~140 s per call for the whole
+        # qkv), so the per-call timing runs on the first brows rows of the same layer (base and h both scale with
+        # the rows; h's fixed A x part makes the ratio on a slice an upper bound of the whole layer's)
+        brows = min(rows, int(sys.argv[7]))
+        qs = QuantizedTensor(codes[:brows], lay_name, get_layout_class(lay_name).Params(
+            scale=params.scale[:brows], orig_dtype=torch.float32, orig_shape=(brows, cols), convrot=True,
+            convrot_groupsize=256))
+        ents = [adapter_bypass.Entry("weight", "lowrank", (dl_parts[0][:brows], dl_parts[1]), 1.0, None, None, "bench")]
+        for _ in range(int(sys.argv[8])):             # interleaved: base forward, base forward + h
+            t = time.perf_counter(); yb = torch.nn.functional.linear(x, qs); base_t.append(time.perf_counter() - t)
+            t = time.perf_counter(); yb = torch.nn.functional.linear(x, qs); yb = yb + adapter_bypass.h_sum(ents, x, brows, yb.dtype); byp_t.append(time.perf_counter() - t)
         exact = x.double() @ (b[:512].double() @ a.double()).T          # h alone vs float64 ΔW x (the base's own
         err = (y[:, :512].double() - exact).abs().max() / exact.abs().max()  # int8 activation rounding is not h's)
         print(json.dumps({"seconds": sec, "peak_extra_mib": peak, "base_step_s": statistics.median(base_t),
                           "bypass_step_s": statistics.median(byp_t),
                           "step_ratios": [bb / aa for aa, bb in zip(base_t, byp_t)], "rel_max_err_vs_float64": err.item(),
+                          "timed_rows": brows,
                           "layout": "untouched " + lay.describe()}))
         raise SystemExit(0)
     h0 = hwm_kib()
@@ -220,8 +230,13 @@ def _view() -> str:
 
 def run(mode, a, out=""):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([_view(), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    r = subprocess.run([sys.executable, "-c", CHILD, mode, str(a.rows), str(a.cols), str(a.rank), a.comfyui or "",
-                        str(out)], capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env)
+    try:
+        r = subprocess.run([sys.executable, "-c", CHILD, mode, str(a.rows), str(a.cols), str(a.rank), a.comfyui or "",
+                            str(out), str(a.bypass_rows), str(a.bypass_pairs)], capture_output=True, text=True,
+                           cwd=tempfile.gettempdir(), env=env, timeout=a.timeout or None)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{mode} did not finish within --timeout {a.timeout} s (a fresh process per run; on a loaded "
+                         "2-core machine lower --repeat or --bypass-rows)") from None
     if r.returncode:
         raise SystemExit(f"{mode} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -235,6 +250,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", choices=("float", "fp8", "convrot"), default=None, help="run one group of modes")
     ap.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH", ""))
+    ap.add_argument("--bypass-rows", dest="bypass_rows", type=int, default=2048,
+                    help="rows of the int8 ConvRot layer the bypass per-call timing runs on (the host's CPU int8 "
+                         "linear takes ~140 s per call on all 21504)")
+    ap.add_argument("--bypass-pairs", dest="bypass_pairs", type=int, default=5,
+                    help="interleaved (base, base + h) call pairs per bypass run")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per child process (0: none)")
     ap.add_argument("--rows-out", dest="rows_out", metavar="FILE",
                     help="also write every figure as a row (benchmarks/_harness.py): .jsonl or .csv")
     a = ap.parse_args(argv)
@@ -280,7 +301,8 @@ def main(argv=None) -> int:
     if "bypass-convrot" in modes:
         st = ratio_stats([r["bypass_step_s"] for r in res["bypass-convrot"]], [r["base_step_s"] for r in res["bypass-convrot"]])
         allr = stats(x for r in res["bypass-convrot"] for x in r["step_ratios"])
-        print(f"  bypass time per call on the int8 ConvRot layer (64 tokens, base forward vs base + h, interleaved): "
+        print(f"  bypass time per call on the int8 ConvRot layer ({res['bypass-convrot'][0]['timed_rows']} of its "
+              f"{a.rows} rows, 64 tokens, base forward vs base + h, interleaved): "
               f"ratio median {st['median']:.3f} {spread(st)} (all {len(list(x for r in res['bypass-convrot'] for x in r['step_ratios']))} "
               f"pairs: median {allr['median']:.3f}, min {allr['min']:.3f}, max {allr['max']:.3f}); "
               f"h error vs float64 ΔW x (first 512 rows) {res['bypass-convrot'][0]['rel_max_err_vs_float64']:.2e}")

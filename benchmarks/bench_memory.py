@@ -65,7 +65,19 @@ CONFIGS = [
     ("sdpa-h1024-fp32-512x512x56-chunk256", "scaled", "float32", "as-stored", 512, 512, 56, 256),
     ("sdpa-h1024-bf16-512x384x56", "scaled", "bfloat16", "as-stored", 512, 384, 56, None),
     ("sdpa-h1024-bf16-512x384x56-chunk256", "scaled", "bfloat16", "as-stored", 512, 384, 56, 256),
+    # attention over head groups (DitKitActivationChunking's attention_heads_per_call) on ComfyUI's CPU sub_quad
+    ("h1024-fp32-512x512x56-heads2", "scaled", "float32", "as-stored", 512, 512, 56, None, 2),
+    ("h1024-fp32-512x512x56-heads1", "scaled", "float32", "as-stored", 512, 512, 56, None, 1),
+    ("h1024-bf16-512x384x56-chunk256-heads1", "scaled", "bfloat16", "as-stored", 512, 384, 56, 256, 1),
 ]
+# LTX-2: one sampling step (1 step, cfg 1, ComfyUI's KSampler) of a hidden-1024 2-block LTX-2 AV transformer as
+# ComfyUI loads it, video latent only; predicted by DitKitPreflight's own path (bridge/preflight.run_plan)
+LTX_SCALED = {"num_layers": 2, "num_attention_heads": 8, "attention_head_dim": 128, "cross_attention_dim": 1024,
+              "audio_num_attention_heads": 8, "audio_attention_head_dim": 64, "audio_cross_attention_dim": 512}
+LTX_CONFIGS = [("ltx2-h1024-512x512x97", 512, 512, 97, None, 0), ("ltx2-h1024-512x512x97-heads1", 512, 512, 97, None, 1),
+               ("ltx2-h1024-768x512x97-chunk1024", 768, 512, 97, 1024, 0)]
+# VAE decode (tiny H3 video VAE as ComfyUI builds it; DitKitPreflight's decode parts): (name, width, height, length)
+DECODE_CONFIGS = [("decode-tiny-vae-256x256x22", 256, 256, 22), ("decode-tiny-vae-512x512x56", 512, 512, 56)]
 
 
 # --------------------------------------------------------------------------------------------- child
@@ -145,9 +157,14 @@ def child(spec: dict) -> dict:
     x, ts, ctx = _inputs(cfg, spec["width"], spec["height"], lt, at, text, compute, torch)
     import comfy.model_management as mm
 
+    topts = {}
+    if spec.get("heads"):
+        from ditkit.bridge.chunking import ATTN_KEY, HeadGroupAttention
+
+        topts[ATTN_KEY] = HeadGroupAttention(int(spec["heads"]), None)
     free_bytes = int(mm.get_free_memory(torch.device("cpu")))
     with torch.no_grad():
-        out, growth, before, secs = peak_during(lambda: dm(x, ts, ctx, transformer_options={}))
+        out, growth, before, secs = peak_during(lambda: dm(x, ts, ctx, transformer_options=topts))
     tokens = {"video": lt * (spec["height"] // 32) * (spec["width"] // 32), "audio": 2 * at, "text": text}
     return {"name": spec["name"], "weights_rss": weights_rss, "weights_state": sum(blocks.values()) + other,
             "blocks": [blocks[i] for i in sorted(blocks)], "other": other, "largest": largest,
@@ -189,13 +206,158 @@ def _forward(dm, w, h, length, text, compute, torch):
         return dm(x, ts, ctx, transformer_options={})
 
 
-def run_child(spec: dict, python: str = sys.executable) -> dict:
+def run_child(spec: dict, python: str = sys.executable, kind: str = "--child") -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=_view())
-    r = subprocess.run([python, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env,
+    r = subprocess.run([python, __file__, kind, json.dumps(spec)], capture_output=True, text=True, env=env,
                        timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"child {spec['name']} failed: {r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def ltx_child(spec: dict) -> dict:
+    """One LTX-2 sampling step through ComfyUI (model loaded by comfy.sd from a file written here) in this fresh
+    process; RSS growth from before the load to the peak of the step; DitKitPreflight's prediction for the same."""
+    import torch
+
+    sys.path.insert(0, spec["comfyui"])
+    from comfy.cli_args import args as cargs
+
+    cargs.cpu = True
+    import comfy.sd
+    import nodes
+    from comfy_extras.nodes_lt import EmptyLTXVLatentVideo
+
+    from benchmarks.bench_quantize import _rss_now, peak_during
+    from ditkit.bridge import chunking as bchunk
+    from ditkit.bridge.preflight import latent_shapes_of, run_plan
+    from ditkit.loaders.safetensors_io import save_file
+    from ditkit.tiny import ckpt_ltx
+
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    tmp = Path(tempfile.mkdtemp(prefix="ditkit-bench-ltx-"))
+    cfg = dict(ckpt_ltx.CONFIG, **LTX_SCALED)
+    save_file(ckpt_ltx.ltxav_state_dict(cfg), tmp / "ltx.safetensors",
+              metadata={"config": json.dumps({"transformer": cfg}, sort_keys=True)})
+
+    def latent(w, h, n):
+        out = EmptyLTXVLatentVideo.execute(w, h, n, 1)
+        return out.result[0] if hasattr(out, "result") else out[0]
+
+    cond = [[torch.randn(1, 16, cfg["caption_channels"], generator=torch.Generator().manual_seed(0)), {}]]
+    warm = comfy.sd.load_diffusion_model(str(tmp / "ltx.safetensors"))
+    nodes.common_ksampler(warm, 0, 1, 1.0, "euler", "simple", cond, cond, latent(64, 64, 9))
+    del warm
+    import gc
+
+    import comfy.model_management as mm
+
+    mm.unload_all_models()
+    gc.collect()
+    base = _rss_now()
+    m = comfy.sd.load_diffusion_model(str(tmp / "ltx.safetensors"))
+    if spec["chunk"] or spec["heads"]:
+        m = m.clone()
+        if spec["heads"]:
+            bchunk.install_head_groups(m, int(spec["heads"]))
+        if spec["chunk"]:
+            bchunk.install(m, "ltx2", int(spec["chunk"]), None)
+    lat = latent(spec["width"], spec["height"], spec["length"])
+    free_bytes = int(mm.get_free_memory(torch.device("cpu")))
+    v, a = latent_shapes_of(lat["samples"], "ltx2")
+    p = run_plan(m, v, a, 0, free_bytes / 2**30)
+    out, growth, before, secs = peak_during(
+        lambda: nodes.common_ksampler(m, 0, 1, 1.0, "euler", "simple", cond, cond, lat))
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"name": spec["name"], "total_growth": (before - base) + growth, "forward_growth": growth,
+            "predicted": p.prediction.device, "weights": p.prediction.parts["weights_device"],
+            "tokens": p.tokens.total, "parts": p.prediction.parts, "seconds": secs}
+
+
+def ltx_table(comfyui: str, threads: int, rows, only=()) -> list[dict]:
+    configs = [c for c in LTX_CONFIGS if not only or any(o in c[0] for o in only)]
+    if not configs:
+        return []
+    print("\n| LTX-2 step | tokens | weights MiB | measured peak MiB | predicted MiB | error |")
+    print("|---|---|---|---|---|---|")
+    out = []
+    for name, w, h, length, chunk, heads in configs:
+        spec = {"name": name, "width": w, "height": h, "length": length, "chunk": chunk, "heads": heads,
+                "comfyui": comfyui, "threads": threads}
+        res = run_child(spec, kind="--ltx-child")
+        err = res["predicted"] / res["total_growth"] - 1
+        mib = 2 ** 20
+        print(f"| {name} | {res['tokens']} | {res['weights'] / mib:.1f} | {res['total_growth'] / mib:.1f} | "
+              f"{res['predicted'] / mib:.1f} | {err:+.1%} |")
+        rows.add(name, "measured_peak", res["total_growth"], "B")
+        rows.add(name, "predicted_peak", res["predicted"], "B")
+        rows.add(name, "error", err, "ratio")
+        out.append({"spec": spec, "res": res, "err": err})
+    return out
+
+
+def decode_child(spec: dict) -> dict:
+    """One VAE decode of the tiny H3 video VAE (ComfyUI's ``comfy.sd.VAE`` from the tiny checkpoint) in this fresh
+    process: RSS growth from before the VAE is built to the peak of the decode, and DitKitPreflight's decode parts
+    (``bridge/preflight.decode_parts``) for the same latent."""
+    import torch
+
+    sys.path.insert(0, spec["comfyui"])
+    from comfy.cli_args import args as cargs
+
+    cargs.cpu = True
+    from comfy_extras.nodes_minimax_h3 import temporal_shape
+
+    from benchmarks.bench_quantize import _rss_now, peak_during
+    from ditkit.bridge.h3_vae import load_h3_vae
+    from ditkit.bridge.preflight import decode_parts
+    from ditkit.tiny import ckpt_h3_vae as ck
+
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    tmp = Path(tempfile.mkdtemp(prefix="ditkit-bench-dec-"))
+    (path,) = ck.gen_video_vae(tmp)
+    warm, _ = load_h3_vae(str(path))
+    warm.decode(torch.zeros(1, 24, 2, 2, 2))
+    del warm
+    import gc
+
+    gc.collect()
+    base = _rss_now()
+    vae, _ = load_h3_vae(str(path))   # ditkit's loader: the tiny VAE is a scaled MiniMaxH3VideoVAE
+    _, lt, _ = temporal_shape(spec["length"])
+    z = torch.randn(1, 24, lt, spec["height"] // 16, spec["width"] // 16, generator=torch.Generator().manual_seed(0))
+    parts = decode_parts(vae, tuple(z.shape))
+    out, growth, before, secs = peak_during(lambda: vae.decode(z))
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"name": spec["name"], "total_growth": (before - base) + growth, "forward_growth": growth,
+            "parts": parts, "out_shape": list(out.shape), "seconds": secs}
+
+
+def decode_table(comfyui: str, threads: int, rows, only=()) -> list[dict]:
+    configs = [c for c in DECODE_CONFIGS if not only or any(o in c[0] for o in only)]
+    if not configs:
+        return []
+    print("\n| decode | frames out | measured peak MiB | predicted MiB (weights + ComfyUI working set + frames) | "
+          "error |")
+    print("|---|---|---|---|---|")
+    out = []
+    for name, w, h, length in configs:
+        spec = {"name": name, "width": w, "height": h, "length": length, "comfyui": comfyui, "threads": threads}
+        res = run_child(spec, kind="--decode-child")
+        pred = sum(res["parts"].values())
+        err = pred / res["total_growth"] - 1
+        mib = 2 ** 20
+        print(f"| {name} | {res['out_shape']} | {res['total_growth'] / mib:.1f} | {pred / mib:.1f} ("
+              + " + ".join(f"{v / mib:.1f}" for v in res["parts"].values()) + f") | {err:+.1%} |")
+        rows.add(name, "measured_peak", res["total_growth"], "B")
+        rows.add(name, "predicted_peak", pred, "B")
+        rows.add(name, "error", err, "ratio")
+        out.append({"spec": spec, "res": res, "pred": pred, "err": err})
+    return out
 
 
 # --------------------------------------------------------------------------------------------- prediction
@@ -211,7 +373,7 @@ def predicted(res: dict, spec: dict):
     fmt = "bf16" if spec["format"] == "as-stored" else spec["format"]
     return predict(d, w, t, Options(compute=spec["compute"], weight_format=fmt, chunk=spec["chunk"],
                                     attention="flash" if spec["name"].startswith("sdpa-") else "sub_quad",
-                                    free_bytes=res["free_bytes"]))
+                                    free_bytes=res["free_bytes"], head_group=spec.get("heads")))
 
 
 def prediction_table(comfyui: str, quick: bool, threads: int, rows, only=()) -> list[dict]:
@@ -222,9 +384,10 @@ def prediction_table(comfyui: str, quick: bool, threads: int, rows, only=()) -> 
     print("| configuration | tokens | weights MiB | measured peak MiB | predicted MiB | error | activations "
           "measured / predicted MiB | error |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, model, compute, fmt, w, h, length, chunk in configs:
+    for name, model, compute, fmt, w, h, length, chunk, *heads in configs:
         spec = {"name": name, "model": model, "compute": compute, "format": fmt, "width": w, "height": h,
-                "length": length, "chunk": chunk, "comfyui": comfyui, "threads": threads}
+                "length": length, "chunk": chunk, "comfyui": comfyui, "threads": threads,
+                "heads": heads[0] if heads else None}
         res = run_child(spec)
         p = predicted(res, spec)
         act_pred = p.device - p.parts["weights_device"]
@@ -328,6 +491,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child")
     ap.add_argument("--time-child")
+    ap.add_argument("--decode-child")
+    ap.add_argument("--ltx-child")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true")
@@ -340,6 +505,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(json.loads(a.child))))
+        return 0
+    if a.ltx_child:
+        print(json.dumps(ltx_child(json.loads(a.ltx_child))))
+        return 0
+    if a.decode_child:
+        print(json.dumps(decode_child(json.loads(a.decode_child))))
         return 0
     if a.time_child:
         time_child(json.loads(a.time_child))
@@ -354,8 +525,14 @@ def main(argv=None) -> int:
     table = prediction_table(comfyui, a.quick, a.threads, rows, a.only)
     if not a.no_chunk_time:
         chunk_table(table, comfyui, a.rounds, a.threads, rows)
-    worst = max(abs(t["err"]) for t in table)
-    print(f"\nworst prediction error {worst:.1%} (target <= 15%)")
+    table += [] if a.quick else ltx_table(comfyui, a.threads, rows, a.only)
+    dec = [] if a.quick else decode_table(comfyui, a.threads, rows, a.only)
+    if not table and not dec:
+        print("no configuration selected")
+        return 1
+    worst = max(abs(t["err"]) for t in table) if table else 0.0
+    print((f"\nworst step prediction error {worst:.1%} (target <= 15%)" if table else "\nno step configuration")
+          + ("; VAE decode (ComfyUI's estimate) " + ", ".join(format(t["err"], "+.1%") for t in dec) if dec else ""))
     return 0 if worst <= 0.15 else 1
 
 

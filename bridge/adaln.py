@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.adaln import AdalnScheduleCache, check_schedule, fp32_bits
+from . import audio_watch
 from .fingerprint import adaln_patch_fingerprint, adaln_weight_fingerprint
 from .reports import ReportTarget
 from .hostcompat import persistent_alloc
@@ -131,14 +132,19 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     before = cache.stats.as_dict()
     guider.model_options = comfy.model_patcher.create_model_options_clone(orig)
     guider.model_options["transformer_options"][HOLDER_KEY] = run
+    args, aw = audio_watch.watch(args, kwargs, "h3")
+    audio = None
     try:
-        return executor(*args, **kwargs)
+        out = executor(*args, **kwargs)
+        if aw is not None:
+            audio = aw.finish(audio_watch.latent_check(out, kwargs.get("latent_shapes")))
+        return out
     finally:
         guider.model_options = orig
-        _report_run(run, before)
+        _report_run(run, before, audio)
 
 
-def _report_run(run: AdalnHolder, before: dict) -> None:
+def _report_run(run: AdalnHolder, before: dict, audio: dict | None = None) -> None:
     after = run.cache.stats
     delta = {k: getattr(after, k) - before[k] for k in ("hits", "misses", "rebuilds", "hot_runs")}
     data = {"run": delta, "total": after.as_dict(), "steps": int(run.sigmas.numel()) - 1}
@@ -152,6 +158,11 @@ def _report_run(run: AdalnHolder, before: dict) -> None:
                     "schedule): the cache saves compute only")
     if delta["misses"]:
         summary += f"; MISSES computed uncached: {after.miss_keys[:4]}"
+    if audio is not None:   # the audio guard on the sampled audio stream (bridge/audio_watch.py)
+        data["audio_latent"] = audio
+        summary += audio_watch.summary_suffix(audio)
+        audio_watch.remember("DitKitH3AdaLNCache", (run.report_to or ReportTarget(None, "", None, None)).node_id,
+                             audio)
     # the sink the node handed over (a bridge/reports.ReportTarget); a holder made without one reports on no node
     (run.report_to or ReportTarget(None, "DitKitH3AdaLNCache", None, None)).send("adaln_cache", summary, data)
 

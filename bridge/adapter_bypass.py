@@ -134,6 +134,31 @@ def current(model) -> dict[str, tuple]:
     return dict(model.get_attachment(ATTACHMENT) or {})
 
 
+HOST_INJECTION_KEY = "bypass_lora"   # ComfyUI's LoraLoaderBypass (comfy.sd.load_bypass_lora_for_models)
+
+
+def host_bypass_modules(model) -> set[str] | None:
+    """Module keys (``diffusion_model.X``) that ComfyUI's own LoraLoaderBypass runs an adapter beside on this
+    model: the ``BypassInjectionManager`` its ``bypass_lora`` injection closes over (``adapters`` keys). None when
+    an injection does not expose one (the caller refuses rather than guess)."""
+    from comfy.weight_adapter.bypass import BypassInjectionManager
+
+    out: set[str] = set()
+    for inj in model.get_injections(HOST_INJECTION_KEY) or ():
+        mgr = None
+        for cell in getattr(getattr(inj, "inject", None), "__closure__", None) or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:   # an empty cell
+                continue
+            if isinstance(v, BypassInjectionManager):
+                mgr = v
+        if mgr is None:
+            return None
+        out |= set(mgr.adapters)
+    return out
+
+
 def install(clone, new: dict[str, list[Entry]]) -> list[str]:
     """Merge ``new`` (weight key ``diffusion_model.X.weight|bias`` -> entries) into the clone's bypass attachment
     and (re)build its injection. Returns one report line per module."""
@@ -202,4 +227,12 @@ def _bypass_contract():
         i.eject(None)
     if not torch.allclose(got, base + 8.0) or not torch.equal(lin(x), base):
         return Probe.broken("the bypass hook did not add h(x) to the forward, or eject did not restore it")
+
+    class _Holder:   # a ModelPatcher's get_injections, for host_bypass_modules
+        def get_injections(self, key):
+            return inj if key == HOST_INJECTION_KEY else []
+
+    if host_bypass_modules(_Holder()) != {"lin"}:
+        return Probe.broken("the host's bypass injection no longer closes over its BypassInjectionManager (ditkit "
+                            "reads its adapters to refuse fusing onto a layer LoraLoaderBypass bypasses)")
     return Probe.holds()

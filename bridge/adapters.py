@@ -17,7 +17,7 @@ from comfy.weight_adapter.base import WeightAdapterBase
 from ..errors import AdapterError
 from ..kernels import delta_fuse
 from ..loaders import h3_adapters as core
-from . import adapter_bypass, quant_requant
+from . import adapter_bypass, quant_requant, turbo_curve
 from .loaders import GATE_ATTACHMENT
 from .lokr import check_weight_keys, fuse_quantized, quantized_note
 
@@ -43,9 +43,12 @@ class DitKitAdapterPatch(WeightAdapterBase):
 
 
 def apply_h3_adapter(model, path: str, strength: float, source: str | None = None, qkv_layout: str = "auto",
-                     scale: float | None = None, mode: str = "fuse"):
+                     scale: float | None = None, mode: str = "fuse", silu_grid: str | None = None,
+                     time_embedder: str | None = None, grid_name: str | None = None, ckpt_name: str | None = None):
     """-> (patched clone, plan). Raises a DitKitError before touching anything on bad input. ``mode`` "fuse"
-    patches the weights; "bypass" runs the adapter beside the untouched weights (``bridge/adapter_bypass``)."""
+    patches the weights; "bypass" runs the adapter beside the untouched weights (``bridge/adapter_bypass``).
+    ``silu_grid`` (a grid file) or ``time_embedder`` (an unpruned checkpoint) gives silu(t_emb) on the grid of a
+    curve-form base for a Turbo LoRA's AdaLN pairs (``bridge/turbo_curve``)."""
     if mode not in MODES:
         raise AdapterError(f"{NODE_ID}: mode {mode!r} is not one of {list(MODES)}")
     source = source or os.path.basename(path)
@@ -71,14 +74,43 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
 
     af = core.read_adapter_file(path, g, input_name="adapter_name")
     plan = core.plan(af, g, base_weight, source=source, qkv_layout=qkv_layout, scale_override=scale)
+    carry = widened = None
+    if plan.curve:
+        carry = turbo_curve.make_carry(model, plan, float(strength), source, silu_grid, time_embedder, grid_name,
+                                       ckpt_name, mode)
+        widened = turbo_curve.check_fuse(model, carry, source) if mode == "fuse" else None
+    elif silu_grid or time_embedder:
+        plan.notes.append(f"silu(t_emb) source {grid_name or ckpt_name or silu_grid or time_embedder} unused: the file "
+                          "has no Turbo AdaLN pair on a curve-form base")
+    carried = turbo_curve.carried_keys(model)
+    for it in plan.items:
+        if mode == "fuse" and it.target.key in carried:
+            raise AdapterError(f"{NODE_ID}: '{it.target.key}' carries Turbo curve columns (an earlier loader); fusing "
+                               f"'{source}' onto it is not supported. Put this loader first, or use mode bypass")
+    plan.notes.append(core.partition_note(source, af.metadata)[1])
     if mode == "bypass":
-        return _apply_bypass(model, plan, strength, source), plan
+        divert = {k[: -len(".weight")] for k in (carry.columns if carry is not None else ())}
+        m, diverted = _apply_bypass(model, plan, strength, source, divert)
+        if carry is not None:
+            plan.notes.extend(turbo_curve.install(m, carry, mode, entries=diverted))
+        return m, plan
     bypassed = set(adapter_bypass.current(model))
+    host_bypassed = adapter_bypass.host_bypass_modules(model)
+    if host_bypassed is None:
+        raise AdapterError(f"{NODE_ID}: the model carries ComfyUI's own bypass LoRA (LoraLoaderBypass) and ditkit "
+                           "cannot read which layers it hooks; fusing could mix fused and bypassed adapters on one "
+                           "layer. Set 'mode' to bypass on this loader and put it before LoraLoaderBypass, or load "
+                           "the other LoRA with LoraLoader")
     for it in plan.items:
         if it.target.key.rsplit(".", 1)[0] in bypassed:
             raise AdapterError(f"{NODE_ID}: layer '{it.target.key}' already carries an adapter in bypass mode (an "
                                f"earlier loader); fusing '{source}' onto it as well mixes the two modes on one layer. "
                                "Set 'mode' to bypass on this loader too (or fuse on both)")
+        if it.target.key.rsplit(".", 1)[0] in host_bypassed:
+            raise AdapterError(f"{NODE_ID}: layer '{it.target.key}' already carries an adapter of ComfyUI's "
+                               f"LoraLoaderBypass (bypass mode); fusing '{source}' onto it as well mixes the two modes "
+                               "on one layer. Set 'mode' to bypass on this loader and put it before "
+                               "LoraLoaderBypass, or load the other LoRA with LoraLoader (fused)")
     quant = check_weight_keys(model, sorted({it.target.key for it in plan.items}), "H3 adapters", NODE_ID)
     qdeltas: dict[str, list] = {}
     for it in plan.items:
@@ -106,18 +138,23 @@ def apply_h3_adapter(model, path: str, strength: float, source: str | None = Non
         m.add_object_patch(k, w)
     if gates is not None:
         m.set_attachments(GATE_ATTACHMENT, gates)
+    if carry is not None:
+        plan.notes.extend(turbo_curve.install(m, carry, mode, widened))
     return m, plan
 
 
-def _apply_bypass(model, plan: core.Plan, strength: float, source: str):
+def _apply_bypass(model, plan: core.Plan, strength: float, source: str, divert: set | None = None):
     """The plan's items as bypass entries on a clone; fused / bypassed on one layer and the host's own bypass
-    injection are refused before anything is registered."""
+    injection are refused before anything is registered. Entries on a module in ``divert`` (AdaLN linears this
+    loader carries Turbo curve columns on) are returned, not installed: they run in the curve hook.
+    -> (clone, {module key: entries})."""
     if model.get_injections("bypass_lora"):
         raise AdapterError(f"{NODE_ID}: the model carries ComfyUI's own bypass LoRA (LoraLoaderBypass); its hooks and "
                            "ditkit's would eject in the wrong order. Put this loader before LoraLoaderBypass, or use "
                            "mode fuse")
     new: dict[str, list] = {}
     regular: dict = {}
+    carried = {k[: -len(".weight")] for k in turbo_curve.carried_keys(model)}
     for it in plan.items:
         k = it.target.key
         if k.startswith("gate:"):
@@ -130,6 +167,10 @@ def _apply_bypass(model, plan: core.Plan, strength: float, source: str):
                                f"fuse or ComfyUI's LoraLoader); bypassing '{source}' on it as well mixes the two "
                                "modes on one layer. Set 'mode' to fuse on this loader too (or bypass on both)")
         param = "bias" if k.endswith(".bias") else "weight"
+        if k.rsplit(".", 1)[0] in carried and k.rsplit(".", 1)[0] not in (divert or ()):
+            raise AdapterError(f"{NODE_ID}: layer '{k}' carries Turbo curve columns in bypass mode (an earlier "
+                               f"loader); a second bypass adapter on it is not supported. Put '{source}' before "
+                               "the Turbo LoRA's loader, or use mode fuse")
         new.setdefault(k, []).append(adapter_bypass.Entry(
             param, it.kind, it.parts, float(it.scale) * float(strength), it.row_map, it.target.rows,
             f"{source}: {it.module.prefix}"))
@@ -140,10 +181,12 @@ def _apply_bypass(model, plan: core.Plan, strength: float, source: str):
         m.add_patches(regular, strength_patch=float(strength))
         plan.notes.append(f"mode bypass: {len(regular)} non-Linear weights (norm .diff) patched as regular weight "
                           "patches, as ComfyUI's own bypass loader does: " + ", ".join(sorted(regular)))
+    diverted = {mod: [e for k, es in new.items() if k.rsplit(".", 1)[0] == mod for e in es] for mod in divert or ()}
+    new = {k: es for k, es in new.items() if k.rsplit(".", 1)[0] not in (divert or ())}
     lines = adapter_bypass.install(m, new)
     if gates is not None:
         m.set_attachments(GATE_ATTACHMENT, gates)
     plan.notes.append(f"mode bypass: {len(lines)} layers run the adapter beside their untouched weights "
                       "(y = base(x) + s·ΔW x each call; no requantization, no weight copy)")
     plan.notes.extend(lines)
-    return m
+    return m, diverted

@@ -44,8 +44,9 @@ def prefix_segments_from_spans(spans) -> tuple[tuple[int, ...], tuple[str, ...]]
     return merge_prefix_segments(spans, SEGMENT_CLASS.get)
 
 
-def segments_from_inputs(dm, args, kwargs):
-    """(prefix segment lengths, video grid) for this forward, as MiniMaxH3Model._forward builds PackedLayout."""
+def packed_layout(dm, args, kwargs):
+    """This forward's ``PackedLayout`` (the payload's when it fits the inputs), as MiniMaxH3Model._forward builds
+    it, and the padded video latent's (t, h, w)."""
     import comfy.ldm.common_dit
     from comfy.ldm.minimax.model import PackedLayout
 
@@ -57,6 +58,12 @@ def segments_from_inputs(dm, args, kwargs):
     layout = payload.get("layout")
     if layout is None or layout.signature != sig:
         layout = PackedLayout(*sig, keyframes=payload.get("keyframes"), refs=payload.get("refs"))
+    return layout, (lt, lh, lw)
+
+
+def segments_from_inputs(dm, args, kwargs):
+    """(prefix segment lengths, video grid) for this forward, as MiniMaxH3Model._forward builds PackedLayout."""
+    layout, (lt, lh, lw) = packed_layout(dm, args, kwargs)
     prefix, _ = prefix_segments_from_spans(layout.segments)
     pt, ph, pw = dm.patch_size
     grid = (lt // pt, lh // ph, lw // pw)

@@ -445,9 +445,10 @@ class TeaCacheHolder:
         self.attention_seen: dict[str, int] = {}  # block calls that ran another patch's args["attention"], by maker
 
     def clone(self) -> "TeaCacheHolder":
-        return TeaCacheHolder(self.family, self.mode,
-                              self.state.clone() if self.state is not None else None,
-                              CalibrationRecorder(self.family) if self.recorder is not None else None, self.info)
+        h = TeaCacheHolder(self.family, self.mode, self.state.clone() if self.state is not None else None,
+                           CalibrationRecorder(self.family) if self.recorder is not None else None, self.info)
+        h.adapter = self.adapter   # a sequence-parallel adapter (bridge/raylight.py) stays with the run
+        return h
 
     def begin(self, sigmas, warnings=()):
         if self.state is not None:

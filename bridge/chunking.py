@@ -135,8 +135,10 @@ def install(m, family: str, chunk: int | None, report=None) -> dict:
             orig = orig.original
             replaced += 1
         m.add_object_patch(key, ChunkedFeedForward(orig, chunk, width, stats))
-    m.model_options.setdefault("transformer_options", {})[WRAPPER_KEY] = {"family": family, "chunk": chunk,
-                                                                         "stats": stats, "report": report}
+    topts = m.model_options.setdefault("transformer_options", {})
+    heads = topts.get(ATTN_KEY)
+    topts[WRAPPER_KEY] = {"family": family, "chunk": chunk, "stats": stats, "report": report,
+                          "heads": heads if getattr(heads, "_ditkit_head_groups", False) else None}
     if not m.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY):
         m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, outer_sample_wrapper)
     notes = []
@@ -160,7 +162,9 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     if not info:
         return executor(*args, **kwargs)
     st: ChunkStats = info["stats"]
+    hg = info.get("heads")
     before = st.snapshot()
+    h0 = (hg.calls, hg.grouped) if hg is not None else None
     try:
         return executor(*args, **kwargs)
     finally:
@@ -171,8 +175,23 @@ def outer_sample_wrapper(executor, *args, **kwargs):
             how = f"{info['chunk']} tokens" if info["chunk"] is not None else f"auto (last {st.last_chunk} tokens)"
             summary = (f"run: {d['chunked_calls']}/{d['calls']} feed-forward calls chunked into {d['chunks']} chunks "
                        f"[{how}; largest call {st.max_rows} tokens]")
-            target[1](target[0], NODE_ID, "activation_chunking", summary, {"run": d, "chunk": info["chunk"],
-                                                                           "max_rows": st.max_rows})
+            data = {"run": d, "chunk": info["chunk"], "max_rows": st.max_rows}
+            if hg is not None:
+                summary += "; " + head_groups_summary(hg.calls - h0[0], hg.grouped - h0[1], hg.heads_per_call)
+                data["attention"] = {"calls": hg.calls - h0[0], "grouped": hg.grouped - h0[1],
+                                     "heads_per_call": hg.heads_per_call}
+            target[1](target[0], NODE_ID, "activation_chunking", summary, data)
+
+
+def head_groups_summary(calls: int, grouped: int, heads_per_call: int) -> str:
+    """The run report's line on the attention head groups: how many attention calls ran in groups, and, when none
+    did, that the setting had no effect (so a model whose attention calls are not packed ``[B, H, S, D]``
+    self-attention, or one with no more heads than a group, is never reported as head-grouped)."""
+    line = f"attention: {grouped}/{calls} calls in groups of {heads_per_call} heads"
+    if grouped == 0:
+        line += (" (no effect: no call was packed [B, H, S, D] self-attention without a mask and with more heads "
+                 "than a group)" if calls else " (no effect: no attention call reached the head groups)")
+    return line
 
 
 @entry("comfy.ldm.minimax.model.MLP", nodes=(NODE_ID,), what="behaviour",

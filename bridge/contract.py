@@ -159,7 +159,7 @@ def require(node_id: str) -> list[Result]:
 
 # Modules that declare entries (imported by check_all so the registry is complete whichever node ran first).
 ENTRY_MODULES: tuple[str, ...] = ("contract_entries", "hostcompat", "quant_requant", "adapter_bypass",
-                                  "load_progress", "chunking", "preflight")
+                                  "load_progress", "chunking", "preflight", "turbo_curve")
 
 
 def _load_entry_modules() -> None:

@@ -134,6 +134,8 @@ SIGNATURES = [
     ("comfy.utils.ProgressBar.__init__", ALL_NODES, ("total", "node_id"), "progress bars (bridge/reports.progress)"),
     ("comfy.utils.ProgressBar.update_absolute", ALL_NODES, ("value", "total"), "progress bars"),
     ("comfy.utils.get_attr", LOKR + ADAPTER, ("obj", "attr"), "the layer of a weight key (bridge/lokr.py)"),
+    ("comfy.utils.unpack_latents", TEACACHE + ADALN + FASTH3 + STEPCACHE, ("combined_latent", "latent_shapes"),
+     "the audio part of the flat (video, audio) pack the sampler works on (bridge/audio_watch.py)"),
     ("comfy.utils.detect_layer_quantization", ZIMAGE, ("state_dict", "prefix"), "Z-Image of any width"),
     ("comfy.utils.calculate_parameters", ZIMAGE, ("sd",), "Z-Image of any width"),
     ("comfy.utils.weight_dtype", ZIMAGE, ("sd",), "Z-Image of any width"),
@@ -176,8 +178,8 @@ ATTRIBUTES = [
      "H3's fused MLP call (bypass adapters hook fc2 around it; chunking runs the same call per token chunk)"),
     ("comfy.ldm.minimax.model.MiniMaxH3Model", TEACACHE + ADALN + VSA + FASTH3 + H3_LOADER + ADAPTER,
      ("forward", "_forward"), "the H3 diffusion model class (bridge/models.h3_diffusion_model)"),
-    ("comfy.patcher_extension.WrappersMP", TEACACHE + ADALN + VSA + ("DitKitStepCache",), ("OUTER_SAMPLE", "DIFFUSION_MODEL"),
-     "per-run and per-forward wrappers"),
+    ("comfy.patcher_extension.WrappersMP", TEACACHE + ADALN + VSA + FASTH3 + ("DitKitStepCache",),
+     ("OUTER_SAMPLE", "DIFFUSION_MODEL"), "per-run and per-forward wrappers (FastH3: the audio check's OUTER_SAMPLE)"),
     ("comfy.patcher_extension.CallbacksMP", TEXT_ENCODERS, ("ON_LOAD",), "streamed text encoder's LoRA guard"),
     ("comfy.model_patcher.ModelPatcher", PATCHERS + MODEL_LOADERS + TEXT_ENCODERS,
      ("clone", "add_wrapper_with_key", "add_object_patch", "get_model_object", "add_patches", "set_attachments",
@@ -231,6 +233,23 @@ def _h3_video_vae_attributes() -> Probe:
     if p.state != "holds":
         return p
     return check_attrs(m.decoder, ("patch_size_t",))
+
+
+@entry("comfy.samplers.CFGGuider.outer_sample[audio check callback]", nodes=TEACACHE + ADALN + FASTH3 + STEPCACHE,
+       what="signature")
+def _outer_sample_callback() -> Probe:
+    """OUTER_SAMPLE executor arguments: the step callback is the 6th (bridge/audio_watch.CALLBACK_POS), called by
+    KSAMPLER once per step with the denoised flat pack (``callback(i, denoised, x, total_steps)``)."""
+    import comfy.samplers
+
+    params = list(inspect.signature(comfy.samplers.CFGGuider.outer_sample).parameters)
+    want = ["self", "noise", "latent_image", "sampler", "sigmas", "denoise_mask", "callback"]
+    if params[:7] != want:
+        return Probe.broken(f"outer_sample{params}, the audio check wraps argument 5 'callback'")
+    src = inspect.getsource(comfy.samplers.KSAMPLER.sample)
+    if 'callback(x["i"], x["denoised"], x["x"], total_steps)' not in src:
+        return Probe.broken("KSAMPLER.sample no longer calls callback(i, denoised, x, total_steps)")
+    return Probe.holds()
 
 
 @entry("comfy.quant_ops.QUANT_ALGOS", nodes=MODEL_LOADERS + LOKR + ADAPTER, what="feature")

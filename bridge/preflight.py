@@ -9,7 +9,8 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..memory.model import DiTDims, MemoryModelError, Options, Weights, weights_from_inventory
-from ..memory.preflight import MemoryShortfallError, Plan, check_available, check_limit, h3_tokens, plan
+from ..memory.preflight import (MemoryShortfallError, Plan, check_available, check_limit, h3_keyframe_rows,
+                                h3_ref_rows, h3_tokens, ltx2_tokens, plan)
 from .chunking import installed_chunk
 from .contract import Probe, entry
 from .models import diffusion_model, model_family
@@ -39,30 +40,47 @@ def _compute_dtype(model) -> str:
     return {torch.float32: "float32", torch.float16: "float16"}.get(dt, "bfloat16")
 
 
+FAMILIES = ("h3", "ltx2")
+
+
+def family_of(model) -> str:
+    """``"h3"`` or ``"ltx2"``; UnsupportedModelError naming the class for any other MODEL (nothing is loaded)."""
+    family = model_family(model)
+    if family not in FAMILIES:
+        raise UnsupportedModelError(f"{NODE_ID}: the memory model is checked for MiniMax H3 and LTX-2; the MODEL input "
+                                    f"is {family or type(diffusion_model(model)).__name__}")
+    return family
+
+
 def model_facts(model):
-    """(dims, {format: Weights}, current format, compute dtype name) of an H3 MODEL."""
+    """(dims, {format: Weights}, current format, compute dtype name) of an H3 or LTX-2 MODEL."""
     import comfy.model_management as mm
 
-    family = model_family(model)
-    if family != "h3":
-        raise UnsupportedModelError(f"{NODE_ID}: the memory model is checked for MiniMax H3 only; the MODEL input is "
-                                    f"{family or type(diffusion_model(model)).__name__} (LTX-2 figures in "
-                                    "docs/memory.md are computed, not measured)")
+    family = family_of(model)
     dm = diffusion_model(model)
-    b0 = dm.blocks[0]
-    dims = DiTDims("h3", int(dm.hidden_size), int(b0.attn.heads), int(b0.attn.head_dim), int(b0.mlp.fc2.in_features),
-                   len(dm.blocks))
-    blocks = tuple(int(mm.module_size(b)) for b in dm.blocks)
-    other = int(mm.module_size(dm)) - sum(blocks)
-    w = b0.mlp.fc1.weight
+    if family == "h3":
+        blocks, prefix = dm.blocks, "blocks."
+        b0 = blocks[0]
+        dims = DiTDims("h3", int(dm.hidden_size), int(b0.attn.heads), int(b0.attn.head_dim),
+                       int(b0.mlp.fc2.in_features), len(blocks))
+        w = b0.mlp.fc1.weight
+    else:
+        blocks, prefix = dm.transformer_blocks, "transformer_blocks."
+        b0 = blocks[0]
+        dims = DiTDims("ltx2", int(b0.attn1.heads) * int(b0.attn1.dim_head), int(b0.attn1.heads),
+                       int(b0.attn1.dim_head), int(b0.ff.net[2].in_features), len(blocks), ffn_kind="gelu",
+                       extra_cols=int(getattr(dm, "audio_cross_attention_dim", 0) or 0))
+        w = b0.ff.net[0].proj.weight
+    sizes = tuple(int(mm.module_size(b)) for b in blocks)
+    other = int(mm.module_size(dm)) - sum(sizes)
     largest = int(w.shape[0]) * int(w.shape[1])
     quantized = type(w).__name__ == "QuantizedTensor" or w.dtype not in _DT
     current = "quantized (as loaded)" if quantized else "bf16"
-    weights = {current: Weights(blocks, other, largest)}
+    weights = {current: Weights(sizes, other, largest)}
     if not quantized:
         inv = {k: (tuple(t.shape), _DT.get(t.dtype, "BF16")) for k, t in dm.state_dict().items()}
         for fmt in ("float8_e4m3fn", "nvfp4"):
-            weights[fmt] = weights_from_inventory("h3", inv, fmt, "blocks.")
+            weights[fmt] = weights_from_inventory(family, inv, fmt, prefix)
     return dims, weights, current, _compute_dtype(model)
 
 
@@ -82,33 +100,73 @@ def available_memory(model, limit_gib: float) -> tuple[int, str, bool]:
     return check_available(int(free) + held if free > 0 else int(free), where), where, dev.type != "cpu"
 
 
-def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs: int = 0, keyframes: int = 0
-             ) -> Plan:
+def decode_parts(vae, video_shape) -> dict:
+    """The VAE decode's bytes after sampling, by part, from the VAE as ComfyUI built it: its weights, ComfyUI's
+    own working-set estimate (``memory_used_decode``, what ComfyUI frees memory for) and, on a CPU host, the
+    decoded frames it returns (``upscale_ratio``: frames and pixels; ``vae_output_dtype``)."""
+    import comfy.model_management as mm
+
+    if not callable(getattr(vae, "memory_used_decode", None)) or getattr(vae, "first_stage_model", None) is None:
+        raise MemoryModelError(f"{NODE_ID}: input 'vae' is not a VAE ({type(vae).__name__})")
+    shape = tuple(int(x) for x in video_shape)
+    try:
+        working = float(vae.memory_used_decode(shape, vae.vae_dtype))
+    except Exception as e:   # a VAE of another family: its estimate does not take this latent
+        raise MemoryModelError(f"{NODE_ID}: input 'vae' cannot decode a latent of shape {shape}: "
+                               f"{type(e).__name__}: {e}") from None
+    up = getattr(vae, "upscale_ratio", 1)
+    frames = int(up[0](shape[2])) if isinstance(up, tuple) and callable(up[0]) else shape[2]
+    px = int(vae.spacial_compression_decode())
+    parts = {"VAE weights": int(mm.module_size(vae.first_stage_model)),
+             "VAE working set (ComfyUI's estimate)": working}
+    if torch.device(vae.device).type == "cpu":
+        item = torch.empty((), dtype=vae.vae_output_dtype()).element_size()
+        parts["decoded frames"] = shape[0] * 3 * frames * shape[3] * px * shape[4] * px * item
+    return parts
+
+
+def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs: int = 0, keyframes: int = 0,
+             vae=None) -> Plan:
     limit = check_limit(limit_gib)
-    tokens = h3_tokens(video_shape, audio_shape, text=text, refs=refs, keyframes=keyframes)
+    family = family_of(model)
+    if family == "h3":
+        tokens, batch = h3_tokens(video_shape, audio_shape, text=text, refs=refs, keyframes=keyframes), 1
+    else:   # text is cross-attention context; guides (LTXVAddGuide) are frames of the latent itself
+        tokens, batch = ltx2_tokens(video_shape, audio_shape), int(video_shape[0])
     dims, weights, current, compute = model_facts(model)
     installed, chunk = installed_chunk(model)
     ov = (model.model_options.get("transformer_options") or {}).get("optimized_attention_override")
-    head_group = ov.heads_per_call if getattr(ov, "_ditkit_head_groups", False) else None
+    # head groups split H3's packed self-attention only (skip_reshape calls); LTX-2's attention passes through them
+    head_group = ov.heads_per_call if getattr(ov, "_ditkit_head_groups", False) and family == "h3" else None
     available, where, streaming_possible = available_memory(model, limit)
     # auto chunking (chunk None) is counted unchunked: the upper bound, said in the report
     opts = Options(compute=compute, weight_format=current, chunk=chunk if installed else None,
-                   attention=attention_class(), free_bytes=available, head_group=head_group)
+                   attention=attention_class(), free_bytes=available, head_group=head_group, batch=batch)
 
     def scale(frac: float) -> str:
         t = int(video_shape[2])
         return (f"latent frames <= {max(1, int(t * frac))} of {t} at this resolution, or width and height x "
                 f"{frac ** 0.5:.2f} at this length")
 
-    p = plan(dims, weights, tokens, opts, available, where, streaming_possible, video_scale=scale)
+    dec = decode_parts(vae, video_shape) if vae is not None else None
+    p = plan(dims, weights, tokens, opts, available, where, streaming_possible, video_scale=scale, decode_parts=dec,
+             decode_keeps_weights=torch.device(model.load_device).type == "cpu", head_groups=family == "h3")
     if installed and chunk is None:
         p.where += " (feed-forward chunking is auto: predicted unchunked, an upper bound)"
     return p
 
 
-def latent_shapes_of(samples):
-    """(video shape, audio shape) of an H3 LATENT's samples (a NestedTensor of video + audio)."""
+def latent_shapes_of(samples, family: str = "h3"):
+    """(video shape, audio shape) of a LATENT's samples: H3 a NestedTensor of video + audio; LTX-2 the same or a
+    video-only 5-D tensor (audio shape None)."""
     tensors = getattr(samples, "tensors", None)
+    if family == "ltx2":
+        if tensors and len(tensors) in (1, 2):
+            return tuple(tensors[0].shape), (tuple(tensors[1].shape) if len(tensors) == 2 else None)
+        if torch.is_tensor(samples) and samples.dim() == 5:
+            return tuple(samples.shape), None
+        raise MemoryModelError(f"{NODE_ID}: the LATENT is not an LTX-2 latent (video [B, C, T, H, W], optionally with "
+                               f"audio); got {type(samples).__name__} {tuple(getattr(samples, 'shape', ()))}")
     if not tensors or len(tensors) != 2:
         raise MemoryModelError(f"{NODE_ID}: the LATENT is not an H3 audio-video latent (video + audio); got "
                                f"{type(samples).__name__} {tuple(getattr(samples, 'shape', ()))}")
@@ -119,21 +177,65 @@ def refusal(p: Plan) -> MemoryShortfallError:
     return MemoryShortfallError(f"{NODE_ID}: the job does not fit: {p.summary()}. Nothing was loaded or sampled.")
 
 
-def install(m, text: int, limit_gib: float, report) -> None:
+def install(m, text: int, limit_gib: float, report, vae=None) -> None:
     import comfy.patcher_extension as pe
 
     m.model_options.setdefault("transformer_options", {})[WRAPPER_KEY] = {"text": text, "limit_gib": limit_gib,
-                                                                         "report": report}
+                                                                         "report": report, "vae": vae}
     m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, outer_sample_wrapper)
 
 
-def _text_len(guider, default: int) -> int:
-    n = 0
-    for c in (getattr(guider, "conds", None) or {}).get("positive", []) or []:
-        ca = c.get("cross_attn") if isinstance(c, dict) else None
-        if torch.is_tensor(ca) and ca.dim() >= 2:
-            n = max(n, int(ca.shape[1]))
-    return n or default
+def _rows_of(blocks, what: str):
+    if blocks is None:
+        return ()
+    if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, dict) for b in blocks):
+        raise MemoryModelError(f"{NODE_ID}: the conditioning's {what} is not a list of dicts: {type(blocks).__name__}")
+    return blocks
+
+
+def _frames(t, axis: int, what: str) -> int:
+    if not torch.is_tensor(t) or t.dim() <= abs(axis) - (axis < 0):
+        raise MemoryModelError(f"{NODE_ID}: {what} is not a latent tensor: {type(t).__name__}")
+    return int(t.shape[axis])
+
+
+def conditioning_rows(entries, video_shape, default_text: int, source: str = "input 'positive'"
+                      ) -> tuple[int, int, int]:
+    """:func:`packed_rows`, its errors naming ``source`` (the node input or the sampler's conditioning)."""
+    try:
+        return packed_rows(entries, video_shape, default_text)
+    except MemoryModelError as e:
+        msg = str(e)
+        msg = msg[len(NODE_ID) + 2:] if msg.startswith(NODE_ID + ": ") else msg
+        raise MemoryModelError(f"{NODE_ID}: {source}: {msg}") from None
+
+
+def packed_rows(entries, video_shape, default_text: int) -> tuple[int, int, int]:
+    """(text, reference, keyframe) rows of the longest packed sequence among the conditioning ``entries``: ComfyUI
+    ``CONDITIONING`` items ``[cross_attn, {...}]`` or the sampler's converted dicts (``cross_attn`` a key). Text rows
+    are the cross_attn length (``default_text`` when there is none); H3 ref2va blocks (``minimax_refs``: kind,
+    latent_t/h/w, ref_audio_t) and fl2va keyframes (``minimax_keyframes``: ``latent`` [B, 24, T, h, w] on the
+    target's patch grid, ``audio_latent`` [..., T_a]) are counted as ComfyUI's ``PackedLayout`` packs them."""
+    frame_rows = -(-int(video_shape[3]) // 2) * -(-int(video_shape[4]) // 2)
+    best = None
+    for c in entries or ():
+        if isinstance(c, dict):
+            ca, d = c.get("cross_attn"), c
+        elif isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[1], dict):
+            ca, d = c[0], c[1]
+        else:
+            raise MemoryModelError(f"{NODE_ID}: not a CONDITIONING (an item is {type(c).__name__})")
+        text = int(ca.shape[1]) if torch.is_tensor(ca) and ca.dim() >= 2 else default_text
+        refs = sum(h3_ref_rows(b.get("kind"), b.get("latent_t", 0), b.get("latent_h", 0), b.get("latent_w", 0),
+                               b.get("ref_audio_t", 0)) for b in _rows_of(d.get("minimax_refs"), "minimax_refs"))
+        kf = 0
+        for k in _rows_of(d.get("minimax_keyframes"), "minimax_keyframes"):
+            vt = 0 if k.get("latent") is None else _frames(k["latent"], 2, "a keyframe's latent")
+            at = 0 if k.get("audio_latent") is None else _frames(k["audio_latent"], -1, "a keyframe's audio latent")
+            kf += h3_keyframe_rows(vt, at, frame_rows)
+        if best is None or text + refs + kf > sum(best):
+            best = (text, refs, kf)
+    return best or (default_text, 0, 0)
 
 
 def outer_sample_wrapper(executor, *args, **kwargs):
@@ -143,12 +245,21 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     if not info:
         return executor(*args, **kwargs)
     t0 = time.perf_counter()
+    family = family_of(guider.model_patcher)
     shapes = kwargs.get("latent_shapes") or (args[8] if len(args) > 8 else None)
-    if not shapes or len(shapes) != 2:
+    if shapes and len(shapes) == 2:
+        video, audio = tuple(shapes[0]), tuple(shapes[1])
+    elif shapes and len(shapes) == 1 and family == "ltx2":
+        video, audio = tuple(shapes[0]), None
+    else:
         latent = args[1] if len(args) > 1 else kwargs.get("latent_image")
-        shapes = latent_shapes_of(latent)
-    p = run_plan(guider.model_patcher, tuple(shapes[0]), tuple(shapes[1]), _text_len(guider, info["text"]),
-                 info["limit_gib"])
+        video, audio = latent_shapes_of(latent, family)
+    text, refs, kf = info["text"], 0, 0
+    if family == "h3":
+        conds = getattr(guider, "conds", None) or {}
+        entries = [c for k in ("positive", "negative") for c in (conds.get(k) or [])]
+        text, refs, kf = conditioning_rows(entries, video, info["text"], "the sampler's conditioning")
+    p = run_plan(guider.model_patcher, video, audio, text, info["limit_gib"], refs, kf, info.get("vae"))
     target, send = info["report"]
     data = dict(p.as_dict(), phase="sampler", seconds=time.perf_counter() - t0)
     send(target, NODE_ID, "preflight", ("sampler check: " + p.summary()), data)
@@ -179,3 +290,48 @@ def _outer_sample_probe() -> Probe:
     if params[:5] != ["self", "noise", "latent_image", "sampler", "sigmas"]:
         return Probe.broken(f"outer_sample{params}")
     return Probe.holds("" if "latent_shapes" in params else "no latent_shapes: the latent is read")
+
+
+
+@entry("comfy.ldm.minimax.model.PackedLayout[preflight refs/keyframes]", nodes=(NODE_ID,), what="behaviour",
+       doc="PackedLayout(..., keyframes, refs) packs reference blocks (kind / latent_t / latent_h / latent_w / "
+           "ref_audio_t) and keyframes (latent / audio_latent): the rows the preflight counts")
+def _packed_layout_probe() -> Probe:
+    import inspect
+
+    from comfy.ldm.minimax.model import PackedLayout
+
+    params = list(inspect.signature(PackedLayout.__init__).parameters)
+    if params[-2:] != ["keyframes", "refs"]:
+        return Probe.broken(f"PackedLayout.__init__{params}")
+    layout = inspect.getsource(PackedLayout.__init__)
+    missing = [w for w in ('"kind"', '"latent_h"', '"latent_w"', '"latent_t"', '"ref_audio_t"', '"audio_latent"',
+                           '"video_audio"') if w not in layout]
+    return Probe.broken(f"missing {missing}") if missing else Probe.holds("")
+
+
+@entry("comfy.model_base.MiniMaxH3.extra_conds[preflight refs/keyframes]", nodes=(NODE_ID,), what="behaviour",
+       doc="the conditioning keys minimax_refs / minimax_keyframes reach the forward's PackedLayout")
+def _extra_conds_probe() -> Probe:
+    import inspect
+
+    from comfy.model_base import MiniMaxH3
+
+    conds = inspect.getsource(MiniMaxH3.extra_conds)
+    missing = [w for w in ('"minimax_refs"', '"minimax_keyframes"') if w not in conds]
+    return Probe.broken(f"missing {missing}") if missing else Probe.holds("")
+
+
+@entry("comfy.sd.VAE[preflight decode]", nodes=(NODE_ID,), what="attributes",
+       doc="memory_used_decode(shape, dtype), first_stage_model, vae_dtype, upscale_ratio, spacial_compression_decode, "
+           "vae_output_dtype, device: the decode's predicted peak")
+def _vae_probe() -> Probe:
+    import inspect
+
+    from comfy.sd import VAE
+
+    missing = [a for a in ("spacial_compression_decode", "vae_output_dtype", "decode") if not hasattr(VAE, a)]
+    src = inspect.getsource(VAE.__init__)
+    missing += [a for a in ("self.memory_used_decode", "self.first_stage_model", "self.vae_dtype", "self.upscale_ratio",
+                            "self.device") if a not in src]
+    return Probe.broken(f"missing {missing}") if missing else Probe.holds("")

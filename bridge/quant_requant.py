@@ -72,7 +72,8 @@ def classify(qt, key: str) -> Layout | None:
     if name == "TensorWiseINT8Layout":
         s = getattr(p, "scale", None)
         if s is None:
-            raise LayerRefused(f"layer '{key}' (int8_tensorwise) has no weight_scale")
+            raise LayerRefused(f"layer '{key}' (int8_tensorwise) has no weight_scale (re-download the base; "
+                               "DitKitH3ModelLoader 'model_name' refuses such a file when it loads it)")
         convrot = bool(getattr(p, "convrot", False))
         if s.numel() == 1 and not convrot:
             return None
@@ -87,7 +88,8 @@ def classify(qt, key: str) -> Layout | None:
         if cols % g:
             raise LayerRefused(f"layer '{key}' (int8_tensorwise ConvRot): convrot_groupsize {g} does not divide its "
                                f"width {cols} (the comfy_quant marker and the weight disagree: a damaged or "
-                               "mislabelled checkpoint)")
+                               "mislabelled checkpoint; re-download or re-export the base the model loader reads, "
+                               "DitKitH3ModelLoader 'model_name' refuses such a file when it loads it)")
         return Layout("int8_convrot", name, g)
     if name in ("TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout"):
         fmt = "mxfp8" if "MXFP8" in name else "nvfp4"

@@ -17,6 +17,7 @@ from ..cache import coefficients as coef
 from ..cache.stepcache import MODE_NAMES, MODES, StepCacheConfig, StepCacheState, resolve_thresholds
 from ..errors import DitKitError
 from ..parallel.reduce import as_reducer
+from . import audio_watch
 from . import teacache as tc
 from .teacache import audio_latent_check
 from .blocks import TeaCacheHolder
@@ -62,8 +63,10 @@ def stepcache_sample_wrapper(executor, *args, **kwargs):
         except TypeError as e:
             raise DitKitError(f"{NODE_STEPCACHE}: transformer_options['{REDUCER_KEY}']: {e}") from None
         holder.begin(sigmas.flatten().tolist())
+        args, aw = audio_watch.watch(args, kwargs, holder.family)
         out = executor(*args, **kwargs)
-        holder.info["audio_latent"] = audio_latent_check(out, kwargs.get("latent_shapes"))
+        al = audio_latent_check(out, kwargs.get("latent_shapes"))
+        holder.info["audio_latent"] = aw.finish(al) if aw is not None else al
         return out
     finally:
         try:
@@ -74,8 +77,8 @@ def stepcache_sample_wrapper(executor, *args, **kwargs):
                 al = holder.info.pop("audio_latent", None)
                 if al is not None:
                     data["audio_latent"] = al
-                    if al["nonfinite"]:
-                        summary += f" | WARNING: sampled audio latent has {al['nonfinite']} NaN/Inf values"
+                    summary += audio_watch.summary_suffix(al)
+                    audio_watch.remember(NODE_STEPCACHE, holder.info.get("node_id"), al)
                 tc._sink(holder.info, NODE_STEPCACHE).send("stepcache", summary, data)
             holder.state.release()
         finally:

@@ -26,7 +26,6 @@ import comfy.model_patcher
 import comfy.patcher_extension
 import comfy.utils
 import folder_paths
-import torch
 
 from ..cache import coefficients as coef
 from ..cache.calibrate import CalibrationRecorder, collect_pair_files, fit_files, pair_file_bytes
@@ -34,7 +33,7 @@ from ..cache.teacache import TeaCacheState, state_from_coefficients
 from ..errors import CacheStackError, CoefficientError, UnsupportedModelError
 from ..loaders import safe_fs
 from .reports import ReportTarget, current_graph
-from . import fingerprint
+from . import audio_watch, fingerprint
 from .blocks import HOLDER_KEY, HookedLayers, TeaCacheHolder, diffusion_model_wrapper, install_memo, make_block_replace
 from .models import teacache_family
 
@@ -243,13 +242,11 @@ def _sampling_begin(executor, args):
 
 def audio_latent_check(out, latent_shapes=None) -> dict | None:
     """The sampled audio latent's NaN/Inf count (the audio guard on the H3 / LTX-2 audio stream at the end of
-    sampling; the waveform checks run where audio is decoded, DitKitSaveVideo). ``out`` is what the sampler returns
-    inside ``OUTER_SAMPLE``: the flat pack of ``latent_shapes`` (video, audio) for audio-video latents. None when
-    there is no audio part."""
-    if not latent_shapes or len(latent_shapes) < 2 or not torch.is_tensor(out):
-        return None
-    a = comfy.utils.unpack_latents(out, latent_shapes)[1]
-    return {"nonfinite": int((~torch.isfinite(a)).sum()), "shape": list(a.shape)}
+    sampling; :func:`~ditkit.bridge.audio_watch.latent_check`; the per-step check is ``audio_watch.watch``, the
+    waveform checks run where audio is decoded, DitKitSaveVideo). ``out`` is what the sampler returns inside
+    ``OUTER_SAMPLE``: the flat pack of ``latent_shapes`` (video, audio) for audio-video latents. None when there is
+    no audio part."""
+    return audio_watch.latent_check(out, latent_shapes)
 
 
 def teacache_sample_wrapper(executor, *args, **kwargs):
@@ -275,8 +272,10 @@ def teacache_sample_wrapper(executor, *args, **kwargs):
         for w in g.warnings():
             log.warning("[ditkit] %s: coefficient fingerprint mismatch: %s (file %s)", NODE_TEACACHE, w, cf.describe())
         holder.begin(sigmas.flatten().tolist(), warnings)
+        args, aw = audio_watch.watch(args, kwargs, holder.family)
         out = executor(*args, **kwargs)
-        holder.info["audio_latent"] = audio_latent_check(out, kwargs.get("latent_shapes"))
+        al = audio_latent_check(out, kwargs.get("latent_shapes"))
+        holder.info["audio_latent"] = aw.finish(al) if aw is not None else al
         return out
     finally:
         try:
@@ -290,8 +289,8 @@ def teacache_sample_wrapper(executor, *args, **kwargs):
                         f"{k} ({v} block calls)" for k, v in sorted(holder.attention_seen.items()))
                 if al is not None:
                     data["audio_latent"] = al
-                    if al["nonfinite"]:
-                        summary += f" | WARNING: sampled audio latent has {al['nonfinite']} NaN/Inf values"
+                    summary += audio_watch.summary_suffix(al)
+                    audio_watch.remember(NODE_TEACACHE, holder.info.get("node_id"), al)
                 _sink(holder.info, NODE_TEACACHE).send("teacache", summary, data)
             if holder.state is not None:
                 holder.state.release()

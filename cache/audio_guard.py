@@ -13,7 +13,12 @@ channel, worst case reported:
   log-power spectrum, RMS over frequency bins within 60 dB of the item's peak, in dB, minus the median step of the
   item (a pop, a splice or a cache reusing a stale audio estimate shows as one frame unlike its neighbours).
 
-Thresholds (:data:`DEFAULT_THRESHOLDS`) with their provenance: ``benchmarks/lab/audio_guard_lab.py`` (figures in
+During sampling, :class:`AudioTrajectoryMonitor` checks the audio stream itself: per step the sampler's denoised
+audio estimate, its NaN / Inf values and the step-to-step spectral jump (the last step's jump over the step before:
+a stale audio estimate corrected at the end). Every cache and schedule node of the pack runs it
+(``bridge/audio_watch.py``) and reports it on its own node.
+
+Thresholds (:data:`DEFAULT_THRESHOLDS`, :data:`DEFAULT_TRAJECTORY_THRESHOLDS`) with their provenance: ``benchmarks/lab/audio_guard_lab.py`` (figures in
 ``docs/stepcache.md``).
 """
 from __future__ import annotations
@@ -136,3 +141,114 @@ def check_waveform(wave: torch.Tensor, thresholds: AudioGuardThresholds = DEFAUL
            "silence_dbfs": th.silence_dbfs, "spectral_jump_db": th.spectral_jump_db}
     return AudioGuardReport(clean=not flags, flags=flags, figures=figures, thresholds=thr, items=b, channels=c,
                             samples=n, worst_item=worst)
+
+
+# ================================================================================================ sampling time
+
+@dataclass(frozen=True)
+class TrajectoryThresholds:
+    final_jump_ratio: float = 3.0    # last step's spectral step over the step before it
+    floor_db: float = 60.0           # log-power floor below the pair's peak (as the waveform check)
+
+
+# Provenance: benchmarks/lab/audio_guard_lab.py --trajectory (lab H3, 25 steps CFG 3, 6 prompts x 6 seeds): ratio on
+# 36 uncached runs 0.81-1.41; a stale audio residual (DitKitStepCache first_block, thresholds 10) 6.85-18.6 on the
+# same 36 (docs/stepcache.md, "Sampling-time check").
+DEFAULT_TRAJECTORY_THRESHOLDS = TrajectoryThresholds()
+
+
+def latent_spectrum_db(x: torch.Tensor, time_dim: int = -1) -> torch.Tensor:
+    """Log power (dB, float64) of an audio latent along its time axis: ``[rows, bins]``, one row per position of
+    every other axis (batch, channels, ...)."""
+    if not torch.is_tensor(x) or not x.is_floating_point() or x.dim() < 1 or x.shape[time_dim] < 2:
+        raise ValueError(f"audio latent spectrum: expected a float tensor with >= 2 time positions on axis "
+                         f"{time_dim}, got {getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    t = x.detach().to("cpu", torch.float64).movedim(time_dim, -1)
+    t = torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype)).reshape(-1, t.shape[-1])
+    spec = torch.fft.rfft(t, dim=-1)
+    return 10.0 * torch.log10((spec.real ** 2 + spec.imag ** 2).clamp_min(1e-30))
+
+
+def spectral_step_db(prev: torch.Tensor, cur: torch.Tensor, floor_db: float = 60.0) -> float:
+    """RMS over every (row, bin) of the dB difference between two spectra of :func:`latent_spectrum_db`, both
+    floored ``floor_db`` below the pair's peak (bins lost in the noise floor do not count as a change)."""
+    if prev.shape != cur.shape:
+        raise ValueError(f"spectral step: shapes differ {tuple(prev.shape)} vs {tuple(cur.shape)}")
+    floor = float(torch.maximum(prev.max(), cur.max())) - floor_db
+    return float(((cur.clamp_min(floor) - prev.clamp_min(floor)) ** 2).mean().sqrt())
+
+
+@dataclass
+class AudioTrajectoryReport(Report):
+    clean: bool
+    flags: list[str]
+    steps: int
+    nonfinite: int
+    nonfinite_steps: list[int]
+    jumps_db: list[float]
+    final_jump_ratio: float | None
+    thresholds: dict[str, float]
+
+    KEYS = ("clean", "flags", "steps", "nonfinite", "nonfinite_steps", "final_jump_ratio", "jumps_db", "thresholds")
+    VALUES = {"final_jump_ratio": lambda r: None if r.final_jump_ratio is None else round(r.final_jump_ratio, 3),
+              "jumps_db": lambda r: [round(v, 3) for v in r.jumps_db]}
+
+    def summary(self) -> str:
+        if not self.clean:
+            return "audio stream while sampling: " + "; ".join(self.flags)
+        ratio = "n/a (< 3 steps)" if self.final_jump_ratio is None else f"{self.final_jump_ratio:.2f}"
+        return f"audio stream while sampling: clean ({self.steps} steps, final spectral jump ratio {ratio})"
+
+
+class AudioTrajectoryMonitor:
+    """The step-to-step spectral jump check on the audio stream during sampling.
+
+    :meth:`observe` takes, at every sampling step, the sampler's denoised estimate of the audio latent (what the
+    step's model evaluation predicts the final audio to be). Per step it keeps the spectral step
+    (:func:`spectral_step_db`) between consecutive estimates and counts NaN / Inf values.
+
+    The figure is the **final jump ratio**: the last step's spectral step over the step before it. On an honest
+    trajectory the estimate converges, so the last two steps change it alike (lab: 0.81-1.41); a cache that
+    reused a stale audio estimate and is corrected by the computed last step shows a jump no later step can
+    absorb (a first-order sampler's output is the last estimate). A previous step of exactly zero change (an
+    estimate reused unchanged) with a non-zero last step gives an infinite ratio: flagged. Fewer than 3
+    observed steps: no ratio (reported, not flagged)."""
+
+    def __init__(self, thresholds: TrajectoryThresholds = DEFAULT_TRAJECTORY_THRESHOLDS, time_dim: int = -1):
+        self.thresholds = thresholds
+        self.time_dim = time_dim
+        self.steps = 0
+        self.nonfinite = 0
+        self.nonfinite_steps: list[int] = []
+        self.jumps_db: list[float] = []
+        self._prev: torch.Tensor | None = None
+
+    def observe(self, x0: torch.Tensor) -> None:
+        bad = int((~torch.isfinite(x0.detach())).sum())
+        if bad:
+            self.nonfinite += bad
+            self.nonfinite_steps.append(self.steps)
+        spec = latent_spectrum_db(x0, self.time_dim)
+        if self._prev is not None:
+            if spec.shape != self._prev.shape:
+                raise ValueError(f"audio trajectory: the audio latent changed shape at step {self.steps}")
+            self.jumps_db.append(spectral_step_db(self._prev, spec, self.thresholds.floor_db))
+        self._prev = spec
+        self.steps += 1
+
+    def report(self) -> AudioTrajectoryReport:
+        th = self.thresholds
+        ratio = None
+        if len(self.jumps_db) >= 2:
+            last, before = self.jumps_db[-1], self.jumps_db[-2]
+            ratio = last / before if before > 0 else (0.0 if last == 0 else math.inf)
+        flags = []
+        if self.nonfinite:
+            flags.append(f"{self.nonfinite} NaN/Inf values in the audio estimate (steps {self.nonfinite_steps[:5]})")
+        if ratio is not None and ratio > th.final_jump_ratio:
+            flags.append(f"final spectral jump {self.jumps_db[-1]:.2f} dB = {ratio:.1f}x the step before "
+                         f"> {th.final_jump_ratio:g}x (a stale audio estimate corrected at the last step)")
+        return AudioTrajectoryReport(clean=not flags, flags=flags, steps=self.steps, nonfinite=self.nonfinite,
+                                     nonfinite_steps=list(self.nonfinite_steps), jumps_db=list(self.jumps_db),
+                                     final_jump_ratio=ratio,
+                                     thresholds={"final_jump_ratio": th.final_jump_ratio, "floor_db": th.floor_db})

@@ -28,7 +28,7 @@ import torch
 
 from ..report import Report
 from ..parallel.reduce import LOCAL, Reducer, as_reducer
-from .teacache import TeaCacheState, _CondState
+from .teacache import CacheRunReport, TeaCacheState, _CondState
 
 MODES = ("first_block", "sigma_schedule")
 MODE_NAMES = {"first_block": "first-block residual", "sigma_schedule": "sigma schedule"}
@@ -96,29 +96,16 @@ class StepCacheStreamStats(Report):
 
 
 @dataclass
-class StepCacheReport(Report):
+class StepCacheReport(CacheRunReport):
+    """``block_eval_ratio``: block-stack evaluations without / with the cache (first_block: block 0 of every call
+    not counted)."""
     mode: str
-    family: str
-    steps: int
-    calls: int
-    computed: int
-    skipped: int
-    forced: dict[str, int]
-    streams: dict[str, dict]
-    per_condition: list[dict]
-    thresholds: dict[str, float]
     plan: str
     reducer: str
     resets: int
 
     KEYS = ("mode", "family", "steps", "calls", "computed", "skipped", "block_eval_ratio", "forced", "streams",
             "per_condition", "thresholds", "plan", "reducer", "resets")
-    VALUES = {"block_eval_ratio": lambda r: round(r.block_eval_ratio, 4)}
-
-    @property
-    def block_eval_ratio(self) -> float:
-        """Block-stack evaluations without / with the cache (first_block: block 0 of every call not counted)."""
-        return self.calls / self.computed if self.computed else 1.0
 
     def summary(self) -> str:
         parts = [f"Step cache ({MODE_NAMES.get(self.mode, self.mode)}) {self.family}: computed {self.computed}/"

@@ -76,7 +76,9 @@ class _CondState:
 
 
 @dataclass
-class TeaCacheReport(Report):
+class CacheRunReport(Report):
+    """What every step cache of the family reports about one sampling run (TeaCache, the step cache): counts per
+    call and per stream, the forced computes, the thresholds. Subclasses add their own fields and ``KEYS``."""
     family: str
     steps: int
     calls: int
@@ -86,18 +88,23 @@ class TeaCacheReport(Report):
     streams: dict[str, dict]
     per_condition: list[dict]
     thresholds: dict[str, float]
-    coefficients: str
-    warnings: list[str]
-    resets: int
 
-    KEYS = ("family", "steps", "calls", "computed", "skipped", "block_eval_ratio", "forced", "streams", "per_condition",
-            "thresholds", "coefficients", "warnings", "resets")
     VALUES = {"block_eval_ratio": lambda r: round(r.block_eval_ratio, 4)}
 
     @property
     def block_eval_ratio(self) -> float:
         """Full-stack evaluations without cache / with cache (1.0 = nothing saved)."""
         return self.calls / self.computed if self.computed else 1.0
+
+
+@dataclass
+class TeaCacheReport(CacheRunReport):
+    coefficients: str
+    warnings: list[str]
+    resets: int
+
+    KEYS = ("family", "steps", "calls", "computed", "skipped", "block_eval_ratio", "forced", "streams", "per_condition",
+            "thresholds", "coefficients", "warnings", "resets")
 
     def summary(self) -> str:
         parts = [f"TeaCache {self.family}: computed {self.computed}/{self.calls} calls, skipped {self.skipped} "

@@ -505,6 +505,26 @@ def _quant_layers(src: H3Source) -> set[str]:
     return layers
 
 
+def _check_scale_sidecars(src: H3Source, k: str, ti: TensorInfo) -> None:
+    """A quantized (non-float) weight of a marked layer needs its scale tensors, decided from the headers: every
+    comfy_quant format has ``.weight_scale`` (``asym_w4a8_int8``: ``.weight_s_rel``); packed nvfp4 (U8 codes with
+    fp8 e4m3 block scales) also ``.weight_scale_2``. ComfyUI's loader otherwise stops after the whole file was
+    read (``Missing INT8 weight scale``; for fp8 an AttributeError in comfy_kitchen)."""
+    keys = src.locations
+    base = k[: -len("weight")]
+    scale = keys.get(base + "weight_scale")
+    missing = None
+    if scale is None and base + "weight_s_rel" not in keys:
+        missing = base + "weight_scale"
+    elif (scale is not None and ti.dtype == "U8" and scale[1].dtype == "F8_E4M3" and len(scale[1].shape) == 2
+          and base + "weight_scale_2" not in keys):
+        missing = base + "weight_scale_2"
+    if missing:
+        raise CheckpointError(f"'{keys[k][0]}': quantized weight {k!r} ({ti.dtype}) has no {missing!r} (its scale "
+                              "tensor): the layer cannot be dequantized. The file is damaged or was cut short; "
+                              "re-download or re-export it (DitKitH3ModelLoader 'model_name')")
+
+
 def _check_dtypes(src: H3Source, cfg: dict) -> tuple[str | None, int]:
     keys = src.locations
     bulk: dict[str, list[str]] = {}
@@ -523,6 +543,8 @@ def _check_dtypes(src: H3Source, cfg: dict) -> tuple[str | None, int]:
                                   "re-export the checkpoint")
         if marked and k.endswith(".weight"):
             quantized += 1
+            if ti.dtype not in FLOAT_DTYPES:
+                _check_scale_sidecars(src, k, ti)
             continue
         if k.endswith(QUANT_SIDECARS) or ti.dtype not in FLOAT_DTYPES:
             continue
@@ -559,6 +581,18 @@ def _validate_marker(src: H3Source, k: str, t: torch.Tensor) -> None:
         raise CheckpointError(f"'{src.path}': tensor {k!r} is not a UTF-8 JSON quantization marker") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("format"), str):
         raise CheckpointError(f"'{src.path}': quantization marker {k!r} must be a JSON object with a string 'format'")
+    if obj.get("convrot"):   # ComfyUI loads it, then its int8 ConvRot matmul and any requantize cannot run it
+        g = obj.get("convrot_groupsize", (obj.get("params") or {}).get("convrot_groupsize", 256)
+                    if isinstance(obj.get("params"), dict) else 256)
+        w = src.locations.get(k[: -len("comfy_quant")] + "weight")
+        cols = w[1].shape[-1] if w is not None and len(w[1].shape) == 2 else None
+        if (not isinstance(g, int) or isinstance(g, bool) or g < 4 or g & (g - 1) or (g.bit_length() - 1) % 2
+                or (cols is not None and cols % g)):
+            raise CheckpointError(f"'{src.path}': quantization marker {k!r} says convrot_groupsize {g!r}, which "
+                                  + (f"does not divide the weight's width {cols}" if isinstance(g, int) and cols
+                                     and g >= 4 and cols % g else "is not a power of 4 (4, 16, 64, 256, ...)")
+                                  + ": the marker and the weight disagree (a damaged or mislabelled file). "
+                                  "Re-download or re-export it (DitKitH3ModelLoader 'model_name')")
 
 
 @dataclass

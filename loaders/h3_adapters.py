@@ -49,7 +49,8 @@ Scale (ΔW = scale * B @ A, per module; the report says which rule gave it):
   (``modelscope/DiffSynth-Studio:diffsynth/trainers/utils.py`` ``add_lora_to_model``: ``lora_alpha`` defaults
   to ``lora_rank`` and the training scripts pass none).
 * diffusers names without metadata: ``lora_alpha = r`` -> 1.0, as diffusers loads them
-  (``huggingface/diffusers:src/diffusers/utils/peft_utils.py`` ``get_peft_kwargs``).
+  (``huggingface/diffusers:src/diffusers/utils/peft_utils.py`` ``get_peft_kwargs``); not with PEFT's ``.default.``
+  infix (lightx2v's Turbo LoRAs: their reference uses alpha 8 whatever the rank): refused, naming ``scale``.
 * ``diffusion_model.*`` + ``lora_up``/``lora_down`` without ``.alpha``: 1.0, ComfyUI's own rule for such files
   (``comfy/weight_adapter/lora.py`` ``LoRAAdapter.calculate_weight``: no alpha -> 1.0).
 * metadata ``alpha`` in a file without ``.alpha`` keys: alpha / rank (diffusers ``MiniMaxH3LoraLoaderMixin``).
@@ -63,6 +64,7 @@ Scale (ΔW = scale * B @ A, per module; the report says which rule gave it):
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -73,6 +75,7 @@ from ..errors import AdapterError
 from ..kernels import delta_fuse
 from ..report import Report
 from . import h3 as h3core
+from . import h3_turbo_curve as turbo_curve
 from . import lokr_apply as lokr_core
 from .lokr_math import rebuild_w1, rebuild_w2
 
@@ -393,18 +396,22 @@ class Plan(Report):
     writer: str
     notes: list[str]
     gates: dict[int, torch.Tensor] = field(default_factory=dict)   # assigned FastH3 gates (strength applied later)
+    curve: list = field(default_factory=list)    # Turbo AdaLN pairs on a curve-form base (h3_turbo_curve.CurvePair)
 
     KEYS = ("writer", "qkv_layout=layout", "qkv_layout_reason=layout_reason", "applied", "unused", "refused", "notes",
-            "gates")
+            "gates", "curve")
     VALUES = {"applied": lambda p: [{"module": it.module.prefix, "kind": it.module.kind, "target": it.target.describe(),
                                      "scale": it.scale, "scale_rule": it.scale_rule, "layout": it.layout,
                                      "keys": list(it.module.keys)} for it in p.items],
-              "gates": lambda p: sorted(p.gates)}
+              "gates": lambda p: sorted(p.gates),
+              "curve": lambda p: [{"module": c.prefix, "target": c.target, "rank": int(c.down.shape[0]),
+                                   "scale": c.scale, "scale_rule": c.rule, "keys": list(c.keys)} for c in p.curve]}
 
     def summary(self) -> str:
         return (f"H3 adapter ({self.writer}): {len(self.items)} modules applied, {len(self.unused)} keys unused, "
                 f"{len(self.refused)} refused; qkv layout {self.layout}"
-                + (f"; {len(self.gates)} sparse-attention gates assigned" if self.gates else ""))
+                + (f"; {len(self.gates)} sparse-attention gates assigned" if self.gates else "")
+                + (f"; {len(self.curve)} Turbo AdaLN pairs as curve columns" if self.curve else ""))
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -542,6 +549,7 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
         notes.extend(lokr_parsed.notes)
     undetermined: list[tuple[Module, str]] = []
     gates: dict[int, torch.Tensor] = {}
+    curve: list[turbo_curve.CurvePair] = []
     net_alpha = None
     if "alpha" in meta and not any(k.endswith(".alpha") for k in sd):
         try:
@@ -567,18 +575,9 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
             if up.shape[1] != down.shape[0]:
                 raise AdapterError(f"{source}: module '{m.prefix}': up {tuple(up.shape)} and down {tuple(down.shape)} "
                                    "have different ranks")
-            if (g.curve and tgt.key.endswith("adaln_proj.linear.weight") and up.shape[0] == tgt.shape[0]
-                    and down.shape[1] != tgt.shape[1]):
-                raise AdapterError(
-                    f"{source}: key {next((k for k in m.keys if 'down' in k or 'lora_A' in k), m.keys[0])!r} is an "
-                    f"AdaLN pair of a Turbo / step-distillation LoRA: its factors "
-                    f"act on the {down.shape[1]}-wide silu(t_emb) space, but this base is curve-form (pruned: its "
-                    f"AdaLN reads the {tgt.shape[1]}-wide adaln_t_table and has no time embedder). Applying it "
-                    "exactly needs silu(t_emb) on the base's time grid, which a pruned file does not hold; ditkit "
-                    "does not approximate it. Load the unpruned checkpoint of the same partition (e.g. "
-                    "minimax_h3_fl2va_int8_convrot.safetensors instead of minimax_h3_fl2va_pruned_int8_convrot."
-                    "safetensors); nothing was applied")
-            if (up.shape[0], down.shape[1]) != tuple(tgt.shape):
+            turbo = (g.curve and tgt.key.endswith("adaln_proj.linear.weight") and up.shape[0] == tgt.shape[0]
+                     and down.shape[1] != tgt.shape[1] and tgt.rows is None and row_map is None)
+            if not turbo and (up.shape[0], down.shape[1]) != tuple(tgt.shape):
                 raise AdapterError(f"{source}: module '{m.prefix}' builds ΔW of shape {(up.shape[0], down.shape[1])} but "
                                    f"its target '{tgt.describe()}' has shape {tuple(tgt.shape)} (key {m.keys[0]!r}; "
                                    "adapter for another model size?)")
@@ -587,6 +586,11 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
                                       net_alpha)
             if scale is None:
                 undetermined.append((m, rule))
+                continue
+            if turbo:   # AdaLN pair on silu(t_emb) of a Turbo LoRA: carried as curve columns (h3_turbo_curve)
+                dk = next((k for k in m.keys if "down" in k or "lora_A" in k), m.keys[0])
+                curve.append(turbo_curve.CurvePair(m.prefix, [dk] + [k for k in m.keys if k != dk], tgt.key,
+                                                   up.float(), down.float(), scale, rule))
                 continue
             items.append(Item(m, tgt, "lowrank", (up.float(), down.float()), scale, rule, row_map, lay))
         elif m.kind == "loha":
@@ -677,19 +681,46 @@ def plan(af: AdapterFile, g: Geometry, base_weight: Callable[[str], torch.Tensor
         diff = (t.double() - base.double()).abs().max().item()
         if diff > TABLE_TOL:
             raise AdapterError(f"{source}: key {k!r} differs from the base's adaln_t_table by {diff:.3g} (> {TABLE_TOL:g}): "
-                               "the adapter's AdaLN weights were made for another curve basis; use its own base")
+                               "the adapter's AdaLN weights were made for another curve basis, i.e. another pruned "
+                               "base (the other partition, fl2va vs ref2va, or another pruning); nothing was applied. "
+                               "Choose the adapter made for this base ('adapter_name') or load the base it was made "
+                               "for (the model loader's file)")
         unused[k] = f"curve table kept from the base (equal within {diff:.3g} <= {TABLE_TOL:g})"
     curve_sets = [it for it in items if it.module.family == "curve"]
     if curve_sets and not g.curve:
         raise AdapterError(f"{source}: key {curve_sets[0].module.keys[0]!r} is a curve-form AdaLN weight but the base is "
                            "not curve-form (no adaln_t_table)")
-    if not items and not gates:
+    if not items and not gates and not curve:
         raise AdapterError(f"{source}: no adapter module in the file applies to this H3 model "
                            f"({len(unused)} keys unused" + (f", e.g. {next(iter(unused))!r}" if unused else "") + ")")
     if scale_override is not None:
         notes.append(f"scale: the node's 'scale' input {scale_override:g} replaces the file's alpha/rank scale of the "
                      "low-rank modules")
-    return Plan(items, unused, refused, layout, layout_reason, writer, notes, gates)
+    return Plan(items, unused, refused, layout, layout_reason, writer, notes, gates, curve)
+
+
+_PARTITION = re.compile(r"(?:^|[^a-z0-9])(fl2va?|ref2va?)(?=$|[^a-z0-9])")
+PARTITION_FIELDS = ("base_model", "finetuned_model", "ss_base_model_version", "ss_sd_model_name",
+                    "modelspec.architecture", "modelspec.title", "partition")
+
+
+def partition_note(source: str, metadata: dict | None) -> tuple[str, str]:
+    """-> (partition named by the adapter's file name / metadata: "fl2va", "ref2va", "both" or "unknown", report
+    line). Not a check: FL2VA and Ref2VA checkpoints have the same keys, shapes and config (h3.md §2.1, §9; their
+    files name the partition only in the file name), and a loaded model does not carry its file name, so nothing
+    in the model says which partition it is. The line says what the adapter names and that it was not verified."""
+    found: dict[str, str] = {}
+    for where, text in [("file name", os.path.basename(str(source)))] + [
+            (f"metadata '{f}'", str((metadata or {}).get(f))) for f in PARTITION_FIELDS if (metadata or {}).get(f)]:
+        for tok in _PARTITION.findall(text.lower()[:4096]):
+            found.setdefault("fl2va" if tok.startswith("fl2v") else "ref2va", f"{where} ({tok})")
+    part = "both" if len(found) > 1 else next(iter(found), "unknown")
+    said = ("names no partition (no fl2va / ref2va token in its file name or metadata)" if not found else
+            "names " + " and ".join(f"{p.upper()} by its {w}" for p, w in found.items()))
+    return part, (f"partition: not verified. The adapter {said}; FL2VA and Ref2VA checkpoints have the same keys and "
+                  "shapes and the loaded model does not carry its file name, so ditkit cannot tell which partition "
+                  "the model is. An adapter trained on the other partition applies without error and changes the "
+                  "output: check that the model loader's file (minimax_h3_fl2va_* / minimax_h3_ref2va_*) matches")
 
 
 def _overlap(rows, tgt: Target) -> bool:
@@ -769,8 +800,12 @@ def _lora_scale(m: Module, pre: str, rank: int, writer: str, tgt: Target, cfg: d
                       "without 'lora_adapter_metadata': PEFT scales by lora_alpha / r from that config")
     if m.family == "peft-default" and tgt.naming == "original":
         return 1.0, _CONVENTIONS["diffsynth"]
-    if m.family in ("peft", "peft-default") and tgt.naming == "diffusers":
+    if m.family == "peft" and tgt.naming == "diffusers":
         return 1.0, _CONVENTIONS["diffusers"]
+    if m.family == "peft-default" and tgt.naming == "diffusers" and net_alpha is None:
+        return None, ("diffusers names with PEFT's '.default.' infix and no alpha: the layout of lightx2v's H3 Turbo "
+                      "LoRAs, whose reference loads them with lora_alpha 8 whatever the rank (ModelTC/Minimax-H3-Turbo "
+                      "inference_minimax_h3.py DEFAULT_LORA_ALPHA; alpha = rank would be 16x too strong at rank 128)")
     if net_alpha is not None:
         return net_alpha / rank, (f"metadata 'alpha' = {net_alpha:g} / rank {rank} (network alpha of an alpha-less file, "
                                   "as diffusers' MiniMaxH3LoraLoaderMixin honors it)")

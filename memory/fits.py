@@ -62,7 +62,7 @@ def _ltx_model():
 
     c = dict(ckpt_ltx.CONFIG, **LTX2_REAL)
     inv = {k: (tuple(s), "BF16") for k, s in ckpt_ltx.ltxav_shapes(c).items()}
-    dims = DiTDims("ltx2", 4096, 32, 128, 16384, 48, ffn_kind="gelu")
+    dims = DiTDims("ltx2", 4096, 32, 128, 16384, 48, ffn_kind="gelu", extra_cols=LTX2_REAL["audio_cross_attention_dim"])
     return dims, {f: weights_from_inventory("ltx2", inv, f, "transformer_blocks.") for f in FORMATS}
 
 

@@ -6,7 +6,9 @@ Plain python / torch; nothing is allocated. The activation terms follow what Com
 
 * **persistent** through the block loop: the residual stream ``x`` [S, D], the video/audio/text embeddings the
   forward keeps as locals (another [S, D]), the rope rotation table [S, 192] in the compute dtype and the fp32
-  patch rows and float64 positions (small);
+  patch rows and float64 positions (small); LTX-2 (``comfy/ldm/lightricks/av_model.py``): the residual, the split
+  rope's cos + sin of the inner width ([S, D] together) and the a/v cross-attention rope (``extra_cols`` =
+  audio_cross_attention_dim);
 * **attention** (at the output projection): ``h = norm1(x)`` [S, D], the qkv projection [S, 3I] (q and k are views
   rotated in place), ``v.clone()`` [S, I], the attention output [S, I] and its head-merged copy [S, I], the
   projection's output [S, D]: ``S * (2D + 6I)``, plus the backend's score workspace (``ATTENTION``: 0 for flash /
@@ -54,6 +56,8 @@ class DiTDims:
     ffn: int               # F: width of the activation's output (SwiGLU: fc1 is 2F wide)
     layers: int
     ffn_kind: str = "swiglu"   # "swiglu" (fc1 2F -> F) | "gelu" (F -> F)
+    extra_cols: int = ROPE_COLS  # persistent columns per token besides 2D (H3: its rope table; LTX-2: the a/v
+    #                              cross-attention rope, audio_cross_attention_dim wide)
 
     @property
     def inner(self) -> int:
@@ -106,6 +110,8 @@ class Options:
     def describe(self) -> str:
         parts = [f"format {self.weight_format}", f"chunk {self.chunk if self.chunk else 'off'}",
                  f"streaming {'on' if self.streaming else 'off'}"]
+        if self.head_group is not None:
+            parts.append(f"attention {self.head_group} heads per call")
         return ", ".join(parts)
 
 
@@ -147,7 +153,7 @@ def activation_parts(d: DiTDims, tokens: Tokens, opts: Options) -> dict:
     s = tokens.total * max(1, int(opts.batch))
     D, I, F = d.hidden, d.inner, d.ffn
     fc1 = 2 * F if d.ffn_kind == "swiglu" else F
-    persistent = s * (2 * D + ROPE_COLS) * b
+    persistent = s * (2 * D + int(d.extra_cols)) * b
     bh = d.heads * max(1, int(opts.batch))
     g = d.heads if opts.head_group is None else int(opts.head_group)
     if g <= 0:

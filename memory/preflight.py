@@ -59,14 +59,79 @@ def h3_tokens(video_shape, audio_shape, text: int = 0, refs: int = 0, keyframes:
     return tok
 
 
+def ltx2_tokens(video_shape, audio_shape=None) -> Tokens:
+    """The self-attention rows of one LTX-2 forward per latent: video ``T * H * W`` (patch 1x1x1 on the
+    [B, 128, T, H, W] latent), audio ``T_a`` (one row per latent frame of [B, C, T_a, F]; none for a video-only
+    latent). Text is cross-attention context, not in the sequence. Checked with python ints before anything
+    exists."""
+    if len(video_shape) != 5 or (audio_shape is not None and len(audio_shape) != 4):
+        raise MemoryModelError(f"LTX-2 latent must be video [B, C, T, H, W] (+ audio [B, C, T_a, F]), got "
+                               f"{tuple(video_shape)}" + (f" + {tuple(audio_shape)}" if audio_shape is not None else ""))
+    dims = [int(x) for x in video_shape] + [int(x) for x in (audio_shape or (1, 1, 1, 1))]
+    if any(x <= 0 for x in dims[:5]) or any(x < 0 for x in dims[5:]):
+        raise MemoryModelError(f"latent has an empty or negative dimension: {tuple(video_shape)}"
+                               + (f" + {tuple(audio_shape)}" if audio_shape is not None else ""))
+    if math.prod(dims[:5]) > MAX_LATENT_ELEMENTS or math.prod(dims[5:]) > MAX_LATENT_ELEMENTS:
+        raise MemoryModelError(f"latent {tuple(video_shape)} is absurdly large ({math.prod(dims[:5]):.3g} elements)")
+    tok = Tokens(video=dims[2] * dims[3] * dims[4], audio=dims[7] if audio_shape is not None else 0)
+    if tok.total > MAX_TOKENS:
+        raise MemoryModelError(f"latent {tuple(video_shape)} packs {tok.total:,} tokens (> {MAX_TOKENS:,}): absurd for "
+                               "any device; check the latent's frames / width / height")
+    return tok
+
+
+REF_KINDS = ("image", "audio", "video", "video_audio")
+
+
+def _count(v, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise MemoryModelError(f"{name} must be an int >= 0, got {v!r}")
+    if v > MAX_TOKENS:
+        raise MemoryModelError(f"{name} = {v:,} is absurd (> {MAX_TOKENS:,})")
+    return v
+
+
+def h3_ref_rows(kind: str, latent_t: int = 0, latent_h: int = 0, latent_w: int = 0, ref_audio_t: int = 0) -> int:
+    """Packed rows of one H3 ref2va reference block (ComfyUI's layout: each 2x2 patch of a reference frame is one
+    row, ``(h // 2) * (w // 2)`` per frame; stereo audio two rows per latent frame): ``image`` one frame;
+    ``audio`` ``2 * ref_audio_t``; ``video`` / ``video_audio`` ``2 * ref_audio_t + latent_t`` frames."""
+    if kind not in REF_KINDS:
+        raise MemoryModelError(f"unknown H3 reference kind {kind!r} (one of {REF_KINDS})")
+    t, h, w, a = (_count(v, f"reference {n}") for v, n in ((latent_t, "latent_t"), (latent_h, "latent_h"),
+                                                           (latent_w, "latent_w"), (ref_audio_t, "ref_audio_t")))
+    frame = (h // 2) * (w // 2)
+    if kind == "image":
+        if frame <= 0:
+            raise MemoryModelError(f"image reference of latent {h}x{w} has no 2x2 patch")
+        rows = frame
+    elif kind == "audio":
+        rows = 2 * a
+    else:
+        rows = 2 * a + t * frame
+    return _count(rows, f"{kind} reference rows")
+
+
+def h3_keyframe_rows(latent_t: int, audio_t: int, frame_rows: int) -> int:
+    """Packed rows of one H3 fl2va keyframe: ``latent_t`` frames on the target's patch grid (``frame_rows`` rows per
+    frame) plus ``2 * audio_t`` rows of keyframe audio."""
+    t, a, f = (_count(v, n) for v, n in ((latent_t, "keyframe latent_t"), (audio_t, "keyframe audio_t"),
+                                         (frame_rows, "frame_rows")))
+    return _count(t * f + 2 * a, "keyframe rows")
+
+
 @dataclass
 class Suggestion:
     settings: dict
     prediction: Prediction
+    job_peak: int = 0      # the larger of the step and the VAE decode with these settings (0: the step's)
+
+    @property
+    def peak(self) -> int:
+        return max(self.prediction.device, self.job_peak)
 
     def line(self) -> str:
         s = ", ".join(f"{k} {v}" for k, v in self.settings.items())
-        return f"{s}: predicted {self.prediction.device / GIB:.2f} GiB"
+        return f"{s}: predicted {self.peak / GIB:.2f} GiB"
 
 
 @dataclass
@@ -77,51 +142,90 @@ class Plan:
     where: str
     options: Options
     suggestions: list[Suggestion] = field(default_factory=list)
+    decode_parts: dict = field(default_factory=dict)   # the VAE decode's bytes by part (empty: not planned)
+    decode_keeps_weights: bool = False                 # the DiT's weights stay beside the decode (CPU host)
+
+    def decode_bytes(self, pred: Prediction | None = None) -> int:
+        """Peak of the VAE decode after sampling (0 when no VAE was given)."""
+        if not self.decode_parts:
+            return 0
+        pred = pred or self.prediction
+        return int(sum(self.decode_parts.values())) + (pred.parts["weights_device"] if self.decode_keeps_weights
+                                                       else 0)
+
+    def peak(self, pred: Prediction | None = None) -> int:
+        """The job's peak: the larger of one sampling step and the VAE decode."""
+        pred = pred or self.prediction
+        return max(pred.device, self.decode_bytes(pred))
 
     @property
     def fits(self) -> bool:
-        return self.prediction.device <= self.available
+        return self.peak() <= self.available
 
     @property
     def shortfall(self) -> int:
-        return max(0, self.prediction.device - self.available)
+        return max(0, self.peak() - self.available)
 
     def summary(self) -> str:
         t = self.tokens
         head = (f"{t.total:,} tokens (video {t.video:,}, audio {t.audio:,}, text {t.text:,}, refs {t.refs:,}, "
-                f"keyframes {t.keyframes:,}); predicted peak {self.prediction.device / GIB:.2f} GiB vs "
+                f"keyframes {t.keyframes:,}); predicted peak {self.peak() / GIB:.2f} GiB vs "
                 f"{self.available / GIB:.2f} GiB {self.where} [{self.options.describe()}]")
+        if self.decode_parts:
+            head += (f"; sampling step {self.prediction.device / GIB:.2f} GiB, VAE decode "
+                     f"{self.decode_bytes() / GIB:.2f} GiB")
         if self.fits:
             return head + ": fits"
-        tail = "; ".join(s.line() for s in self.suggestions) or "nothing ditkit can set fits"
+        if self.decode_parts and self.decode_bytes() > self.available and not self.suggestions:
+            tail = ("none: the VAE decode alone needs more; decode tiled (VAE Decode (Tiled)) or lower the "
+                    "resolution / length")
+        else:
+            tail = "; ".join(s.line() for s in self.suggestions) or "nothing ditkit can set fits"
         return head + f": SHORT by {self.shortfall / GIB:.2f} GiB. Settings that fit: {tail}"
 
     def as_dict(self) -> dict:
-        return {"tokens": self.tokens.as_dict(), "predicted_bytes": self.prediction.device,
+        return {"tokens": self.tokens.as_dict(), "predicted_bytes": self.peak(),
+                "step_bytes": self.prediction.device, "decode_bytes": self.decode_bytes(),
+                "decode_parts": dict(self.decode_parts),
                 "available_bytes": self.available, "where": self.where, "fits": self.fits,
                 "shortfall_bytes": self.shortfall, "parts": self.prediction.parts,
-                "suggestions": [{"settings": s.settings, "predicted_bytes": s.prediction.device}
+                "suggestions": [{"settings": s.settings, "predicted_bytes": s.peak}
                                 for s in self.suggestions]}
 
 
 def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Options, available: int, where: str,
-         streaming_possible: bool, video_scale=None, max_suggestions: int = 3) -> Plan:
+         streaming_possible: bool, video_scale=None, max_suggestions: int = 3, decode_parts: dict | None = None,
+         decode_keeps_weights: bool = False, head_groups: bool = True) -> Plan:
     """The job's prediction and, when it does not fit, the fitting settings with the fewest changes (then the
     cheapest: chunking before streaming before a lower-precision format), at most ``max_suggestions``; when no
     setting fits, the longest video (fraction of the video tokens) that fits with every saving on.
 
     ``weights``: the model's weights per format name (``opts.weight_format`` must be one of them; formats not
-    present are not suggested)."""
+    present are not suggested).
+
+    ``decode_parts``: the VAE decode's bytes by part (the job's peak is the larger of the step and the decode; a
+    decode that alone exceeds ``available`` gets no DiT suggestion); ``decode_keeps_weights``: the DiT's weights
+    stay in the same memory during the decode (a CPU host), so each setting's weights count there too;
+    ``head_groups``: whether attention head groups apply to this model (suggested only then)."""
     if opts.weight_format not in weights:
         raise MemoryModelError(f"no weight inventory for the model's format {opts.weight_format!r}")
+    parts = {}
+    for k, v in (decode_parts or {}).items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise MemoryModelError(f"VAE decode part {k!r} must be a finite number of bytes >= 0, got {v!r}")
+        parts[str(k)] = int(v)
     pred = predict(dims, weights[opts.weight_format], tokens, opts)
-    p = Plan(tokens, pred, available, where, opts)
-    if p.fits:
+    p = Plan(tokens, pred, available, where, opts, decode_parts=parts, decode_keeps_weights=decode_keeps_weights)
+    if p.fits or (parts and sum(parts.values()) > available):
         return p
+    group = dims.heads if opts.head_group is None else opts.head_group
     knobs = {"chunk_tokens": [c for c in CHUNKS if opts.chunk is None or c < opts.chunk],
+             "attention_heads_per_call": (sorted({max(1, dims.heads // k) for k in (2, 4, 8)} | {1}, reverse=True)
+                                          if opts.attention != "flash" and head_groups else []),
              "streaming": [True] if streaming_possible and not opts.streaming else [],
              "weight_format": [f for f in SUGGEST_FORMATS if f in weights and f != opts.weight_format]}
-    cost = {"chunk_tokens": 0, "streaming": 1, "weight_format": 2}
+    knobs["attention_heads_per_call"] = [g for g in knobs["attention_heads_per_call"] if g < group]
+    cost = {"chunk_tokens": 0, "attention_heads_per_call": 0, "streaming": 1, "weight_format": 2}
     names = [k for k in knobs if knobs[k]]
     found: list[tuple[int, int, Suggestion]] = []
     for r in range(1, len(names) + 1):
@@ -130,8 +234,8 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
                 s = dict(zip(combo, values))
                 o = _apply(opts, s)
                 pr = predict(dims, weights[o.weight_format], tokens, o)
-                if pr.device <= available:
-                    found.append((sum(cost[k] for k in combo), -_gentleness(s), Suggestion(s, pr)))
+                if p.peak(pr) <= available:
+                    found.append((sum(cost[k] for k in combo), -_gentleness(s), Suggestion(s, pr, p.peak(pr))))
         if found:
             break
     found.sort(key=lambda x: (x[0], x[1]))
@@ -145,7 +249,9 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
         if len(p.suggestions) >= max_suggestions:
             break
     if not p.suggestions:
-        best = {"chunk_tokens": CHUNKS[-1], **({"streaming": True} if knobs["streaming"] else {}),
+        best = {"chunk_tokens": CHUNKS[-1],
+                **({"attention_heads_per_call": 1} if knobs["attention_heads_per_call"] else {}),
+                **({"streaming": True} if knobs["streaming"] else {}),
                 **({"weight_format": knobs["weight_format"][-1]} if knobs["weight_format"] else {})}
         o = _apply(opts, best)
         w = weights[o.weight_format]
@@ -153,7 +259,7 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
         for _ in range(30):
             mid = (lo + hi) / 2
             t = replace(tokens, video=max(1, int(tokens.video * mid)))
-            if predict(dims, w, t, o).device <= available:
+            if p.peak(predict(dims, w, t, o)) <= available:
                 lo = mid
             else:
                 hi = mid
@@ -162,15 +268,19 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
             s = dict(best, video_tokens=f"<= {t.video:,} ({lo:.0%} of the length x area)")
             if video_scale is not None:
                 s["resolution_or_length"] = video_scale(lo)
-            p.suggestions.append(Suggestion(s, predict(dims, w, t, o)))
+            pr = predict(dims, w, t, o)
+            p.suggestions.append(Suggestion(s, pr, p.peak(pr)))
     return p
 
 
 def _gentleness(s: dict) -> int:
-    """Among fitting settings of equal cost prefer the largest chunk and the higher-precision format."""
+    """Among fitting settings of equal cost prefer the largest chunk, the largest head group and the
+    higher-precision format."""
     g = 0
     if "chunk_tokens" in s:
         g += s["chunk_tokens"]
+    if "attention_heads_per_call" in s:
+        g += s["attention_heads_per_call"]
     if s.get("weight_format") == "float8_e4m3fn":
         g += 10 ** 6
     return g
@@ -180,6 +290,8 @@ def _apply(opts: Options, s: dict) -> Options:
     o = opts
     if "chunk_tokens" in s:
         o = replace(o, chunk=s["chunk_tokens"])
+    if "attention_heads_per_call" in s:
+        o = replace(o, head_group=s["attention_heads_per_call"])
     if "streaming" in s:
         o = replace(o, streaming=bool(s["streaming"]))
     if "weight_format" in s:

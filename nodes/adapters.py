@@ -18,11 +18,13 @@ from ..bridge.lokr import apply_lokr
 from ..bridge.models import is_h3
 from ..errors import AdapterError
 from ..loaders import h3_adapters as core
+from ..loaders.h3_turbo_curve import CKPT_INPUT, GRID_INPUT
 from . import _files
 from ._common import adapter_report_lines, send_report, ui_report
 from .lokr import report_text as lokr_report_text
 
 NODE_ID = "DitKitAdapterLoader"
+NONE = "none"
 
 
 def report_text(plan: core.Plan, file: str, strength: float, scale: float | None, qkv_layout: str) -> str:
@@ -33,6 +35,8 @@ def report_text(plan: core.Plan, file: str, strength: float, scale: float | None
         lines.append("applied " + it.describe())
     for i in sorted(plan.gates):
         lines.append(f"assigned sparse-attention gate of block {i} (to_gate_compress.set_weight)")
+    for c in plan.curve:
+        lines.append("applied " + c.describe())
     return "\n".join(lines + adapter_report_lines(plan))
 
 
@@ -77,6 +81,17 @@ class DitKitAdapterLoader(io.ComfyNode):
                                        "exactly in their own format). bypass: the weights stay untouched and the "
                                        "adapter runs beside each layer at run time, y = base(x) + s·ΔW x (no "
                                        "requantization error, no weight copy: for nvfp4 and stacks of LoRAs). H3 only."),
+                io.Combo.Input(GRID_INPUT, options=[NONE] + _files.safetensors_files("loras"), default=NONE,
+                               optional=True,
+                               tooltip="Turbo LoRAs on a pruned (curve-form) base only: a grid file in models/loras "
+                                       "holding silu_t_emb_grid [grid, D] (silu(t_emb) at t = i/(grid-1), optional "
+                                       "t_grid) so the LoRA's AdaLN pairs are applied exactly as extra curve columns. "
+                                       "none: not used (a Turbo LoRA on a pruned base is then refused)."),
+                io.Combo.Input(CKPT_INPUT, options=[NONE] + _files.safetensors_files("diffusion_models"),
+                               default=NONE, optional=True,
+                               tooltip="Turbo LoRAs on a pruned (curve-form) base only: the UNPRUNED checkpoint of the "
+                                       "same model (only its time_embedder is read) to compute silu(t_emb) on the "
+                                       "base's grid, instead of a grid file. none: not used."),
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model with the adapter patches registered."),
                      io.String.Output(display_name="report",
@@ -86,7 +101,8 @@ class DitKitAdapterLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, adapter_name: str, strength: float, qkv_layout: str = "auto",
-                scale: float = 0.0, mode: str = "fuse") -> io.NodeOutput:
+                scale: float = 0.0, mode: str = "fuse", silu_t_emb_grid: str = "none",
+                time_embedder_checkpoint: str = "none") -> io.NodeOutput:
         from ..loaders import lokr_apply as lokr_core
 
         override = None if lokr_core.check_scale_input(scale, "scale") == 0.0 else float(scale)
@@ -97,7 +113,13 @@ class DitKitAdapterLoader(io.ComfyNode):
         uid = cls.hidden.unique_id if cls.hidden is not None else None
         if mode not in MODES:
             raise AdapterError(f"{NODE_ID}: mode {mode!r} is not one of {list(MODES)}")
+        grid = None if silu_t_emb_grid in (NONE, "", None) else _files.safetensors_path("loras", silu_t_emb_grid, NODE_ID)
+        ckpt = (None if time_embedder_checkpoint in (NONE, "", None)
+                else _files.safetensors_path("diffusion_models", time_embedder_checkpoint, NODE_ID))
         if not is_h3(model):
+            if grid or ckpt:
+                raise AdapterError(f"{NODE_ID}: '{GRID_INPUT}' / '{CKPT_INPUT}' apply to MiniMax H3 Turbo LoRAs on a "
+                                   "curve-form base only; this model is not H3 (set them to none)")
             if mode != "fuse":
                 raise AdapterError(f"{NODE_ID}: mode {mode!r} applies to MiniMax H3 models only; this model is not H3 "
                                    "(use mode fuse for Z-Image / FLUX.2 LoKr)")
@@ -109,11 +131,13 @@ class DitKitAdapterLoader(io.ComfyNode):
             payload = send_report(uid, NODE_ID, "adapter", lplan.summary(),
                                   {**lplan.as_dict(), "file": adapter_name, "strength": strength, "scale_input": override})
             return io.NodeOutput(patched, text, ui=ui_report(payload))
-        patched, plan = apply_h3_adapter(model, path, strength, adapter_name, qkv_layout, override, mode)
+        patched, plan = apply_h3_adapter(model, path, strength, adapter_name, qkv_layout, override, mode, grid, ckpt,
+                                         silu_t_emb_grid, time_embedder_checkpoint)
         text = report_text(plan, adapter_name, strength, override, qkv_layout)
         payload = send_report(uid, NODE_ID, "adapter", plan.summary(),
                               {**plan.as_dict(), "file": adapter_name, "strength": strength, "scale_input": override,
-                               "qkv_layout_input": qkv_layout, "mode": mode})
+                               "qkv_layout_input": qkv_layout, "mode": mode, GRID_INPUT: silu_t_emb_grid,
+                               CKPT_INPUT: time_embedder_checkpoint})
         return io.NodeOutput(patched, text, ui=ui_report(payload))
 
 

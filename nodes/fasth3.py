@@ -15,10 +15,11 @@ from comfy_api.latest import io
 
 from ..bridge.files import folder_roots
 from ..bridge.models import h3_diffusion_model, model_sampling
+from ..bridge import audio_watch
 from ..bridge.schedules import install_shifts
 from ..errors import ScheduleError, UnsupportedModelError
 from ..sampling import fasth3 as core
-from ._common import send_report, ui_report
+from ._common import report_target, send_report, ui_report
 
 NODE_ID = "DitKitFastH3Schedule"
 FOLDER = "diffusion_models"
@@ -171,6 +172,8 @@ class DitKitFastH3Schedule(io.ComfyNode):
         sched = core.resolve_schedule(recipe, contract, contract_note=note)
         before = (float(ms.shift), None if ms.audio_shift is None else float(ms.audio_shift))
         m = install_shifts(model, sched.video_shift, sched.audio_shift)
+        # the audio guard while sampling on this schedule (reported on this node, kind audio_watch)
+        audio_watch.install_report_wrapper(m, "ditkit_fasth3_audio", NODE_ID, report_target(node_id, NODE_ID))
 
         summary = sched.summary() + (f" ({note})" if contract is not None else "")
         if before != (sched.video_shift, sched.audio_shift):

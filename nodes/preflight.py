@@ -21,22 +21,33 @@ class DitKitPreflight(io.ComfyNode):
             node_id=NODE_ID,
             display_name="Memory Preflight (ditkit)",
             category="ditkit/sampling",
-            description=("Predicts the peak memory of one MiniMax H3 sampling step (weights, activations, attention "
-                         "workspace, with the ditkit options on the model) from the real packed token count, "
+            description=("Predicts the peak memory of one MiniMax H3 or LTX-2 sampling step (weights, activations, "
+                         "attention workspace, with the ditkit options on the model) from the real token count, "
                          "compares it with the memory free on the device in use, and refuses before anything "
                          "loads when it does not fit, naming the shortfall and the smallest set of settings that "
                          "fits. The same check runs again when sampling starts."),
             search_aliases=["oom", "vram check", "memory check", "will it fit", "token count", "preflight"],
             inputs=[
-                io.Model.Input("model", tooltip="A MiniMax H3 model, after the ditkit nodes that change its memory "
-                                                "(DitKit Activation Chunking, quantized loaders)."),
-                io.Latent.Input("latent", tooltip="The H3 audio-video latent the sampler will denoise."),
+                io.Model.Input("model", tooltip="A MiniMax H3 or LTX-2 model, after the ditkit nodes that change its "
+                                                "memory (DitKit Activation Chunking, quantized loaders)."),
+                io.Latent.Input("latent", tooltip="The latent the sampler will denoise (H3: audio-video; LTX-2: video "
+                                                  "or audio-video)."),
                 io.Float.Input("limit_gib", default=0.0, min=0.0, max=4096.0, step=0.5,
                                tooltip="Memory the job may use, in GiB. 0 = what the device in use has free (on a "
                                        "CPU host: free RAM), plus what this model already holds there."),
                 io.Int.Input("text_tokens", default=512, min=0, max=1 << 20,
-                             tooltip="Text rows of the packed sequence, used until sampling starts (the sampler "
-                                     "check counts the real conditioning)."),
+                             tooltip="H3: text rows of the packed sequence, used until sampling starts (the "
+                                     "sampler check counts the real conditioning). Not used when positive is "
+                                     "connected, nor for LTX-2 (text is cross-attention context there)."),
+                io.Conditioning.Input("positive", optional=True,
+                                      tooltip="Optional: the conditioning the sampler will get. Its text rows, H3 "
+                                              "ref2va reference blocks (images, videos, audio) and fl2va keyframes "
+                                              "are counted into the packed sequence now instead of at sampling."),
+                io.Vae.Input("vae", optional=True,
+                             tooltip="Optional: the video VAE that will decode the result. Its decode's predicted peak "
+                                     "(weights, ComfyUI's working-set estimate, the decoded frames on a CPU host) "
+                                     "joins the plan: the job's peak is the larger of a sampling step and the "
+                                     "decode."),
             ],
             outputs=[io.Model.Output(tooltip="The model (a clone) with the sampler-time check installed."),
                      io.Latent.Output(tooltip="The latent, unchanged.")],
@@ -44,21 +55,24 @@ class DitKitPreflight(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, latent, limit_gib=0.0, text_tokens=512) -> io.NodeOutput:
+    def execute(cls, model, latent, limit_gib=0.0, text_tokens=512, positive=None, vae=None) -> io.NodeOutput:
         t0 = time.perf_counter()
         if isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 0:
             raise MemoryModelError(f"{NODE_ID}: text_tokens must be an int >= 0, got {text_tokens!r}")
         if not isinstance(latent, dict) or "samples" not in latent:
             raise MemoryModelError(f"{NODE_ID}: the latent input is not a LATENT")
-        video, audio = bridge.latent_shapes_of(latent["samples"])
-        p = bridge.run_plan(model, video, audio, text_tokens, limit_gib)
+        family = bridge.family_of(model)
+        video, audio = bridge.latent_shapes_of(latent["samples"], family)
+        text, refs, keyframes = (text_tokens, 0, 0) if positive is None or family != "h3" else \
+            bridge.conditioning_rows(positive, video, text_tokens)
+        p = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes, vae)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         data = dict(p.as_dict(), phase="node", seconds=time.perf_counter() - t0)
         payload = send_report(node_id, NODE_ID, "preflight", p.summary(), data)
         if not p.fits:
             raise bridge.refusal(p)
         m = model.clone()
-        bridge.install(m, text_tokens, float(limit_gib), (report_target(node_id, NODE_ID), send_report))
+        bridge.install(m, text_tokens, float(limit_gib), (report_target(node_id, NODE_ID), send_report), vae)
         return io.NodeOutput(m, latent, ui=ui_report(payload))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
+from ..bridge import audio_watch
 from ..bridge.files import output_directory
 from ..bridge.save_video import _video_latent, check_save_request, metadata_disabled, stream_save  # noqa: F401
 from ..vae.video_stream import VideoOutput
@@ -42,7 +43,8 @@ class DitKitSaveVideo(io.ComfyNode):
                                                                "to the video length like CreateVideo/SaveVideo."),
                 io.Combo.Input("audio_guard", options=["report", "refuse"], default="report", optional=True,
                                tooltip="Checks the audio for NaN/Inf, DC offset, clipping, silence and pops (spectral "
-                                       "jumps) before writing. report: the figures go on this node's badge (amber "
+                                       "jumps) before writing, and takes the sampling-time audio verdict of any ditkit cache or schedule node "
+                                       "upstream. report: the figures go on this node's badge (amber "
                                        "when a check fails). refuse: a failed check stops the node before any file "
                                        "is written."),
             ],
@@ -56,8 +58,13 @@ class DitKitSaveVideo(io.ComfyNode):
         latent = _video_latent(samples)
         shp = check_save_request(vae, latent, fps, audio)   # before any file or decode
         guard = check_waveform(audio["waveform"]) if audio is not None else None
-        if guard is not None and not guard.clean and audio_guard == "refuse":
-            raise DitKitError(f"DitKitSaveVideo: input 'audio' failed the audio guard ({'; '.join(guard.flags)}); "
+        # the sampling-time verdicts (cache / schedule nodes) of the samplers this audio descends from
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
+        sampled = audio_watch.upstream_verdicts(node_id) if audio is not None else []
+        flags = (list(guard.flags) if guard is not None else []) + [
+            f"{v['by']} (sampler #{v['sampler']}): {v['summary']}" for v in sampled if not v["clean"]]
+        if flags and audio_guard == "refuse":
+            raise DitKitError(f"DitKitSaveVideo: input 'audio' failed the audio guard ({'; '.join(flags)}); "
                               "nothing was written (set audio_guard to 'report' to save it anyway)")
         meta = None
         if not metadata_disabled():
@@ -78,11 +85,12 @@ class DitKitSaveVideo(io.ComfyNode):
         file, subfolder = out.name, out.subfolder
         data["file"] = f"{subfolder}/{file}" if subfolder else file
         if guard is not None:
-            data["audio_guard"] = guard.as_dict()
+            data["audio_guard"] = dict(guard.as_dict(), flags=flags, clean=not flags, sampling=sampled)
         summary = (f"{data['frames']} frames {data['width']}x{data['height']} in {data['chunks']} chunks; peak chunk "
                    f"{data['peak_chunk_float_bytes'] / 2**20:.1f} MiB float vs "
                    f"{data['full_float_video_bytes'] / 2**20:.1f} MiB for the whole float video"
-                   + (f"; {guard.summary()}" if guard is not None else ""))
+                   + (f"; {guard.summary()}" if guard is not None else "")
+                   + "".join(f"; sampling: {v['by']}: {v['summary']}" for v in sampled if not v["clean"]))
         payload = send_report(cls.hidden.unique_id, "DitKitSaveVideo", "video_save", summary, data)
         ui_dict = ui.PreviewVideo([ui.SavedResult(file, subfolder, io.FolderType.output)]).as_dict()
         ui_dict.update(ui_report(payload))

@@ -17,7 +17,8 @@ from typing import Callable
 GENERATORS: dict[str, Callable[[Path], list[Path]]] = {}
 
 # family modules that register generators (imported lazily, in this order)
-FAMILY_MODULES = ("ckpt_h3", "ckpt_h3_vae", "ckpt_text", "ckpt_ltx", "ckpt_image", "ckpt_image_vae", "ckpt_ltx_vae")
+FAMILY_MODULES = ("ckpt_h3", "ckpt_h3_quant", "ckpt_h3_vae", "ckpt_text", "ckpt_ltx", "ckpt_image", "ckpt_image_vae",
+                  "ckpt_ltx_vae")
 
 
 def register(name: str):

@@ -587,3 +587,59 @@ def turbo_lora_state_dict(cfg=CONFIG, rank: int = ADAPTER_RANK, seed: int = SEED
         out[f"diffusion_model.{m}.lora_up.weight"] = dyadic((o, rank), g).to(torch.bfloat16)
         out[f"diffusion_model.{m}.alpha"] = torch.tensor(float(rank))
     return out
+
+
+TURBO_LORA = "loras/h3_tiny_turbo.safetensors"
+SILU_GRID_FILE = "loras/h3_tiny_silu_t_emb_grid.safetensors"
+
+
+def silu_t_emb_grid_state_dict(base: dict[str, torch.Tensor] | None = None, cfg=CONFIG,
+                               grid: int = CURVE_GRID) -> dict[str, torch.Tensor]:
+    """The grid input a Turbo LoRA needs on the curve-form base (``h3_tiny_curve``): ``silu_t_emb_grid
+    [grid, time_embed_dim]`` = silu(t_emb(t_i)) of the unpruned base at ``t_i = i / (grid - 1)`` (float64 rounded
+    to float32) and ``t_grid [grid]``: the layout of the community ``h3_silu_temb_grid.safetensors`` (h3.md §9),
+    stored float32 instead of bf16."""
+    base = base_state_dict() if base is None else base
+    t = torch.linspace(0.0, 1.0, grid, dtype=torch.float64)
+    s = torch.nn.functional.silu(_time_embed(base, t, cfg))
+    return {"silu_t_emb_grid": s.to(torch.float32).contiguous(), "t_grid": t.to(torch.float32).contiguous()}
+
+
+PRUNED_INT8_CONVROT_FILE = "diffusion_models/h3_tiny_pruned_int8_convrot.safetensors"
+
+
+def kitchen_quantize_layer(w: torch.Tensor, fmt: str, group: int = 0) -> dict[str, torch.Tensor]:
+    """``comfy_quant_state_dict``'s quantizer from ``comfy_kitchen`` (the package ComfyUI's ``comfy.quant_ops``
+    registers as its ``TensorWiseINT8Layout``): int8 ConvRot per-channel, no stochastic rounding. Only
+    ``int8_convrot``; imported when called (``comfy_kitchen`` ships with the host, not with ditkit)."""
+    if fmt != "int8_convrot":
+        raise ValueError(f"kitchen_quantize_layer writes int8_convrot only, not {fmt!r}")
+    from comfy_kitchen.tensor import TensorWiseINT8Layout
+
+    qd, params = TensorWiseINT8Layout.quantize(w.clone(), scale="recalculate", per_channel=True, convrot=True,
+                                               convrot_groupsize=group)
+    return TensorWiseINT8Layout.state_dict_tensors(qd, params)
+
+
+@register("h3_turbo")
+def gen_h3_turbo(out: Path) -> list[Path]:
+    """The tiny Turbo-style LoRA (AdaLN pairs on silu(t_emb)), the silu(t_emb) grid of the curve-form base and the
+    pruned (curve-form) base as a Comfy-Org style int8 ConvRot repack (``h3_turbo_bypass_tiny`` example). Without
+    ``comfy_kitchen`` (no host installed) the repack is not written and a line on stderr says so."""
+    import sys
+
+    files = []
+    base = base_state_dict()
+    todo = [(TURBO_LORA, turbo_lora_state_dict()), (SILU_GRID_FILE, silu_t_emb_grid_state_dict(base))]
+    try:
+        todo.append((PRUNED_INT8_CONVROT_FILE, comfy_quant_state_dict(curve_state_dict(base), "int8_convrot",
+                                                                      kitchen_quantize_layer)))
+    except ImportError as e:
+        print(f"h3_turbo: {PRUNED_INT8_CONVROT_FILE} not written: comfy_kitchen is not importable ({e})",
+              file=sys.stderr)
+    for rel, sd in todo:
+        p = Path(out) / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        save_file(sd, p)
+        files.append(p)
+    return files

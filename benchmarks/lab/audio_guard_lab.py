@@ -10,6 +10,12 @@ scale), clipping (scaled to peak 2.0, clamped to +-1), silence (x 1e-4), one NaN
 the DiT: a stale audio residual (DitKitStepCache first_block with the audio threshold at 10, i.e. the audio stream
 reuses its residual on every step the video stream allows, with the video threshold at 10 too).
 Prints per check the clean maximum, the false-positive count, and per fault the detection count.
+
+``--trajectory P,S`` (with a ComfyUI): the sampling-time check (``bridge/audio_watch.py``, the step-to-step
+spectral jump of the audio estimate) on the first P prompts x S seeds at 25 steps, CFG ``--cfg``: clean runs
+(DitKitStepCache first_block at threshold 0: every block computed, bit-identical to no cache, so the check runs
+through the node's own wrapper), the stale audio residual (thresholds 10) and the first_block default (-1, not a
+fault: its figure is printed). Prints the final jump ratio's range per kind, false positives and detections.
 """
 from __future__ import annotations
 
@@ -46,10 +52,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clips", type=int, default=48)
     ap.add_argument("--dit-samples", type=int, default=0)
+    ap.add_argument("--trajectory", default="", help="P,S: the sampling-time check on P prompts x S seeds")
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--cfg", type=float, default=3.0)
     add_rows_argument(ap)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = Rows(a.rows, "audio_guard_lab")
+    if a.trajectory:
+        p, s = (int(v) for v in a.trajectory.split(","))
+        return trajectory(p, s, a.steps, a.cfg, out)
     clean = []
     for i in range(a.clips):
         clip = D.make_clip(SEED0 + i)
@@ -97,6 +109,44 @@ def main(argv=None) -> int:
         print(f"fault stale audio residual (DiT sample {j}): {'flagged ' + '; '.join(r.flags) if r.flags else 'NOT flagged'}"
               f" (figures {r.figures})")
         out.add("fault stale audio residual", f"flagged_{j}", int(not r.clean))
+    return 0
+
+
+def trajectory(n_prompts: int, n_seeds: int, steps: int, cfg: float, out: Rows) -> int:
+    import harness as Hn
+
+    lab = Hn.ComfyLab(steps, cfg=cfg)   # imports ComfyUI first
+
+    import ditkit.bridge.audio_watch as W
+    from ditkit.nodes.stepcache import DitKitStepCache
+
+    got = []
+    real = W.AudioWatch.finish
+    W.AudioWatch.finish = lambda self, lc: got.append(real(self, lc)) or got[-1]
+    kinds = {"clean (no skip)": 0.0, "stale audio residual (fault)": 10.0, "first_block default": -1.0}
+    res = {k: [] for k in kinds}
+    try:
+        for i, p in enumerate(Hn.PROMPTS[:n_prompts]):
+            for seed in range(n_seeds):
+                for k, thr in kinds.items():
+                    m = DitKitStepCache.execute(model=lab.dit.clone(), mode="first_block", threshold=thr,
+                                                audio_threshold=thr, start_percent=0.0, end_percent=1.0,
+                                                cache_device="model").args[0]
+                    lab.sample(m, p, seed)
+                    res[k].append(got[-1])
+    finally:
+        W.AudioWatch.finish = real
+    print(f"sampling-time audio check, lab H3, {n_prompts} prompts x {n_seeds} seeds, {steps} steps, cfg {cfg:g}")
+    for k, rs in res.items():
+        ratios = [r["trajectory"]["final_jump_ratio"] for r in rs]
+        flagged = sum(not r["clean"] for r in rs)
+        print(f"{k:30s}: {len(rs)} runs, final jump ratio {min(ratios):.2f}-{max(ratios):.2f} "
+              f"(median {sorted(ratios)[len(ratios) // 2]:.2f}), flagged {flagged}/{len(rs)}")
+        out.add(f"trajectory {k}", "runs", len(rs))
+        out.add(f"trajectory {k}", "flagged", flagged)
+        out.add(f"trajectory {k}", "ratio_min", min(ratios))
+        out.add(f"trajectory {k}", "ratio_max", max(ratios))
+    lab.close()
     return 0
 
 

@@ -182,3 +182,55 @@ def test_head_groups_compose_with_sparse_attention_and_teacache(env):
     assert_same(sample(m), sample(teacache(vsa(base))))
     with pytest.raises(DitKitError, match="before it"):
         heads(vsa(base), 1)                                 # the other order is refused, named
+
+
+def _run_report(m):
+    """Sample ``m`` with its chunking run report captured: ``(summary, data)`` of the one report the run sends."""
+    from ditkit.bridge.chunking import WRAPPER_KEY
+
+    got = []
+    m.model_options["transformer_options"][WRAPPER_KEY]["report"] = (None, lambda *a: got.append(a))
+    sample(m)
+    assert len(got) == 1
+    _, node, kind, summary, data = got[0]
+    assert (node, kind) == ("DitKitActivationChunking", "activation_chunking")
+    return summary, data
+
+
+def test_run_report_counts_the_head_grouped_attention_calls(env):
+    """Groups of 1 head on the 3-head tiny H3: the run report counts the attention calls that ran in groups (the
+    override's own counters over the run) and says so in its summary."""
+    from ditkit.bridge.chunking import ATTN_KEY
+
+    m = heads(load(), 1)
+    ov = m.model_options["transformer_options"][ATTN_KEY]
+    c0, g0 = ov.calls, ov.grouped
+    summary, data = _run_report(m)
+    att = data["attention"]
+    assert att == {"calls": ov.calls - c0, "grouped": ov.grouped - g0, "heads_per_call": 1}
+    assert 0 < att["grouped"] <= att["calls"]
+    assert summary.endswith(f"; attention: {att['grouped']}/{att['calls']} calls in groups of 1 heads")
+
+
+def test_run_report_says_head_groups_had_no_effect(env):
+    """Groups of 3 heads on a 3-head model split nothing: the run says so (never reported as head-grouped), and a
+    chunking install without head groups has no attention line."""
+    summary, data = _run_report(heads(load(), 3))
+    att = data["attention"]
+    assert att["grouped"] == 0 and att["calls"] > 0 and att["heads_per_call"] == 3
+    assert summary.endswith(f"attention: 0/{att['calls']} calls in groups of 3 heads (no effect: no call was packed "
+                            "[B, H, S, D] self-attention without a mask and with more heads than a group)")
+    summary, data = _run_report(chunked(load()))
+    assert "attention" not in data and "attention" not in summary
+
+
+def test_head_groups_summary_each_case():
+    from ditkit.bridge.chunking import head_groups_summary
+
+    assert head_groups_summary(5, 5, 2) == "attention: 5/5 calls in groups of 2 heads"
+    assert head_groups_summary(5, 1, 4) == "attention: 1/5 calls in groups of 4 heads"
+    assert head_groups_summary(5, 0, 4) == ("attention: 0/5 calls in groups of 4 heads (no effect: no call was packed "
+                                            "[B, H, S, D] self-attention without a mask and with more heads than a "
+                                            "group)")
+    assert head_groups_summary(0, 0, 1) == ("attention: 0/0 calls in groups of 1 heads (no effect: no attention call "
+                                            "reached the head groups)")

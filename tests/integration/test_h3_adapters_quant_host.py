@@ -293,8 +293,8 @@ def test_turbo_lora_adaln_pairs_on_pruned_base_refused_naming_the_file(comfy, tm
 
     q = quant_base("int8_convrot", curve=True)
     with pytest.raises(AdapterError, match=r"'diffusion_model\.blocks\.0\.adaln_proj\.linear\.lora_down\.weight' is an "
-                                           r"AdaLN pair of a Turbo.*32-wide silu\(t_emb\).*8-wide adaln_t_table.*"
-                                           r"Load the unpruned checkpoint.*minimax_h3_fl2va_int8_convrot\.safetensors"):
+                                           r"AdaLN pair of a Turbo.*32-wide silu\(t_emb\).*65-point grid.*"
+                                           r"unpruned checkpoint.*minimax_h3_fl2va_int8_convrot\.safetensors"):
         apply_h3_adapter(q, _turbo(tmp_path), 1.0, mode=mode)
     assert not q.patches and not q.object_patches and not q.injections
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.support import host_variants as hv
+from tests.support.host_models import load_h3, model_folder
 
 W, H, LENGTH, TEXT = 256, 256, 22, 10
 RECIPE = "FastH3 Preview v1 (keep 10%)"
@@ -28,19 +29,9 @@ RECIPE = "FastH3 Preview v1 (keep 10%)"
 
 @pytest.fixture(scope="module")
 def gated(comfy, tiny_ckpts):
-    import folder_paths
-
-    from ditkit.nodes.h3_loaders import DitKitH3ModelLoader
-
     torch.set_num_threads(1)
-    root = str(tiny_ckpts / "diffusion_models")
-    folder_paths.add_model_folder_path("diffusion_models", root)
-    try:
-        yield DitKitH3ModelLoader.execute(model_name="h3_tiny_fasth3.safetensors").args[0]
-    finally:
-        paths = folder_paths.folder_names_and_paths["diffusion_models"][0]
-        if root in paths:
-            paths.remove(root)
+    with model_folder("diffusion_models", tiny_ckpts / "diffusion_models"):
+        yield load_h3("h3_tiny_fasth3.safetensors")
 
 
 @pytest.fixture

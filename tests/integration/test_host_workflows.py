@@ -187,7 +187,7 @@ def test_live_node_names_and_categories_follow_the_scheme(comfy_server):
     import importlib.util
 
     # the Ray variants are registered only when Raylight is installed (nodes/raylight.py)
-    ray_only = {"DitKitRaySparseAttention", "DitKitRayAdaLNCache"}
+    ray_only = {"DitKitRaySparseAttention", "DitKitRayAdaLNCache", "DitKitRayTeaCache", "DitKitRayFastH3Schedule"}
     assert set(live) == (NODE_IDS if importlib.util.find_spec("raylight") else NODE_IDS - ray_only)
     problems = naming_problems(live)
     assert not problems, "\n".join(problems)
@@ -227,5 +227,41 @@ def test_stepcache_example_skips_and_its_audio_is_clean(comfy_server):
     m = re.search(r"computed (\d+)/(\d+) calls, skipped (\d+)", lines[-1])
     assert m and int(m[3]) >= 1 and int(m[2]) == 8, lines[-1]
     assert [ln for ln in log.splitlines() if "audio guard: clean" in ln], "no clean audio-guard report"
+    files = comfy_server.output_files(entry)
+    assert any(str(f).endswith(".mp4") and f.stat().st_size > 0 for f in files)
+
+
+def test_preflight_example_badge_shows_predicted_vs_available(comfy_server):
+    """The preflight example: DitKitActivationChunking (16-token chunks, 1 head per call) then DitKitPreflight on the
+    tiny H3; the preflight's badge (its ui report, kept in /history) shows the predicted peak against the free RAM,
+    the packed token count is the one the latent holds (independent count: 64x64 px / 16 VAE / 2x2 patch = 2x2
+    patches per latent frame, 22 frames = 7 latent frames (5k+2), audio round(22/24*40) = 37 latents x 2 channels),
+    the sampler-time check ran with the real conditioning, and an MP4 is written."""
+    import re
+
+    graph = json.loads((REPO / "example_workflows" / "api" / "h3_preflight_tiny.json").read_text(encoding="utf-8"))
+    assert graph["8"]["class_type"] == "DitKitPreflight" and graph["8"]["inputs"]["model"] == ["5", 0]
+    assert graph["5"]["class_type"] == "DitKitActivationChunking" and graph["6"]["inputs"]["model"] == ["8", 0]
+    before = len(re.findall(r"DitKitPreflight #\S+ preflight: sampler check", comfy_server.log_text()))
+    entry = comfy_server.run(graph)
+    assert entry["status"]["status_str"] == "success"
+    rep = entry["outputs"]["8"]["ditkit_report"][0]
+    d = rep["data"]
+    assert d["fits"] is True and 0 < d["predicted_bytes"] <= d["available_bytes"], d
+    m = re.search(r"predicted peak ([\d.]+) GiB vs ([\d.]+) GiB (.*?) \[", rep["summary"])
+    assert m, rep["summary"]
+    assert abs(float(m[1]) - d["predicted_bytes"] / 2**30) < 0.01 and abs(float(m[2]) - d["available_bytes"] / 2**30) < 0.01
+    assert "chunk 16" in rep["summary"] and rep["summary"].endswith(": fits"), rep["summary"]
+    assert graph["8"]["inputs"]["vae"] == ["20", 0] and d["decode_bytes"] > 0 and "VAE decode" in rep["summary"]
+    assert d["predicted_bytes"] == max(d["step_bytes"], d["decode_bytes"])
+    assert d["tokens"]["video"] == 7 * 2 * 2 and d["tokens"]["audio"] == 2 * 37, d["tokens"]
+    assert 0 < d["tokens"]["text"] != 512 and d["tokens"]["refs"] == 0 and d["tokens"]["keyframes"] == 0
+    chunk = entry["outputs"]["5"]["ditkit_report"][0]["summary"]
+    assert "feed-forwards chunked, 16 tokens" in chunk and "groups of 1 heads" in chunk, chunk
+    lines = [ln for ln in comfy_server.log_text().splitlines()
+             if re.search(r"DitKitPreflight #\S+ preflight: sampler check", ln)][before:]
+    assert lines and ": fits" in lines[-1], lines
+    # the node counted the prompt's rows from its positive input: the sampler check (real conditioning) agrees
+    assert f"{d['tokens']['total']:,} tokens (video 28, audio 74, text {d['tokens']['text']:,}," in lines[-1], lines[-1]
     files = comfy_server.output_files(entry)
     assert any(str(f).endswith(".mp4") and f.stat().st_size > 0 for f in files)

@@ -142,3 +142,168 @@ def test_auto_chunking_is_predicted_as_an_upper_bound(model):
     plain = predicted(model, lat)
     assert auto.prediction.device == plain.prediction.device
     assert "upper bound" in auto.summary() and "upper bound" not in plain.summary()
+
+
+def _refs_and_keyframes(hw=16, odd=False):
+    """H3 ref2va blocks and fl2va keyframes as ComfyUI's MiniMaxH3ReferenceToVideo / MiniMaxH3ImageToVideo put them
+    on the conditioning (random latents of the right shapes)."""
+    z = lambda *s: torch.randn(*s, generator=torch.Generator().manual_seed(sum(s)))  # noqa: E731
+    h, w = (7, 9) if odd else (8, 12)
+    refs = [{"kind": "image", "latent_h": h, "latent_w": w, "latent": z(1, 24, 1, h, w)},
+            {"kind": "video_audio", "latent_t": 2, "latent_h": 6, "latent_w": 10, "ref_audio_t": 5,
+             "latent": z(1, 24, 2, 6, 10), "audio_latent": z(1, 32, 2, 5)},
+            {"kind": "audio", "ref_audio_t": 7, "audio_latent": z(1, 32, 2, 7)}]
+    kfs = [{"latent": z(1, 24, 1, hw, hw), "audio_latent": z(1, 32, 2, 3), "resolved_frame_index": 0}]
+    return refs, kfs
+
+
+@pytest.mark.parametrize("odd", [False, True])
+def test_refs_and_keyframes_counted_as_the_host_packs_them(model, odd):
+    """The preflight's packed token count with reference blocks and keyframes on the positive conditioning equals
+    ComfyUI's own PackedLayout.seq_len (the host's packing is the oracle) and a hand count."""
+    import node_helpers
+    from comfy.ldm.minimax.model import PackedLayout
+
+    from ditkit.nodes.preflight import DitKitPreflight
+
+    lat = latent()
+    refs, kfs = _refs_and_keyframes(odd=odd)
+    text = torch.randn(1, 13, c.CONFIG["text_dim"])
+    cond = node_helpers.conditioning_set_values([[text, {}]], {"minimax_refs": refs, "minimax_keyframes": kfs})
+    out = DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=512, positive=cond)
+    tok = out.ui["ditkit_report"][0]["data"]["tokens"]
+    v, a = lat["samples"].tensors
+    layout = PackedLayout(13, v.shape[2], v.shape[3], v.shape[4], a.shape[-1], keyframes=kfs, refs=refs)
+    assert tok["total"] == layout.seq_len
+    img = (3 * 4) if odd else (4 * 6)
+    assert tok["refs"] == img + (2 * 3 * 5 + 2 * 5) + 2 * 7
+    assert tok["keyframes"] == 1 * 8 * 8 + 2 * 3 and tok["text"] == 13
+    plain = DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=13).ui["ditkit_report"][0]["data"]
+    assert plain["tokens"]["total"] == tok["total"] - tok["refs"] - tok["keyframes"]
+    assert out.ui["ditkit_report"][0]["data"]["predicted_bytes"] > plain["predicted_bytes"]
+
+
+def test_sampler_check_counts_the_refs_the_forward_packs(model):
+    """Sampling with reference blocks and keyframes: the sampler-time check's token count equals the sequence the
+    forward really packed (ComfyUI's layout in the payload the model got), not the node's text_tokens guess."""
+    import comfy.patcher_extension as pe
+    import node_helpers
+
+    from ditkit.bridge.preflight import WRAPPER_KEY
+    from ditkit.nodes.preflight import DitKitPreflight
+
+    lat = latent()
+    refs, kfs = _refs_and_keyframes()
+    text = torch.randn(1, TEXT, c.CONFIG["text_dim"], generator=torch.Generator().manual_seed(0))
+    cond = node_helpers.conditioning_set_values([[text, {}]], {"minimax_refs": refs, "minimax_keyframes": kfs})
+    m = DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=512).args[0]
+    got, seen = [], []
+    target, _ = m.model_options["transformer_options"][WRAPPER_KEY]["report"]
+    m.model_options["transformer_options"][WRAPPER_KEY]["report"] = (target, lambda *a: got.append(a[4]))
+
+    def spy(ex, *a, **k):
+        seen.append(k["minimax_payload"]["layout"].seq_len)
+        return ex(*a, **k)
+
+    m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test_seq", spy)
+    import nodes
+
+    s = nodes.common_ksampler(m, 7, 2, 1.0, "euler", "simple", cond, cond, lat)[0]["samples"]
+    assert torch.isfinite(s.tensors[0]).all()
+    assert got and seen and set(seen) == {got[-1]["tokens"]["total"]}, (seen, got[-1]["tokens"])
+    assert got[-1]["tokens"]["refs"] > 0 and got[-1]["tokens"]["keyframes"] > 0 and got[-1]["tokens"]["text"] == TEXT
+
+
+def test_bad_conditioning_named_errors(model):
+    from ditkit.errors import DitKitError
+    from ditkit.nodes.preflight import DitKitPreflight
+
+    text = torch.zeros(1, 4, c.CONFIG["text_dim"])
+    for bad in ([[text, {"minimax_refs": [{"kind": "image", "latent_h": 0, "latent_w": 8}]}]],
+                [[text, {"minimax_refs": [{"kind": "hologram"}]}]],
+                [[text, {"minimax_refs": "image"}]],
+                [[text, {"minimax_refs": [{"kind": "audio", "ref_audio_t": float("nan")}]}]],
+                [[text, {"minimax_refs": [{"kind": "audio", "ref_audio_t": 10**9}]}]],
+                [[text, {"minimax_keyframes": [{"latent": "not a tensor"}]}]],
+                [[text, {"minimax_keyframes": [{"latent": torch.zeros(24, 1)}]}]],
+                [[text, {"minimax_keyframes": [{"latent": torch.empty(1, 24, 10**6, 16, 16, device="meta")}]}]],
+                ["not conditioning"]):
+        with pytest.raises(DitKitError, match="input 'positive'"):
+            DitKitPreflight.execute(model, latent(), limit_gib=1000.0, text_tokens=0, positive=bad)
+
+
+@pytest.fixture(scope="module")
+def vae(comfy, tiny_ckpts):
+    import folder_paths
+
+    from ditkit.nodes.h3_vae import DitKitH3VAELoader
+    from ditkit.tiny import ckpt_h3_vae as ck
+
+    from comfy_api.latest import io
+
+    folder_paths.add_model_folder_path("vae", str(tiny_ckpts / "vae"))
+    before = DitKitH3VAELoader.__dict__.get("hidden")
+    DitKitH3VAELoader.hidden = io.HiddenHolder.from_dict({io.Hidden.unique_id: "vae"})
+    try:
+        out = DitKitH3VAELoader.execute(ck.VIDEO_VAE_NAME)
+    finally:
+        DitKitH3VAELoader.hidden = before
+    return out.args[0] if hasattr(out, "args") else out.result[0]
+
+
+def test_vae_decode_joins_the_plan(model, vae):
+    """With the video VAE connected the job's peak is max(step, decode); the decode's parts are the VAE's weights,
+    ComfyUI's own working-set estimate for the H3 video VAE (its formula written out here from comfy/sd.py:
+    (9.5 x frames x H x W + fixed) x dtype size x 1.03, frames capped at one temporal chunk) and, on this CPU host,
+    the decoded float frames; the DiT's weights stay in RAM beside it."""
+    import comfy.model_management as mm
+
+    from ditkit.nodes.preflight import DitKitPreflight
+
+    lat = latent()
+    v = lat["samples"].tensors[0]
+    t, h, w = v.shape[2], v.shape[3], v.shape[4]
+    frames = (t - 2) // 5 * 17 + 5                        # 17k+5 frames <-> 5k+2 latents
+    fsm = vae.first_stage_model
+    chunk = (fsm.tokens_chunk_size + fsm.token_overlap) * fsm.vae_ratio_t
+    working = (9.5 * min(frames, chunk + 2) * h * 16 * w * 16 + (110_000_000 if frames <= 22 else 270_000_000)) \
+        * mm.dtype_size(vae.vae_dtype) * 1.03
+    weights = sum(p.numel() * p.element_size() for p in fsm.state_dict().values())
+    out_bytes = 3 * frames * h * 16 * w * 16 * torch.empty((), dtype=vae.vae_output_dtype()).element_size()
+    d = DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=TEXT, vae=vae).ui["ditkit_report"][0]
+    data = d["data"]
+    assert data["decode_parts"]["VAE weights"] == weights
+    assert abs(data["decode_parts"]["VAE working set (ComfyUI's estimate)"] - int(working)) <= 1
+    assert data["decode_parts"]["decoded frames"] == out_bytes
+    dit = data["parts"]["weights_device"]
+    assert data["decode_bytes"] == sum(data["decode_parts"].values()) + dit
+    assert data["predicted_bytes"] == max(data["step_bytes"], data["decode_bytes"])
+    assert "VAE decode" in d["summary"] and "sampling step" in d["summary"]
+    plain = DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=TEXT).ui["ditkit_report"][0]["data"]
+    assert plain["step_bytes"] == data["step_bytes"] and plain["decode_bytes"] == 0
+    from ditkit.bridge.preflight import decode_parts, family_of
+
+    assert {k: int(x) for k, x in decode_parts(vae, tuple(v.shape)).items()} == data["decode_parts"]
+    assert family_of(model) == "h3"
+
+
+def test_decode_that_alone_does_not_fit_is_refused_with_its_own_advice(model, vae):
+    from ditkit.memory.model import MemoryModelError
+    from ditkit.memory.preflight import MemoryShortfallError
+    from ditkit.nodes.preflight import DitKitPreflight
+
+    lat = latent()
+    d = DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=TEXT, vae=vae).ui["ditkit_report"][0]["data"]
+    assert d["decode_bytes"] > d["step_bytes"]             # ComfyUI's fixed 110 MB term dominates the tiny H3
+    alone = sum(d["decode_parts"].values())
+    with pytest.raises(MemoryShortfallError, match="VAE decode alone needs more") as e:
+        DitKitPreflight.execute(model, lat, limit_gib=(alone - 1) / 2**30, text_tokens=TEXT, vae=vae)
+    assert "Nothing was loaded" in str(e.value)
+    # between the step and the decode: refused (the job's peak is the decode), the step alone would fit
+    mid = (d["step_bytes"] + d["decode_bytes"]) / 2 / 2**30
+    DitKitPreflight.execute(model, lat, limit_gib=mid, text_tokens=TEXT)
+    with pytest.raises(MemoryShortfallError):
+        DitKitPreflight.execute(model, lat, limit_gib=mid, text_tokens=TEXT, vae=vae)
+    DitKitPreflight.execute(model, lat, limit_gib=d["decode_bytes"] / 2**30, text_tokens=TEXT, vae=vae)   # boundary
+    with pytest.raises(MemoryModelError, match="input 'vae' is not a VAE"):
+        DitKitPreflight.execute(model, lat, limit_gib=1000.0, text_tokens=TEXT, vae=object())

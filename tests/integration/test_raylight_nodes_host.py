@@ -37,6 +37,12 @@ def fake_raylight(monkeypatch):
             return (ray_actors,)
         return wrapper
 
+    def ray_patch_with_return(fn):      # actor 0 only; its model is not replaced
+        def wrapper(self, ray_actors, *a, **kw):
+            ray_actors.on_actor0 = getattr(ray_actors, "on_actor0", 0) + 1
+            return fn(self, ray_actors.models[0], *a, **kw)
+        return wrapper
+
     mods = {
         "raylight": types.ModuleType("raylight"),
         "raylight.distributed_modules": types.ModuleType("raylight.distributed_modules"),
@@ -44,7 +50,8 @@ def fake_raylight(monkeypatch):
         "raylight.distributed_modules.inner_attention.registry": types.SimpleNamespace(
             register_inner_attention=register_inner_attention),
         "raylight.comfy_extra_dist": types.ModuleType("raylight.comfy_extra_dist"),
-        "raylight.comfy_extra_dist.ray_patch_decorator": types.SimpleNamespace(ray_patch=ray_patch),
+        "raylight.comfy_extra_dist.ray_patch_decorator": types.SimpleNamespace(
+            ray_patch=ray_patch, ray_patch_with_return=ray_patch_with_return),
         "ray": types.ModuleType("ray"),
         "ray.cloudpickle": types.SimpleNamespace(register_pickle_by_value=by_value.append),
     }
@@ -79,7 +86,8 @@ def test_ray_sparse_attention_installs_the_processor_on_every_actor(comfy, fake_
     from ditkit.bridge.attention import HOLDER_KEY
 
     mod = _reload_ray_nodes()
-    assert [c.GET_SCHEMA().node_id for c in mod.NODES] == ["DitKitRaySparseAttention", "DitKitRayAdaLNCache"]
+    assert [c.GET_SCHEMA().node_id for c in mod.NODES] == ["DitKitRaySparseAttention", "DitKitRayAdaLNCache",
+                                                           "DitKitRayTeaCache", "DitKitRayFastH3Schedule"]
     assert fake_raylight.registered == {"ditkit:vsa_h3": rl.VSAInnerAttention}
     assert [m.__name__ for m in fake_raylight.by_value] == [mod.__name__.rsplit(".", 2)[0]]   # the pack, by value
     assert rl.register(sys.modules["raylight.distributed_modules.inner_attention.registry"]).endswith(
@@ -106,3 +114,72 @@ def test_ray_adaln_cache_runs_the_node_on_every_actor(comfy, fake_raylight, tiny
     actors = fake_raylight.Actors([base, base.clone()])
     (out,) = mod.DitKitRayAdaLNCache.execute(ray_actors=actors).result
     assert all(m is not base and m.model_options != base.model_options for m in out.models)
+
+
+def test_ray_teacache_installs_the_rank_consistent_decision_on_every_actor(comfy, fake_raylight, tiny_ckpts):
+    import comfy.sd
+
+    from ditkit.bridge import raylight as rl
+    from ditkit.bridge.blocks import HOLDER_KEY
+    from ditkit.parallel.reduce import DistReducer
+
+    mod = _reload_ray_nodes()
+    base = comfy.sd.load_diffusion_model(str(tiny_ckpts / "diffusion_models" / "h3_tiny_comfy.safetensors"))
+    actors = fake_raylight.Actors([base, base.clone()])
+    kw = dict(coefficients="shipped:h3_tiny_calibrated", threshold=0.2, audio_threshold=0.2, start_percent=0.0,
+              end_percent=1.0, cache_device="model", strict=False)
+    (out,) = mod.DitKitRayTeaCache.execute(ray_actors=actors, **kw).result
+    holders = [m.model_options["transformer_options"][HOLDER_KEY] for m in out.models]
+    assert len({id(h) for h in holders}) == 2                                  # one state per actor
+    for m, h in zip(out.models, holders):
+        assert isinstance(h.adapter, rl.ShardedH3Adapter) and isinstance(h.state.reducer, DistReducer)
+        assert isinstance(h.state.reducer.sp_group, rl.LazyGroup) and h.state.reducer.world_group is None
+        assert h.clone().adapter is h.adapter and h.clone().state.reducer is h.state.reducer   # kept per run
+        assert m.get_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, rl.SHARD_WRAPPER_KEY)
+    assert HOLDER_KEY not in base.model_options.get("transformer_options", {})
+    inputs = [i.id for i in mod.DitKitRayTeaCache.GET_SCHEMA().inputs]
+    assert inputs[0] == "ray_actors" and "model" not in inputs and "coefficients" in inputs
+    assert all(i.tooltip for i in mod.DitKitRayTeaCache.GET_SCHEMA().inputs)
+    assert isinstance(mod.DitKitRayTeaCache.validate_inputs(coefficients=None), str)
+
+
+def test_ray_teacache_refuses_what_cannot_run_on_shards(comfy, fake_raylight, tiny_ckpts, monkeypatch):
+    import comfy.sd
+
+    from ditkit.bridge import raylight as rl
+    from ditkit.bridge.blocks import HOLDER_KEY
+    from ditkit.errors import CoefficientError, UnsupportedModelError
+
+    _reload_ray_nodes()
+    m = comfy.sd.load_diffusion_model(str(tiny_ckpts / "diffusion_models" / "h3_tiny_comfy.safetensors")).clone()
+    holder = types.SimpleNamespace(family="ltxav", state=None)
+    m.model_options.setdefault("transformer_options", {})[HOLDER_KEY] = holder
+    with pytest.raises(UnsupportedModelError, match="DitKitRayTeaCache: only MiniMax H3.*ltxav"):
+        rl.shard_teacache(m, "DitKitRayTeaCache")
+    holder.family = "h3"
+    with pytest.raises(CoefficientError, match="DitKitRayTeaCache: coefficients: .*Calibrate"):
+        rl.shard_teacache(m, "DitKitRayTeaCache")
+
+
+def test_ray_fasth3_schedule_shifts_every_actor_and_returns_actor_0s_sigmas(comfy, fake_raylight, tiny_ckpts):
+    import comfy.sd
+    import torch
+
+    from ditkit.nodes.fasth3 import DitKitFastH3Schedule
+
+    mod = _reload_ray_nodes()
+    base = comfy.sd.load_diffusion_model(str(tiny_ckpts / "diffusion_models" / "h3_tiny_fasth3.safetensors"))
+    actors = fake_raylight.Actors([base, base.clone()])
+    out, sigmas = mod.DitKitRayFastH3Schedule.execute(ray_actors=actors, recipe="fasth3_preview_4step",
+                                                      contract_file="").result
+    ref_model, ref_sigmas = DitKitFastH3Schedule.execute(model=base, recipe="fasth3_preview_4step",
+                                                         contract_file="").result
+    assert out is actors and actors.on_actor0 == 1                       # the ladder: computed once, on actor 0
+    assert torch.equal(sigmas, ref_sigmas) and sigmas.shape == (5,)      # 4 rungs + the final 0
+    want = {k: v for k, v in ref_model.model_options["transformer_options"].items() if "sigma_shift" in k}
+    assert want and all(m is not base for m in out.models)
+    for m in out.models:                                                 # the shifts: on every actor's model
+        assert {k: v for k, v in m.model_options["transformer_options"].items() if "sigma_shift" in k} == want
+    schema = mod.DitKitRayFastH3Schedule.GET_SCHEMA()
+    assert [o.io_type for o in schema.outputs] == ["RAY_ACTORS", "SIGMAS"]
+    assert [i.id for i in schema.inputs] == ["ray_actors", "recipe", "contract_file"]

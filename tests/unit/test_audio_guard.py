@@ -125,3 +125,136 @@ def test_spectral_jump_is_the_same_in_chunks():
     one = _spectral_jump(w, th, chunk_frames=10_000)
     for c in (1, 2, 7, 64):
         assert _spectral_jump(w, th, chunk_frames=c) == pytest.approx(one, rel=1e-12, abs=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ sampling time
+# Oracles written here: the spectrum of a latent whose rows are pure tones (power in one bin), and the RMS of a
+# known dB difference; the trajectory figure is the last spectral step over the one before it.
+
+from ditkit.cache.audio_guard import (DEFAULT_TRAJECTORY_THRESHOLDS, AudioTrajectoryMonitor,  # noqa: E402
+                                      TrajectoryThresholds, latent_spectrum_db, spectral_step_db)
+
+
+def _latent(amps, t=32, ch=4):
+    """[1, ch, t]: row c is amps[c] * cos(2 pi k t / T) with k = c + 1 (one bin each)."""
+    n = torch.arange(t, dtype=torch.float64)
+    rows = [a * torch.cos(2 * math.pi * (c + 1) * n / t) for c, a in enumerate(amps)]
+    return torch.stack(rows)[None]
+
+
+def test_latent_spectrum_is_the_power_along_time():
+    x = _latent([1.0, 2.0, 0.5, 1.0])
+    s = latent_spectrum_db(x)
+    assert s.shape == (4, 17) and s.dtype == torch.float64
+    # a cosine of amplitude a over T samples: |X_k| = a T / 2 -> 20 log10(a T / 2) dB in bin k
+    for c, a in enumerate([1.0, 2.0, 0.5, 1.0]):
+        assert float(s[c, c + 1]) == pytest.approx(20 * math.log10(a * 32 / 2), abs=1e-9)
+    # the time axis is chosen: [1, T, C] with time_dim=1 gives the same rows
+    assert torch.allclose(latent_spectrum_db(x.transpose(1, 2), time_dim=1), s)
+    with pytest.raises(ValueError):
+        latent_spectrum_db(torch.zeros(3, 1))
+    with pytest.raises(ValueError):
+        latent_spectrum_db(torch.zeros(3, 8, dtype=torch.int32))
+
+
+def test_spectral_step_is_the_rms_db_difference_and_floors_the_noise():
+    a = torch.tensor([[0.0, -10.0], [0.0, -10.0]], dtype=torch.float64)
+    b = a + torch.tensor([[3.0, 0.0], [-3.0, 0.0]], dtype=torch.float64)
+    assert spectral_step_db(a, b) == pytest.approx(math.sqrt((9 + 0 + 9 + 0) / 4))
+    # below the floor (peak - floor_db) nothing counts: -200 vs -100 dB are both at the floor -57 dB
+    c = torch.tensor([[3.0, -200.0]], dtype=torch.float64)
+    d = torch.tensor([[3.0, -100.0]], dtype=torch.float64)
+    assert spectral_step_db(c, d) == 0.0
+    # floor 3 - 150 = -147 dB: -200 counts as -147, the step is 47 dB in one of two bins
+    assert spectral_step_db(c, d, floor_db=150.0) == pytest.approx(math.sqrt((0 + 47 ** 2) / 2))
+    with pytest.raises(ValueError):
+        spectral_step_db(a, torch.zeros(3, 2, dtype=torch.float64))
+
+
+def _run(scales, dtype=torch.float64, thresholds=DEFAULT_TRAJECTORY_THRESHOLDS):
+    """Steps whose row 0 amplitude is scales[i]: a known dB step between consecutive estimates."""
+    m = AudioTrajectoryMonitor(thresholds)
+    for s in scales:
+        m.observe(_latent([s, 1.0, 1.0, 1.0]).to(dtype))
+    return m.report()
+
+
+def _ratio_for(last_db, before_db=1.0):
+    """Amplitudes whose last two steps change row 0 by before_db and last_db (RMS over 4 rows x 17 bins: one bin
+    of 68 moves, so a per-bin change of d dB is an RMS of d / sqrt(68))."""
+    k = math.sqrt(68)
+    a1 = 1.0
+    a2 = a1 * 10 ** (before_db * k / 20)
+    a3 = a2 * 10 ** (last_db * k / 20)
+    return [a1, a2, a3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_converging_trajectory_is_clean_in_every_dtype(dtype):
+    r = _run([1.0, 1.5, 1.9, 2.0, 2.05, 2.07], dtype)
+    assert r.clean and r.steps == 6 and len(r.jumps_db) == 5 and r.final_jump_ratio < 1.0
+
+
+def test_final_jump_ratio_boundary_both_sides():
+    th = DEFAULT_TRAJECTORY_THRESHOLDS.final_jump_ratio
+    at = _run(_ratio_for(th * 0.999))
+    assert at.final_jump_ratio == pytest.approx(th * 0.999, rel=1e-6) and at.clean
+    above = _run(_ratio_for(th * 1.001))
+    assert above.final_jump_ratio == pytest.approx(th * 1.001, rel=1e-6) and not above.clean
+    assert "final spectral jump" in above.flags[0]
+    # exactly at the threshold is not above (strict)
+    m = AudioTrajectoryMonitor(TrajectoryThresholds(final_jump_ratio=2.0))
+    m.jumps_db, m.steps = [1.0, 2.0], 3
+    assert m.report().clean
+    m.jumps_db = [1.0, 2.0000001]
+    assert not m.report().clean
+
+
+def test_stale_estimate_corrected_at_the_end_is_flagged():
+    # the estimate hardly moves while a cache reuses it, then the computed last step jumps
+    r = _run([1.0, 1.01, 1.02, 1.03, 3.0])
+    assert not r.clean and r.final_jump_ratio > 10
+
+
+def test_zero_change_before_a_change_is_an_infinite_ratio_and_no_change_is_zero():
+    r = _run([1.0, 1.0, 2.0])
+    assert r.final_jump_ratio == math.inf and not r.clean
+    r0 = _run([1.0, 1.0, 1.0])
+    assert r0.final_jump_ratio == 0.0 and r0.clean
+
+
+def test_fewer_than_three_steps_have_no_ratio():
+    r = _run([1.0, 5.0])
+    assert r.final_jump_ratio is None and r.clean and "n/a" in r.summary()
+    assert AudioTrajectoryMonitor().report().steps == 0
+
+
+def test_nonfinite_estimates_are_counted_per_step_and_flagged():
+    m = AudioTrajectoryMonitor()
+    m.observe(_latent([1.0, 1.0, 1.0, 1.0]))
+    bad = _latent([1.0, 1.0, 1.0, 1.0])
+    bad[0, 1, 3] = float("nan")
+    bad[0, 2, 4] = float("inf")
+    m.observe(bad)
+    r = m.report()
+    assert r.nonfinite == 2 and r.nonfinite_steps == [1] and not r.clean and "2 NaN/Inf" in r.flags[0]
+
+
+def test_non_contiguous_estimates_and_shape_changes():
+    m = AudioTrajectoryMonitor(time_dim=1)
+    for s in (1.0, 1.1, 1.2):
+        m.observe(_latent([s, 1.0, 1.0, 1.0]).transpose(1, 2))   # [1, T, C] view: not contiguous
+    assert m.report().clean and m.report().steps == 3
+    with pytest.raises(ValueError):
+        m.observe(torch.zeros(1, 16, 4, dtype=torch.float64))
+
+
+def test_trajectory_report_dict_and_summary():
+    r = _run([1.0, 1.01, 1.02, 3.0])
+    d = r.as_dict()
+    assert list(d) == ["clean", "flags", "steps", "nonfinite", "nonfinite_steps", "final_jump_ratio", "jumps_db",
+                       "thresholds"]
+    assert d["thresholds"] == {"final_jump_ratio": 3.0, "floor_db": 60.0}
+    assert d["final_jump_ratio"] == round(r.final_jump_ratio, 3)
+    assert r.summary().startswith("audio stream while sampling: final spectral jump")
+    assert _run([1.0, 1.5, 1.7]).summary().startswith("audio stream while sampling: clean (3 steps")

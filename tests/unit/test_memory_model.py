@@ -10,7 +10,8 @@ import pytest
 from ditkit.errors import DitKitError
 from ditkit.memory.model import (GIB, MAX_TOKENS, DiTDims, MemoryModelError, Options, Tokens, Weights,
                                  activation_parts, predict, sub_quad_chunk, weights_from_inventory)
-from ditkit.memory.preflight import (MemoryShortfallError, check_available, check_limit, h3_tokens, plan)
+from ditkit.memory.preflight import (MemoryShortfallError, check_available, check_limit, h3_keyframe_rows,
+                                    h3_ref_rows, h3_tokens, ltx2_tokens, plan)
 
 D = DiTDims("h3", 5376, 56, 128, 14336, 50)
 W = Weights(tuple([1_000_000_000] * 50), 2_000_000_000, 28672 * 5376)
@@ -21,6 +22,44 @@ def test_tokens_h3_layout():
     assert (t.video, t.audio, t.text, t.total) == (32 * 24 * 42, 414, 300, 32 * 24 * 42 + 414 + 300)
     odd = h3_tokens((1, 24, 3, 5, 7), (1, 32, 2, 1))      # padded to the 2x2 patch
     assert odd.video == 3 * 3 * 4
+
+
+def test_ref_and_keyframe_rows_by_hand():
+    # ComfyUI's PackedLayout (written out): a reference frame has one row per whole 2x2 patch (h // 2 * w // 2, the
+    # odd row / column dropped), stereo audio two rows per latent frame; a keyframe sits on the target's grid
+    assert h3_ref_rows("image", latent_h=48, latent_w=84) == 24 * 42
+    assert h3_ref_rows("image", latent_h=7, latent_w=9) == 3 * 4
+    assert h3_ref_rows("image", latent_h=2, latent_w=2) == 1
+    assert h3_ref_rows("audio", ref_audio_t=207) == 414
+    assert h3_ref_rows("audio", ref_audio_t=0) == 0
+    assert h3_ref_rows("video", latent_t=7, latent_h=6, latent_w=10, ref_audio_t=0) == 7 * 15
+    assert h3_ref_rows("video_audio", latent_t=2, latent_h=5, latent_w=5, ref_audio_t=5) == 2 * 4 + 10
+    assert h3_keyframe_rows(1, 0, 1008) == 1008
+    assert h3_keyframe_rows(2, 3, 64) == 128 + 6
+    assert h3_keyframe_rows(0, 0, 64) == 0
+    t = h3_tokens((1, 24, 7, 16, 16), (1, 32, 2, 37), text=10, refs=24, keyframes=70)
+    assert (t.refs, t.keyframes, t.total) == (24, 70, 7 * 64 + 74 + 10 + 24 + 70)
+
+
+@pytest.mark.parametrize("args", [("image", 0, 1, 8, 0), ("image", 0, 8, 1, 0), ("sound", 0, 8, 8, 0),
+                                  ("video", -1, 8, 8, 0), ("video", 1.0, 8, 8, 0), ("audio", 0, 0, 0, True),
+                                  ("audio", 0, 0, 0, MAX_TOKENS + 1), ("video", MAX_TOKENS, 4, 4, 0)])
+def test_bad_ref_rows(args):
+    with pytest.raises(MemoryModelError):
+        h3_ref_rows(*args)
+
+
+def test_ref_rows_at_the_absurd_boundary():
+    assert h3_ref_rows("audio", ref_audio_t=MAX_TOKENS // 2) == MAX_TOKENS
+    with pytest.raises(MemoryModelError, match="absurd"):
+        h3_ref_rows("audio", ref_audio_t=MAX_TOKENS // 2 + 1)
+
+
+@pytest.mark.parametrize("args", [(-1, 0, 64), (1, -1, 64), (1, 0, -64), (1.5, 0, 64), (1, None, 64),
+                                  (MAX_TOKENS, 0, 2)])
+def test_bad_keyframe_rows(args):
+    with pytest.raises(MemoryModelError):
+        h3_keyframe_rows(*args)
 
 
 @pytest.mark.parametrize("video", [(1, 24, 10**6, 48, 84), (1, 24, 10**12, 10**6, 10**6)])
@@ -212,3 +251,61 @@ def test_head_groups_shrink_score_workspace():
     assert sq1["attention"] < sq
     with pytest.raises(MemoryModelError, match="head_group"):
         activation_parts(D, Tokens(video=k), Options(head_group=0))
+
+
+def test_ltx2_tokens_by_hand():
+    # LTX-2 (ComfyUI's SymmetricPatchifier patch 1, AudioPatchifier(1)): one row per latent voxel, one per audio
+    # latent frame; text is cross-attention context
+    t = ltx2_tokens((1, 128, 13, 16, 16))
+    assert (t.video, t.audio, t.text, t.total) == (13 * 16 * 16, 0, 0, 3328)
+    t = ltx2_tokens((2, 128, 4, 6, 5), (2, 8, 21, 16))
+    assert (t.video, t.audio, t.total) == (120, 21, 141)
+    assert ltx2_tokens((1, 128, 1, 1, 1)).total == 1
+    assert ltx2_tokens((1, 128, 1, 1, 1), (1, 8, 0, 16)).audio == 0          # an empty audio stream
+    assert ltx2_tokens((1, 128, MAX_TOKENS, 1, 1)).total == MAX_TOKENS
+    with pytest.raises(MemoryModelError, match="absurd"):
+        ltx2_tokens((1, 128, MAX_TOKENS + 1, 1, 1))
+
+
+@pytest.mark.parametrize("video,audio", [((1, 128, 4, 4), None), ((1, 128, 0, 4, 4), None), ((1, 128, 2, -4, 4), None),
+                                         ((1, 128, 2, 4, 4), (1, 8, 16)), ((1, 128, 2, 4, 4), (1, 8, -1, 16)),
+                                         ((1, 128, 10**6, 10**4, 10**4), None)])
+def test_ltx2_bad_latents(video, audio):
+    tracemalloc.start()
+    try:
+        with pytest.raises(MemoryModelError):
+            ltx2_tokens(video, audio)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_ltx2_persistent_columns_and_gelu_feed_forward():
+    d = DiTDims("ltx2", 4096, 32, 128, 16384, 48, ffn_kind="gelu", extra_cols=2048)
+    a = activation_parts(d, Tokens(video=1000), Options(compute="bfloat16"))
+    assert a["persistent"] == 1000 * (2 * 4096 + 2048) * 2
+    assert a["feed_forward"] == 1000 * (2 * 4096 + 2 * 16384) * 2
+    assert a["attention"] == 1000 * (2 * 4096 + 6 * 4096) * 2
+
+
+def test_head_groups_are_suggested_only_for_backends_that_hold_scores():
+    tok = Tokens(video=20_000)
+    w = {"bf16": W2}
+    sq = Options(compute="bfloat16", attention="sub_quad", free_bytes=64 * GIB)
+    full = predict(D2, W2, tok, sq).device
+    g1 = predict(D2, W2, tok, Options(compute="bfloat16", attention="sub_quad", free_bytes=64 * GIB, head_group=1))
+    assert g1.device < full
+    p = plan(D2, w, tok, sq, full - 1, "x", False)
+    groups = [s.settings.get("attention_heads_per_call") for s in p.suggestions]
+    assert any(groups) and all(g in (None, 4, 2, 1) for g in groups), p.summary()
+    assert all(s.prediction.device <= full - 1 for s in p.suggestions)
+    fl = Options(compute="bfloat16", attention="flash")
+    pf = plan(D2, w, tok, fl, predict(D2, W2, tok, fl).device - 1, "x", False)
+    assert pf.suggestions and not any("attention_heads_per_call" in s.settings for s in pf.suggestions)
+    already = Options(compute="bfloat16", attention="math", head_group=2)
+    pm = plan(D2, w, tok, already, predict(D2, W2, tok, already).device - 1, "x", False)
+    assert all(s.settings.get("attention_heads_per_call", 1) < 2 for s in pm.suggestions)
+    assert "attention 2 heads per call" in already.describe() and "heads per call" not in fl.describe()
+    off = plan(D2, w, tok, sq, full - 1, "x", False, head_groups=False)       # a model they do not apply to
+    assert not any("attention_heads_per_call" in s.settings for s in off.suggestions)

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NODES_DIR = ROOT / "nodes"
 
 CATEGORIES = {"ditkit/loaders", "ditkit/attention", "ditkit/cache", "ditkit/vae", "ditkit/sampling", "ditkit/latent"}
-NODE_IDS = {"DitKitActivationChunking", "DitKitAdapterLoader", "DitKitPreflight", "DitKitRayAdaLNCache", "DitKitRaySparseAttention", "DitKitFastH3Schedule", "DitKitH3AdaLNCache", "DitKitH3EmptyImageLatent", "DitKitH3EncodeImage",
+NODE_IDS = {"DitKitActivationChunking", "DitKitAdapterLoader", "DitKitPreflight", "DitKitRayAdaLNCache", "DitKitRaySparseAttention",
+            "DitKitRayTeaCache", "DitKitRayFastH3Schedule", "DitKitFastH3Schedule", "DitKitH3AdaLNCache", "DitKitH3EmptyImageLatent", "DitKitH3EncodeImage",
             "DitKitH3ModelLoader", "DitKitH3TextEncoderLoader", "DitKitLTX2ModelLoader", "DitKitFlux2ModelLoader", "DitKitH3VAEDecode", "DitKitH3VAELoader",
             "DitKitLTXTextEncoderLoader", "DitKitLoKrLoader", "DitKitSaveVideo", "DitKitSparseAttention",
             "DitKitStepCache", "DitKitTeaCache", "DitKitTeaCacheCalibrate", "DitKitZImageLoader"}

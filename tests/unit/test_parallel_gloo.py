@@ -264,3 +264,185 @@ def test_reduced_metric_equals_the_single_process_relative_l1_within_rounding():
     conds = [type("C", (), {"prev": {"video": torch.cat([b, torch.zeros(1, 8)])}})()]
     got = st._reduced_changes(conds, {"video": [torch.cat([a, torch.full((1, 8), 9.0)])]})  # the pad row excluded
     assert got[(0, "video")] == pytest.approx(rel_l1(a, b), rel=1e-6)
+
+
+def test_processor_dense_step_excludes_raylight_pad_rows():
+    """A dense step (outside start/end percent) of a padded packed forward: the dense attention gets the layout's
+    rows only (Raylight's pad rows would be attended as keys), the output is padded back with zero rows."""
+    rt = VSAH3Runtime(VSAH3Config(keep=0.25, backend="reference", sigma_start=0.9, sigma_end=0.1))
+    ctx = rt.begin_forward((37, 10), GRID, 0.95)
+    assert not ctx.sparse
+    n = ctx.layout.seq_len
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 3, n + 2, HEAD_DIM, generator=g).transpose(1, 2) for _ in range(3))  # BSHD views
+    seen = []
+
+    def dense(q_, k_, v_, **kw):
+        seen.append((q_.shape[1], k_.shape[1], v_.shape[1], kw))
+        return q_ * 2
+    out = VSAInnerAttention()(dense, q, k, v, transformer_options={HOLDER_KEY: VSAHolder(rt), CTX_KEY: ctx},
+                              causal=False)
+    assert seen == [(n, n, n, {"causal": False})]
+    assert out.shape == q.shape and torch.equal(out[:, :n], q[:, :n] * 2)
+    assert torch.equal(out[:, n:], torch.zeros_like(out[:, n:]))
+    assert rt.calls[ctx.reason] == 1 and rt.steps_dense
+    exact = VSAInnerAttention()(dense, q[:, :n], k[:, :n], v[:, :n],
+                                transformer_options={HOLDER_KEY: VSAHolder(rt), CTX_KEY: ctx})
+    assert exact.shape[1] == n                                          # unpadded: as is, no zero rows added
+
+
+# ------------------------------------------------------------------------------ TeaCache on Raylight's shards
+def test_lazy_group_resolves_once_and_resolve_group_passes_plain_groups():
+    from ditkit.parallel.reduce import LazyGroup, resolve_group
+
+    calls = []
+    g = LazyGroup(lambda: calls.append(1) or "ulysses")
+    assert resolve_group(g) == "ulysses" and resolve_group(g) == "ulysses" and calls == [1]
+    assert resolve_group(None) is None and resolve_group("world") == "world"
+
+
+@pytest.mark.parametrize("rank,span,expect", [(0, (250, 303), (152, 152)), (1, (250, 303), (98, 151)),
+                                              (0, (0, 152), (0, 152)), (1, (0, 152), (0, 0)),
+                                              (0, (151, 153), (151, 152)), (1, (151, 153), (0, 1))])
+def test_shard_plan_places_global_rows_on_the_shard(rank, span, expect):
+    from ditkit.bridge.raylight import ShardPlan
+
+    plan = ShardPlan(303, {}, rank, 2)       # 303 tokens on 2 ranks: shards of 152, one pad row on rank 1
+    assert plan.shard == 152 and plan.local(*span) == expect
+
+
+def _fake_block(hidden, rows):
+    g = torch.Generator().manual_seed(5)
+    mods = tuple(torch.randn(rows, hidden, generator=g) for _ in range(6))
+    return type("Blk", (), {"adaln_proj": staticmethod(lambda t: mods),
+                            "norm1": staticmethod(lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))})()
+
+
+def test_sharded_h3_adapter_covers_the_streams_exactly_once_without_pad_rows():
+    """The ranks' stream rows put together are the whole streams, modulated as one process does (oracle: the
+    modulation formula of H3's block on the unsplit rows); pad rows never enter."""
+    from ditkit.bridge.blocks import CallCtx
+    from ditkit.bridge.raylight import SHARD_KEY, ShardPlan, ShardedH3Adapter
+
+    s, hidden, world = 45, 8, 2                  # text 0..10, audio 10..21 (row 2), video 21..45 (row 0)
+    segs = [(0, 10, 1), (10, 21, 2), (21, 45, 0)]
+    blk = _fake_block(hidden, 3)
+    h = torch.randn(s, hidden, generator=torch.Generator().manual_seed(6))
+    shift, scale = blk.adaln_proj(None)[:2]
+
+    def oracle(a, b, row):
+        x = blk.norm1(h[a:b])
+        return x * (1 + scale[row]) + shift[row]
+    got = {"video": [], "audio": []}
+    for r in range(world):
+        shard = _shard_rows(h[None, :, None], r, world)[0, :, 0]
+        lo = r * shard.shape[0]
+        local = [(max(a, lo) - lo, min(b, lo + shard.shape[0]) - lo, row) for a, b, row in segs
+                 if max(a, lo) < min(b, lo + shard.shape[0])]
+        plan = ShardPlan(s, {"video": (21, 45), "audio": (10, 21)}, r, world)
+        ctx = CallCtx(None, None, ["c"], 0.5, meta={"expect_rows": (24, 11)})
+        args = {"img": shard, "t_emb": None, "mod_segments": local, "transformer_options": {SHARD_KEY: plan}}
+        out = ShardedH3Adapter().modulated_inputs(type("M", (), {"blocks": [blk]})(), args, 1, ctx)
+        for k in got:
+            got[k].append(out[k][0])
+    assert torch.allclose(torch.cat(got["video"]), oracle(21, 45, 0), atol=1e-6)
+    assert torch.allclose(torch.cat(got["audio"]), oracle(10, 21, 2), atol=1e-6)
+    assert got["audio"][1].shape == (0, hidden)        # rank 1 holds no audio row: an empty part, not a pad row
+
+
+def test_sharded_h3_adapter_refuses_a_forward_without_plan_or_with_other_rows():
+    from ditkit.bridge.blocks import CallCtx
+    from ditkit.bridge.raylight import SHARD_KEY, ShardPlan, ShardedH3Adapter
+
+    ctx = CallCtx(None, None, ["c"], 0.5, meta={"expect_rows": (24, 12)})
+    with pytest.raises(BackendError, match="no shard plan"):
+        ShardedH3Adapter().prepare(None, {"transformer_options": {}}, ctx)
+    plan = ShardPlan(45, {"video": (21, 45), "audio": (10, 21)}, 0, 2)
+    with pytest.raises(RuntimeError, match=r"\(24, 11\) rows .* imply \(24, 12\)"):
+        ShardedH3Adapter().prepare(None, {"transformer_options": {SHARD_KEY: plan}}, ctx)
+
+
+def test_shard_plan_wrapper_leaves_other_models_alone():
+    from ditkit.bridge.raylight import shard_plan_wrapper
+
+    ex = lambda *a, **kw: ("ran", a, kw)   # noqa: E731
+    assert shard_plan_wrapper(ex, 1, 2, 3, {}, k=1) == ("ran", (1, 2, 3, {}), {"k": 1})
+
+
+# --------------------------------------------------------------------------------------------- rank-0 reports
+def test_ranks_report_names_what_the_ranks_disagree_on():
+    from ditkit.parallel.reduce import RanksReport
+
+    ok = RanksReport([{"computed": 3, "skipped": 2}, {"computed": 3, "skipped": 2}], ("computed", "skipped"))
+    assert ok.disagree == [] and ok.as_dict() == {"ranks": ok.ranks, "disagree": []}
+    assert ok.summary() == ("2 ranks (rank 0: computed: 3, skipped: 2; rank 1: computed: 3, skipped: 2); ranks agree "
+                            "on computed, skipped")
+    bad = RanksReport([{"computed": 3, "skipped": 2}, {"computed": 4, "skipped": 2}], ("computed", "skipped"))
+    assert bad.disagree == ["computed"] and "WARNING: the ranks disagree on computed" in bad.summary()
+    assert "agree" not in RanksReport([{"a": 1}]).summary()
+
+
+def test_figures_of_the_ray_reports():
+    from ditkit.bridge.raylight import teacache_figures, vsa_figures
+
+    assert vsa_figures({"calls": {"sparse": 4, "outside start/end percent": 2, "token refiner / non-packed": 1},
+                        "steps_sparse": 2, "steps_dense": 1, "measured_density": 0.25}) == {
+        "steps_sparse": 2, "steps_dense": 1, "sparse_calls": 4, "dense_calls": 3, "density": 0.25}
+    assert teacache_figures({"calls": 5, "computed": 3, "skipped": 2, "streams": {}}) == {
+        "calls": 5, "computed": 3, "skipped": 2}
+
+
+def test_rank_target_sends_once_from_rank_0_with_the_gathered_figures(tmp_path):
+    from ditkit.bridge.raylight import RankTarget
+    from ditkit.parallel.reduce import gather_objects
+    from ditkit.report import Report
+
+    class Sink:
+        sent = []
+
+        def send(self, kind, summary, data=None):
+            self.sent.append((kind, summary, data))
+            return {"ok": 1}
+
+    class Rep(Report):
+        def as_dict(self):
+            return {"computed": 1}
+
+        def summary(self):
+            return "one computed"
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rv", rank=0, world_size=1)
+    try:
+        assert gather_objects({"x": 1}) == [{"x": 1}]
+        t = RankTarget(Sink(), lambda d: {"computed": d["computed"]}, ("computed",))
+        assert t.send("teacache", Rep(), {"extra": 2}) == {"ok": 1}
+    finally:
+        dist.destroy_process_group()
+    kind, summary, data = Sink.sent[0]
+    assert kind == "teacache" and summary == "one computed | 1 ranks (rank 0: computed: 1); ranks agree on computed"
+    assert data == {"computed": 1, "extra": 2, "ranks": {"ranks": [{"computed": 1}], "disagree": []}}
+
+
+def test_reports_from_rank0_swap_the_sinks_for_rank_targets():
+    import functools
+    import types
+
+    from ditkit.bridge.attention import HOLDER_KEY as VSA_KEY
+    from ditkit.bridge.blocks import HOLDER_KEY as TC_KEY
+    from ditkit.bridge.raylight import (RankTarget, teacache_figures, teacache_reports_from_rank0, vsa_figures,
+                                        vsa_reports_from_rank0)
+
+    def send_run_report(target, rt):
+        return target, rt
+    target = object()
+    vsa = types.SimpleNamespace(on_run_end=functools.partial(send_run_report, target))
+    tc = types.SimpleNamespace(info={"report_to": target})
+    m = types.SimpleNamespace(model_options={"transformer_options": {VSA_KEY: vsa, TC_KEY: tc}})
+    vsa_reports_from_rank0(m)
+    teacache_reports_from_rank0(m)
+    rt_target, rt = vsa.on_run_end("runtime")
+    assert rt == "runtime" and isinstance(rt_target, RankTarget) and rt_target.target is target
+    assert rt_target.figures is vsa_figures and "sparse_calls" in rt_target.must_agree
+    t = tc.info["report_to"]
+    assert isinstance(t, RankTarget) and t.target is target and t.figures is teacache_figures
+    assert t.must_agree == ("calls", "computed", "skipped")

@@ -203,3 +203,26 @@ def test_quantization_report_dict():
                     block_scales={"layers_kept": 3, "layers": 4, "bytes_not_copied": 3 << 20})
     assert b.as_dict()["block_scales"] == {"layers_kept": 3, "layers": 4, "bytes_not_copied": 3145728}
     assert b.summary().endswith("; block scales not copied by the host: 3/4 layers (3.0 MiB)")
+
+
+def test_step_cache_reports_share_a_base_and_keep_their_dicts():
+    from ditkit.cache.stepcache import StepCacheReport
+    from ditkit.cache.teacache import CacheRunReport, TeaCacheReport
+
+    common = dict(family="h3", steps=25, calls=48, computed=16, skipped=32, forced={"first step": 2},
+                  streams={"video": {"computed": 16}}, per_condition=[{"condition": "c", "computed": 8}],
+                  thresholds={"video": 0.2, "audio": 0.1})
+    t = TeaCacheReport(**common, coefficients="file.json", warnings=["w"], resets=1)
+    s = StepCacheReport(**common, mode="first_block", plan="C.C", reducer="none", resets=0)
+    assert isinstance(t, CacheRunReport) and isinstance(s, CacheRunReport)
+    assert t.as_dict() == {"family": "h3", "steps": 25, "calls": 48, "computed": 16, "skipped": 32,
+                           "block_eval_ratio": 3.0, "forced": {"first step": 2}, "streams": {"video": {"computed": 16}},
+                           "per_condition": [{"condition": "c", "computed": 8}],
+                           "thresholds": {"video": 0.2, "audio": 0.1}, "coefficients": "file.json", "warnings": ["w"],
+                           "resets": 1}
+    assert list(s.as_dict()) == ["mode", "family", "steps", "calls", "computed", "skipped", "block_eval_ratio",
+                                 "forced", "streams", "per_condition", "thresholds", "plan", "reducer", "resets"]
+    assert s.as_dict()["mode"] == "first_block" and s.as_dict()["block_eval_ratio"] == 3.0
+    assert round(StepCacheReport(**dict(common, calls=7, computed=3), mode="m", plan="", reducer="", resets=0)
+                 .as_dict()["block_eval_ratio"], 4) == 2.3333
+    assert TeaCacheReport(**dict(common, computed=0), coefficients="", warnings=[], resets=0).block_eval_ratio == 1.0

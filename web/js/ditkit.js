@@ -57,6 +57,16 @@ const num = (v, d = 2) => (typeof v === "number" ? v.toFixed(d) : "n/a");
 const shorten = (s, n = 48) => (s && s.length > n ? s.slice(0, n - 1) + "…" : s || "");
 const sum = (o) => Object.values(o || {}).reduce((a, v) => a + (typeof v === "number" ? v : 0), 0);
 
+// The audio stream checked while sampling (bridge/audio_watch.py): amber with the figure when a check failed.
+const audioSpec = (a) => {
+  if (!a) return [];
+  const t = a.trajectory || {};
+  const ratio = typeof t.final_jump_ratio === "number" ? t.final_jump_ratio : null;
+  if (a.clean !== false) return [{ text: `audio clean · jump ${ratio === null ? "n/a" : num(ratio) + "x"}`, color: OK }];
+  const why = a.nonfinite ? `${a.nonfinite} NaN/Inf` : `final jump ${ratio === null ? "inf" : num(ratio, 1)}x`;
+  return [{ text: `audio: ${why}`, color: WARN }];
+};
+
 // Kinds shown as their (shortened) summary: load-time facts with no counters.
 export const SUMMARY_KINDS = ["vae_load", "latent", "te_loader"];
 
@@ -88,7 +98,7 @@ export function badgeSpecs(p) {
         out.push({ text: `${s}: ${st.computed} computed / ${st.skipped} skipped`, color: INFO });
       }
       if ((d.warnings || []).length) out.push({ text: `fingerprint: ${d.warnings.length} warning(s)`, color: WARN });
-      return out;
+      return out.concat(audioSpec(d.audio_latent));
     }
     case "teacache_install":
       return [{ text: d.deferred ? `TeaCache: ${d.coefficients} (loaded at run)` : `TeaCache ready (${d.kind || "file"})`,
@@ -131,7 +141,7 @@ export function badgeSpecs(p) {
       if (d.run) {
         const r = d.run;
         return [{ text: `AdaLN ${r.hits} hits · ${r.misses} misses · ${r.rebuilds} rebuilds`, color: r.misses ? WARN : OK },
-                { text: `tables ${mib((d.total || {}).table_bytes)}`, color: INFO }];
+                { text: `tables ${mib((d.total || {}).table_bytes)}`, color: INFO }].concat(audioSpec(d.audio_latent));
       }
       return [{ text: shorten(p.summary), color: INFO }];
     }
@@ -168,8 +178,10 @@ export function badgeSpecs(p) {
       for (const [s, st] of Object.entries(d.streams || {})) {
         out.push({ text: `${s}: ${st.skipped} skipped · ${st.vetoes} vetoes`, color: INFO });
       }
-      return out;
+      return out.concat(audioSpec(d.audio_latent));
     }
+    case "audio_watch":  // DitKitFastH3Schedule: the audio check of a run on its schedule
+      return audioSpec(d);
     case "preflight": {  // DitKitPreflight: predicted peak vs the memory available, the shortfall when short
       const gib = (b) => num((b || 0) / 1073741824);
       const out = [{ text: `predicted ${gib(d.predicted_bytes)} GiB vs ${gib(d.available_bytes)} GiB ${d.where || ""}`.trim()
