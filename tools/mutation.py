@@ -75,6 +75,11 @@ TESTS: dict[str, list[str]] = {
 _ELSE_BRANCH = ("guard_node's else branch is reached only when execute is not a classmethod (a function or a "
                 "staticmethod): cls.execute then has no __func__ either way, so func is None and TypeError follows; "
                 "with the classmethod check disabled, cls.execute.__func__ is the same function as raw.__func__")
+_PEP446 = "Python opens every descriptor non-inheritable (PEP 446: os.open adds O_CLOEXEC itself)"
+_EOP = "EOPNOTSUPP == ENOTSUP (95) on Linux, where the attribute exists: the same tuple"
+_LINK = ("the path fallback's os.link(src, dst) with follow_symlinks True: without dir_fd CPython "
+         "calls link(2), which never follows a symlink on Linux (the descriptor branch's linkat is tested)")
+_FALSY = "follow_symlinks=None is falsy: the same call as follow_symlinks=False"
 EQUIVALENT: dict[str, str] = {
     "ditkit.guards.x_guard_node__mutmut_11": _ELSE_BRANCH,   # raw = None
     "ditkit.guards.x_guard_node__mutmut_19": _ELSE_BRANCH,   # isinstance(...) and False
@@ -103,6 +108,35 @@ EQUIVALENT: dict[str, str] = {
     "ditkit.loaders.safe_fs.x_validate_name__mutmut_22": "'UTF-8' and 'utf-8' name the same codec",
     "ditkit.loaders.safe_fs.x__rename2__mutmut_26": ("getattr(errno, 'EOPNOTSUPP') without a default: defined "
                                                     "wherever renameat2 exists (Linux: 95)"),
+    "ditkit.loaders.safe_fs.x__rename2__mutmut_21": _EOP,
+    "ditkit.loaders.safe_fs.x__rename2__mutmut_23": _EOP,
+    "ditkit.loaders.safe_fs.x__rename2__mutmut_27": _EOP,
+    "ditkit.loaders.safe_fs.x__rename2__mutmut_28": _EOP,
+    "ditkit.loaders.safe_fs.x_open_model_file__mutmut_5": "O_CLOEXEC lost: " + _PEP446,
+    "ditkit.loaders.safe_fs.xǁSafeDirǁopen_new__mutmut_3": "O_CLOEXEC lost: " + _PEP446,
+    "ditkit.loaders.safe_fs.xǁSafeDirǁopen_read__mutmut_2": "O_CLOEXEC lost: " + _PEP446,
+    "ditkit.loaders.safe_fs.xǁSafeDirǁopen_new__mutmut_4": ("O_NOFOLLOW and O_CLOEXEC lost: O_CREAT | O_EXCL never "
+                                                           "follows a symlink (EEXIST, POSIX), and " + _PEP446),
+    "ditkit.loaders.safe_fs.xǁSafeDirǁlstat__mutmut_4": _FALSY,
+    "ditkit.loaders.safe_fs.xǁSafeDirǁpublish_noreplace__mutmut_18": _FALSY,
+    "ditkit.loaders.safe_fs.xǁSafeDirǁpublish_noreplace__mutmut_47": _FALSY,
+    "ditkit.loaders.safe_fs.xǁSafeDirǁpublish_noreplace__mutmut_50": _LINK,
+    "ditkit.loaders.safe_fs.xǁSafeDirǁpublish_noreplace__mutmut_51": _LINK,
+    "ditkit.loaders.safe_fs.xǁSafeDirǁfd_path__mutmut_1": ("'and' -> 'or' before the /proc test: with fd None or -1, "
+                                                          "/proc/self/fd/None and /proc/self/fd/-1 never exist"),
+    # vae/t1_decode.py (reviewed 2026-12-04)
+    "ditkit.vae.t1_decode.x_tiled_decode_frame__mutmut_66": ("above = None: row 0 never reads it (i > 0 only) and "
+                                                            "every later row reads the list the row before set"),
+    "ditkit.vae.t1_decode.x_tiled_decode_frame__mutmut_69": ("tile = '' before the loops: always assigned before use;"
+                                                            " with no tile at all both None and '' raise on .shape"),
+    "ditkit.vae.t1_decode.x_tiled_decode_frame__mutmut_76": ("left = '' at a row start: read only for j > 0, after "
+                                                            "left = right set it"),
+    "ditkit.vae.t1_decode.x__check_latent__mutmut_17": ("check_latent_shape(shape, node) without 'samples': its "
+                                                       "input_name default is 'samples'"),
+    "ditkit.vae.t1_decode.x_unwhiten__mutmut_8": ("mean.view(-1, 1, 1, 1) vs view(1, -1, 1, 1, 1): against the 5-D "
+                                                 "latent (checked) both broadcast over dim 1"),
+    "ditkit.vae.t1_decode.x_unwhiten__mutmut_26": ("std.view(-1, 1, 1, 1) vs view(1, -1, 1, 1, 1): against the 5-D "
+                                                  "latent (checked) both broadcast over dim 1"),
     "ditkit.guards.x_guard_node__mutmut_42": ("bind_partial(None, ...): only the value bound to execute's first "
                                               "parameter (cls) changes; no FLOAT input can have that name"),
 }

@@ -562,3 +562,97 @@ def test_open_new_modes(tmp_path, mode, umask022):
         with pytest.raises(FileExistsError):
             d.open_new("l")                                           # never created through a link
     assert not (tmp_path / "target").exists()
+
+
+# ---- round 2 of the survivors: links are published as links, mixed implementations, Windows' rename, fd 0
+@pytest.mark.parametrize("renameat2", [True, False])
+def test_publish_noreplace_moves_a_link_as_a_link(tmp_path, mode, monkeypatch, renameat2):
+    if not renameat2:
+        monkeypatch.setattr(safe_fs, "_renameat2", None)               # the link() + unlink() publish
+    (tmp_path / "target").write_bytes(b"t")
+    os.symlink(tmp_path / "target", tmp_path / "tmp-link")
+    with SafeDir.open_root(tmp_path) as d:
+        d.publish_noreplace("tmp-link", d, "out")
+    assert os.path.islink(tmp_path / "out") and not os.path.lexists(tmp_path / "tmp-link")
+    assert os.readlink(tmp_path / "out") == str(tmp_path / "target")
+
+
+@posix_only
+@pytest.mark.parametrize("src_fd,dst_fd", [(True, False), (False, True), (True, True)])
+def test_publish_noreplace_between_a_descriptor_and_a_path(tmp_path, src_fd, dst_fd):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "t").write_bytes(b"data")
+    src = SafeDir.open_root(tmp_path / "a") if src_fd else SafeDir(str(tmp_path / "a"), None, DitKitError, "w")
+    dst = SafeDir.open_root(tmp_path / "b") if dst_fd else SafeDir(str(tmp_path / "b"), None, DitKitError, "w")
+    try:
+        if src_fd and dst_fd:                                          # both descriptors: names are not used
+            os.rename(tmp_path / "a", tmp_path / "a2")
+            os.rename(tmp_path / "b", tmp_path / "b2")
+            src.publish_noreplace("t", dst, "out")
+            assert (tmp_path / "b2" / "out").read_bytes() == b"data"
+        else:
+            src.publish_noreplace("t", dst, "out")
+            assert (tmp_path / "b" / "out").read_bytes() == b"data" and not (tmp_path / "a" / "t").exists()
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_publish_noreplace_on_windows_renames(tmp_path, monkeypatch):
+    calls = []
+
+    class NtOs:                       # safe_fs's view of os only: the process's os.name stays (pytest needs it)
+        name = "nt"
+
+        @staticmethod
+        def rename(a, b):
+            calls.append((a, b))
+
+        def __getattr__(self, k):
+            return getattr(os, k)
+
+    monkeypatch.setattr(safe_fs, "os", NtOs())
+    d = SafeDir(str(tmp_path), None, DitKitError, "w")
+    d.publish_noreplace("t", d, "out")
+    assert calls == [(os.path.join(str(tmp_path), "t"), os.path.join(str(tmp_path), "out"))]
+
+
+def test_open_read_fallback_refuses_links_and_reparse_points_itself(tmp_path, monkeypatch):
+    monkeypatch.setattr(safe_fs, "HAVE_DIR_FD", False)
+    (tmp_path / "f").write_bytes(b"x")
+    os.symlink(tmp_path / "f", tmp_path / "l")
+    d = SafeDir.open_root(tmp_path)
+    with pytest.raises(OSError) as e:
+        d.open_read("l")
+    assert (e.value.errno, e.value.strerror, e.value.filename) == (errno.ELOOP, "is a symlink", "l")
+    monkeypatch.setattr(SafeDir, "lstat", _fake_lstat("f"))          # a Windows junction / reparse point
+    with pytest.raises(OSError) as e:
+        d.open_read("f")
+    assert (e.value.errno, e.value.strerror, e.value.filename) == (errno.ELOOP, "is a symlink", "f")
+    (tmp_path / "j").mkdir()
+    monkeypatch.setattr(SafeDir, "lstat", _fake_lstat("j"))
+    with pytest.raises(DitKitError, match="is not a folder"):
+        d.subdir("j")
+
+
+def test_open_root_default_what(tmp_path):
+    with pytest.raises(DitKitError, match=re.escape(f"folder '{tmp_path / 'missing'}'")):
+        SafeDir.open_root(tmp_path / "missing")
+
+
+@posix_only
+def test_close_closes_descriptor_zero(tmp_path):
+    saved = os.dup(0)
+    dfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.dup2(dfd, 0)
+        os.close(dfd)
+        d = SafeDir(str(tmp_path), 0, DitKitError, "w")
+        d.close()
+        assert d.fd == -1
+        with pytest.raises(OSError):
+            os.fstat(0)
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)

@@ -4,6 +4,7 @@ counts. Oracles: the tile plan recomputed here from the fake VAE's split_tiles, 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -110,3 +111,97 @@ def test_summary_of_the_host_single_image_path():
     r = T1DecodeReport("host_single_image", 3, (4, 4), 1, 0)
     assert r.summary() == "T=1 decode: ComfyUI's own single-image path (the host has one; ditkit deferred to it), " \
                           "batch 3"
+
+
+@pytest.mark.parametrize("shape,empty", [((0, 24, 1, 4, 4), "B=0"), ((1, 24, 1, 0, 4), "H=0"),
+                                         ((1, 24, 1, 4, 0), "W=0")])
+def test_an_empty_latent_is_refused_naming_the_node_and_input(shape, empty):
+    from ditkit.vae.t1_decode import direct_decode_t1, repeat_decode_t1
+
+    ops = _ops()
+    for run in (lambda: repeat_decode_t1(ops, torch.zeros(shape)), lambda: direct_decode_t1(ops, torch.zeros(shape), 0)):
+        with pytest.raises(DitKitError, match=re.escape(f"H3 T=1 decode: input 'samples' is an empty latent (shape "
+                                                        f"{shape}: {empty})")):
+            run()
+
+
+def test_the_latent_checks_run_unless_the_caller_says_it_ran_them():
+    from ditkit.vae.t1_decode import direct_decode_t1, repeat_decode_t1
+
+    ops = _ops()
+    two = torch.randn(1, 24, 2, 4, 4)
+    with pytest.raises(DitKitError, match="T=1 decode got a latent with T=2"):
+        repeat_decode_t1(ops, two)
+    with pytest.raises(DitKitError, match="T=1 decode got a latent with T=2"):
+        direct_decode_t1(ops, two, 0)
+    out, _ = repeat_decode_t1(ops, torch.randn(1, 24, 1, 4, 4), checked=True)
+    assert out.shape == (1, 3, 1, 8, 8)
+
+
+def test_host_tiled_decode_counts_with_many_tiles():
+    sizes = [5, 4, 1, 2]                                    # items per on_tile call (b = 2): 2, 2, 1 and 1 tile(s)
+
+    def tiled_frame(z, frame, on_tile):
+        for n in sizes:
+            on_tile(torch.zeros(n, 3, 1, 2, 2))
+        return torch.zeros(z.shape[0], 3, 1, 22, 14)
+
+    ops = _ops(tiled_frame=tiled_frame)
+    z = torch.randn(2, 24, 1, 11, 7)
+    fake = FakeH3()
+    ny, _ = _plan(fake, 22)
+    nx, _ = _plan(fake, 14)
+    total = ny * nx * 2
+    assert total > sum(sizes)
+    rep = T1DecodeReport("direct_image_vae", 2, (11, 7), 1, 0)
+    calls = []
+    tiled_decode_frame(ops, z, 0, rep, lambda d, t: calls.append((d, t)))
+    assert calls == [(5, total), (9, total), (10, total), (12, total)]
+    assert rep.tiles == 2 + 2 + 1 + 1 and type(rep.tiles) is int
+
+
+class _UnevenTiles(FakeH3):
+    """Tiles 0-8, 6-14 and 10-20 of 20 pixels: overlaps 2 then 4 (a plan where every overlap index matters)."""
+
+    def split_tiles(self, n):
+        if n == 20:
+            return [0, 6, 10], [8, 8, 10], [2, 4]
+        return super().split_tiles(n)
+
+
+@pytest.mark.parametrize("hw", [(10, 10), (10, 3), (3, 10), (4, 11)])
+def test_ditkit_loop_equals_the_full_decode_on_uneven_and_wide_plans(hw):
+    from _fake_h3 import full_tiled_decode
+
+    fake = _UnevenTiles(seed=4)
+    strips = []
+
+    def blend(a, b, e, dim):
+        strips.append((a.shape[dim], e))
+        return fake.blend(a, b, e, dim)
+
+    ops = dataclasses.replace(h3_vae_ops(fake), blend=blend)
+    z = torch.randn(2, 24, 1, *hw, generator=torch.Generator().manual_seed(9))
+    out = tiled_decode_frame(ops, z, 2)
+    assert torch.equal(out, full_tiled_decode(fake, z)[:, :, 2:3])
+    assert strips and all(kept == e for kept, e in strips)             # only the overlap is kept between tiles
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_ditkit_loop_keeps_the_decoder_dtype(dtype):
+    fake = FakeH3(seed=5)
+    ops = _ops(decode_pixels=lambda z: fake._decode_pixels(z.float()).to(dtype))
+    z = torch.randn(1, 24, 1, 9, 6, generator=torch.Generator().manual_seed(3))
+    rep = T1DecodeReport("direct_image_vae", 1, (9, 6), 1, 0)
+    out = tiled_decode_frame(ops, z, 0, rep)
+    assert out.dtype == dtype and rep.canvas_bytes == out.numel() * out.element_size()
+
+
+def test_ditkit_loop_makes_the_canvas_on_the_decoder_device():
+    def decode(z):
+        b, _, t, h, w = z.shape
+        return torch.zeros(b, 3, 4 * t, 2 * h, 2 * w, device=z.device)
+
+    ops = _ops(decode_pixels=decode)
+    out = tiled_decode_frame(ops, torch.zeros(1, 24, 1, 9, 6, device="meta"), 0)
+    assert out.device.type == "meta" and out.shape == (1, 3, 1, 18, 12)
