@@ -116,8 +116,18 @@ def register(registry=None) -> str:
 
 
 def set_processor(model, processor: VSAInnerAttention) -> None:
-    """Put the processor in the clone's ``transformer_options`` where Raylight's dispatcher looks for it."""
-    model.model_options.setdefault("transformer_options", {})[OPTIONS_KEY] = processor
+    """Put the processor in the clone's ``transformer_options`` where Raylight's dispatcher looks for it. ditkit's
+    own processor already there is replaced (the node applied again); another inner-attention processor (Raylight's
+    own or another pack's, set with ``set_inner_attention``) is refused by name: VSA-H3 would take over its calls,
+    and the two cannot both decide which keys each query sees."""
+    topts = model.model_options.setdefault("transformer_options", {})
+    prev = topts.get(OPTIONS_KEY)
+    if prev is not None and not isinstance(prev, VSAInnerAttention):
+        kind = f"{type(prev).__module__}.{type(prev).__qualname__}"
+        raise UnsupportedModelError(f"DitKitRaySparseAttention: this model already has Raylight inner attention "
+                                    f"{kind} ({OPTIONS_KEY}); ditkit's VSA-H3 would replace it. Use one of the two: "
+                                    "remove the other node, or leave DitKitRaySparseAttention out")
+    topts[OPTIONS_KEY] = processor
 
 
 # ------------------------------------------------------------------------------------------- Raylight's actors

@@ -106,6 +106,37 @@ def test_ray_sparse_attention_installs_the_processor_on_every_actor(comfy, fake_
     assert "ray_actors" in inputs and "model" not in inputs and "recipe" in inputs
 
 
+def test_ray_sparse_attention_refuses_another_inner_attention_by_name(comfy, fake_raylight, tiny_ckpts):
+    """Another inner-attention processor already set on an actor's model (Raylight's own, or another pack's via
+    ``set_inner_attention``) is never replaced silently: refused naming its class and the key; the other model is
+    left as it was."""
+    import comfy.sd
+
+    from ditkit.bridge import raylight as rl
+    from ditkit.errors import DitKitError
+
+    class OtherSparse:
+        supports_ring = True
+
+        def __call__(self, dense_attention, q, k, v, *, transformer_options=None, **kwargs):
+            return dense_attention(q, k, v, **kwargs)
+
+    mod = _reload_ray_nodes()
+    base = comfy.sd.load_diffusion_model(str(tiny_ckpts / "diffusion_models" / "h3_tiny_fasth3.safetensors"))
+    other = base.clone()
+    theirs = OtherSparse()
+    other.model_options.setdefault("transformer_options", {})[rl.OPTIONS_KEY] = theirs
+    with pytest.raises(DitKitError) as e:
+        mod.DitKitRaySparseAttention.execute(ray_actors=fake_raylight.Actors([other]), recipe="custom",
+                                             keep_percent=25.0)
+    assert f"already has Raylight inner attention {__name__}." in str(e.value)
+    assert "OtherSparse (raylight_inner_attention)" in str(e.value)
+    assert other.model_options["transformer_options"][rl.OPTIONS_KEY] is theirs
+    (out,) = mod.DitKitRaySparseAttention.execute(ray_actors=fake_raylight.Actors([base.clone()]), recipe="custom",
+                                                  keep_percent=25.0).result      # no other processor: installed
+    assert isinstance(out.models[0].model_options["transformer_options"][rl.OPTIONS_KEY], rl.VSAInnerAttention)
+
+
 def test_ray_adaln_cache_runs_the_node_on_every_actor(comfy, fake_raylight, tiny_ckpts):
     import comfy.sd
 
