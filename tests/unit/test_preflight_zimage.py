@@ -75,3 +75,25 @@ def test_token_boundary_at_max_tokens():
     assert ok.total == (side // 2) ** 2 + 1 <= MAX_TOKENS
     with pytest.raises(MemoryModelError, match="absurd"):
         zimage_tokens((1, 16, side + 4, side + 4), 1, pad_multiple=None)
+
+
+def test_zimage_text_rows_longest_caption_and_refusals():
+    import torch
+
+    from ditkit.bridge.preflight import latent_shapes_of, zimage_text_rows
+
+    items = [[torch.zeros(1, 77, 8), {}], {"cross_attn": torch.zeros(2, 300, 8)[:, ::2]}, [None, {}]]
+    assert zimage_text_rows(items, 5) == 150              # the longest; non-contiguous view counted by shape
+    assert zimage_text_rows([[None, {}]], 5) == 5          # no cross_attn: the default
+    assert zimage_text_rows([], 7) == 7 and zimage_text_rows(None, 7) == 7
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        assert zimage_text_rows([[torch.zeros(1, 33, 4, dtype=dt), {}]], 0) == 33
+    with pytest.raises(MemoryModelError, match="the sampler's conditioning.*reference latents"):
+        zimage_text_rows([{"cross_attn": torch.zeros(1, 4, 8), "reference_latents": [torch.zeros(1, 16, 8, 8)]}],
+                         5, "the sampler's conditioning")
+    with pytest.raises(MemoryModelError, match="input 'positive'.*not a CONDITIONING"):
+        zimage_text_rows([torch.zeros(1, 4, 8)], 5)
+    assert latent_shapes_of(torch.zeros(2, 16, 8, 6), "zimage") == ((2, 16, 8, 6), None)
+    for bad in (torch.zeros(1, 16, 2, 8, 8), torch.zeros(16, 8)):
+        with pytest.raises(MemoryModelError, match="not a Z-Image latent"):
+            latent_shapes_of(bad, "zimage")
