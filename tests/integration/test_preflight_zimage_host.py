@@ -171,3 +171,20 @@ def test_bad_inputs_named_before_any_allocation(zimage, comfy, tiny_ckpts):
     stock = nodes.UNETLoader().load_unet("flux2_tiny.safetensors", "default")[0]   # the tiny FLUX.2 does load
     with pytest.raises(UnsupportedModelError, match="flux2"):
         DitKitPreflight.execute(stock, latent(64, 64), limit_gib=1.0)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs /proc/self/statm (Linux)")
+def test_predicted_vs_measured_peak_on_cpu(comfyui_path):
+    """One Z-Image sampling step (dim 512, 4 heads, 768x768: 2,304 + 96 rows) in a fresh subprocess, measured as
+    ``benchmarks/bench_memory.py`` measures it (RSS growth from before the load to the step's peak): the preflight's
+    prediction within +-15 %."""
+    from benchmarks import bench_memory
+
+    spec = {"name": "zimage-d512-768x768", "width": 768, "height": 768, "chunk": None, "dim": 512,
+            "comfyui": str(comfyui_path), "threads": 1}
+    res = bench_memory.run_child(spec, kind="--zimage-child")
+    assert res["tokens"] == 48 * 48 + 96
+    err = res["predicted"] / res["total_growth"] - 1
+    print(f"zimage-d512-768x768: measured {res['total_growth'] / 2**20:.1f} MiB, predicted "
+          f"{res['predicted'] / 2**20:.1f} MiB, {err:+.1%}")
+    assert abs(err) <= 0.15, res
