@@ -188,3 +188,27 @@ def test_predicted_vs_measured_peak_on_cpu(comfyui_path):
     print(f"zimage-d512-768x768: measured {res['total_growth'] / 2**20:.1f} MiB, predicted "
           f"{res['predicted'] / 2**20:.1f} MiB, {err:+.1%}")
     assert abs(err) <= 0.15, res
+
+
+def test_image_vae_decode_joins_the_plan(zimage, tiny_ckpts):
+    """An image VAE (the tiny 16-channel Flux VAE Z-Image uses, stock loader) on a 4-D latent: its weights,
+    ComfyUI's own working-set estimate for that shape and, on a CPU host, the decoded image (B x 3 x 8H x 8W in the
+    VAE's output dtype) join the plan."""
+    import comfy.model_management as mm
+    import comfy.sd
+    import comfy.utils
+
+    from ditkit.bridge.preflight import decode_parts
+    from ditkit.nodes.preflight import DitKitPreflight
+
+    vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(tiny_ckpts / "vae" / "zimage_vae_tiny.safetensors")))
+    lat = latent(512, 384)
+    shape = tuple(lat["samples"].shape)                      # [1, 16, 48, 64]
+    parts = decode_parts(vae, shape)
+    item = torch.empty((), dtype=vae.vae_output_dtype()).element_size()
+    assert parts["decoded frames"] == 1 * 3 * 384 * 512 * item
+    assert parts["VAE weights"] == mm.module_size(vae.first_stage_model)
+    assert parts["VAE working set (ComfyUI's estimate)"] == vae.memory_used_decode(shape, vae.vae_dtype)
+    out = DitKitPreflight.execute(zimage, lat, limit_gib=1000.0, text_tokens=77, vae=vae)
+    data = out.ui["ditkit_report"][0]["data"]
+    assert data["decode_parts"] == {k: int(v) for k, v in parts.items()} and data["decode_bytes"] > 0
