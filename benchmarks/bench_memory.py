@@ -76,6 +76,11 @@ LTX_SCALED = {"num_layers": 2, "num_attention_heads": 8, "attention_head_dim": 1
               "audio_num_attention_heads": 8, "audio_attention_head_dim": 64, "audio_cross_attention_dim": 512}
 LTX_CONFIGS = [("ltx2-h1024-512x512x97", 512, 512, 97, None, 0), ("ltx2-h1024-512x512x97-heads1", 512, 512, 97, None, 1),
                ("ltx2-h1024-768x512x97-chunk1024", 768, 512, 97, 1024, 0)]
+# Z-Image: one sampling step of a dim-1024 (8 heads of 128) 2-layer Z-Image (2 + 2 refiners) loaded by
+# DitKitZImageLoader (ComfyUI's model), caption [1, 77, 1024]; predicted by run_plan: (name, width, height, chunk)
+ZIMAGE_SCALED = {"dim": 1024, "n_layers": 2}
+ZIMAGE_CONFIGS = [("zimage-d1024-1024x1024", 1024, 1024, None), ("zimage-d1024-1024x1024-chunk512", 1024, 1024, 512),
+                  ("zimage-d1024-768x1280", 768, 1280, None)]
 # VAE decode (tiny H3 video VAE as ComfyUI builds it; DitKitPreflight's decode parts): (name, width, height, length)
 DECODE_CONFIGS = [("decode-tiny-vae-256x256x22", 256, 256, 22), ("decode-tiny-vae-512x512x56", 512, 512, 56)]
 
@@ -274,6 +279,85 @@ def ltx_child(spec: dict) -> dict:
     return {"name": spec["name"], "total_growth": (before - base) + growth, "forward_growth": growth,
             "predicted": p.prediction.device, "weights": p.prediction.parts["weights_device"],
             "tokens": p.tokens.total, "parts": p.prediction.parts, "seconds": secs}
+
+
+def zimage_child(spec: dict) -> dict:
+    """One Z-Image sampling step through ComfyUI in this fresh process: RSS growth from before the load to the peak
+    of the step, and DitKitPreflight's prediction for the same (``ltx_child``'s method)."""
+    import torch
+
+    sys.path.insert(0, spec["comfyui"])
+    from comfy.cli_args import args as cargs
+
+    cargs.cpu = True
+    import comfy.model_management as mm
+    import folder_paths
+    import nodes
+    from comfy_extras.nodes_sd3 import EmptySD3LatentImage
+
+    from benchmarks.bench_quantize import _rss_now, peak_during
+    from ditkit.bridge import chunking as bchunk
+    from ditkit.bridge.preflight import latent_shapes_of, run_plan
+    from ditkit.loaders.safetensors_io import save_file
+    from ditkit.nodes.image_loaders import DitKitZImageLoader
+    from ditkit.tiny import ckpt_image
+
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    tmp = Path(tempfile.mkdtemp(prefix="ditkit-bench-zimage-"))
+    cfg = {**ckpt_image.ZIMAGE, **ZIMAGE_SCALED, **({"dim": int(spec["dim"])} if spec.get("dim") else {})}
+    save_file(ckpt_image.zimage_state_dict(cfg), tmp / "zimage_bench.safetensors")
+    folder_paths.add_model_folder_path("diffusion_models", str(tmp), is_default=True)
+
+    def load():
+        out = DitKitZImageLoader.execute("zimage_bench.safetensors")
+        return out.args[0] if hasattr(out, "args") else out[0]
+
+    cond = [[torch.randn(1, 77, 1024, generator=torch.Generator().manual_seed(0)), {}]]
+    warm = load()
+    nodes.common_ksampler(warm, 0, 1, 1.0, "euler", "simple", cond, cond, EmptySD3LatentImage.execute(64, 64, 1).result[0])
+    del warm
+    import gc
+
+    mm.unload_all_models()
+    gc.collect()
+    base = _rss_now()
+    m = load()
+    if spec["chunk"]:
+        m = m.clone()
+        bchunk.install(m, "zimage", int(spec["chunk"]), None)
+    lat = EmptySD3LatentImage.execute(spec["width"], spec["height"], 1).result[0]
+    free_bytes = int(mm.get_free_memory(torch.device("cpu")))
+    v, _ = latent_shapes_of(lat["samples"], "zimage")
+    p = run_plan(m, v, None, 77, free_bytes / 2**30)
+    out, growth, before, secs = peak_during(
+        lambda: nodes.common_ksampler(m, 0, 1, 1.0, "euler", "simple", cond, cond, lat))
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"name": spec["name"], "total_growth": (before - base) + growth, "forward_growth": growth,
+            "predicted": p.prediction.device, "weights": p.prediction.parts["weights_device"],
+            "tokens": p.tokens.total, "parts": p.prediction.parts, "seconds": secs}
+
+
+def zimage_table(comfyui: str, threads: int, rows, only=()) -> list[dict]:
+    configs = [c for c in ZIMAGE_CONFIGS if not only or any(o in c[0] for o in only)]
+    if not configs:
+        return []
+    print("\n| Z-Image step | tokens | weights MiB | measured peak MiB | predicted MiB | error |")
+    print("|---|---|---|---|---|---|")
+    out = []
+    for name, w, h, chunk in configs:
+        spec = {"name": name, "width": w, "height": h, "chunk": chunk, "comfyui": comfyui, "threads": threads}
+        res = run_child(spec, kind="--zimage-child")
+        err = res["predicted"] / res["total_growth"] - 1
+        mib = 2 ** 20
+        print(f"| {name} | {res['tokens']} | {res['weights'] / mib:.1f} | {res['total_growth'] / mib:.1f} | "
+              f"{res['predicted'] / mib:.1f} | {err:+.1%} |")
+        rows.add(name, "measured_peak", res["total_growth"], "B")
+        rows.add(name, "predicted_peak", res["predicted"], "B")
+        rows.add(name, "error", err, "ratio")
+        out.append({"spec": spec, "res": res, "err": err})
+    return out
 
 
 def ltx_table(comfyui: str, threads: int, rows, only=()) -> list[dict]:
@@ -493,6 +577,7 @@ def main(argv=None) -> int:
     ap.add_argument("--time-child")
     ap.add_argument("--decode-child")
     ap.add_argument("--ltx-child")
+    ap.add_argument("--zimage-child")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true")
@@ -508,6 +593,9 @@ def main(argv=None) -> int:
         return 0
     if a.ltx_child:
         print(json.dumps(ltx_child(json.loads(a.ltx_child))))
+        return 0
+    if a.zimage_child:
+        print(json.dumps(zimage_child(json.loads(a.zimage_child))))
         return 0
     if a.decode_child:
         print(json.dumps(decode_child(json.loads(a.decode_child))))
@@ -526,6 +614,7 @@ def main(argv=None) -> int:
     if not a.no_chunk_time:
         chunk_table(table, comfyui, a.rounds, a.threads, rows)
     table += [] if a.quick else ltx_table(comfyui, a.threads, rows, a.only)
+    table += [] if a.quick else zimage_table(comfyui, a.threads, rows, a.only)
     dec = [] if a.quick else decode_table(comfyui, a.threads, rows, a.only)
     if not table and not dec:
         print("no configuration selected")

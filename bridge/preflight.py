@@ -10,7 +10,7 @@ import torch
 from ..errors import UnsupportedModelError
 from ..memory.model import DiTDims, MemoryModelError, Options, Weights, weights_from_inventory
 from ..memory.preflight import (MemoryShortfallError, Plan, check_available, check_limit, h3_keyframe_rows,
-                                h3_ref_rows, h3_tokens, ltx2_tokens, plan)
+                                h3_ref_rows, h3_tokens, ltx2_tokens, plan, zimage_tokens)
 from .chunking import installed_chunk
 from .contract import Probe, entry
 from .models import diffusion_model, model_family
@@ -40,20 +40,22 @@ def _compute_dtype(model) -> str:
     return {torch.float32: "float32", torch.float16: "float16"}.get(dt, "bfloat16")
 
 
-FAMILIES = ("h3", "ltx2")
+FAMILIES = ("h3", "ltx2", "zimage")
 
 
 def family_of(model) -> str:
-    """``"h3"`` or ``"ltx2"``; UnsupportedModelError naming the class for any other MODEL (nothing is loaded)."""
+    """``"h3"``, ``"ltx2"`` or ``"zimage"``; UnsupportedModelError naming the family or class for any other MODEL
+    (FLUX.2 included: not modelled yet; nothing is loaded)."""
     family = model_family(model)
     if family not in FAMILIES:
-        raise UnsupportedModelError(f"{NODE_ID}: the memory model is checked for MiniMax H3 and LTX-2; the MODEL input "
+        raise UnsupportedModelError(f"{NODE_ID}: the memory model is checked for MiniMax H3, LTX-2 and Z-Image; the "
+                                    f"MODEL input "
                                     f"is {family or type(diffusion_model(model)).__name__}")
     return family
 
 
 def model_facts(model):
-    """(dims, {format: Weights}, current format, compute dtype name) of an H3 or LTX-2 MODEL."""
+    """(dims, {format: Weights}, current format, compute dtype name) of an H3, LTX-2 or Z-Image MODEL."""
     import comfy.model_management as mm
 
     family = family_of(model)
@@ -64,6 +66,15 @@ def model_facts(model):
         dims = DiTDims("h3", int(dm.hidden_size), int(b0.attn.heads), int(b0.attn.head_dim),
                        int(b0.mlp.fc2.in_features), len(blocks))
         w = b0.mlp.fc1.weight
+    elif family == "zimage":   # the main layers; the noise / context refiners run before them on fewer rows
+        blocks, prefix = dm.layers, "layers."
+        b0 = blocks[0]
+        hd = int(b0.attention.head_dim)
+        # the rope table [S, hd/2, 2, 2] is float32 whatever the compute dtype: 8 * hd bytes a row
+        rope_cols = 8 * hd // {"float32": 4}.get(_compute_dtype(model), 2)
+        dims = DiTDims("zimage", int(b0.attention.qkv.in_features), int(b0.attention.n_local_heads), hd,
+                       int(b0.feed_forward.w2.in_features), len(blocks), extra_cols=rope_cols)
+        w = b0.feed_forward.w1.weight
     else:
         blocks, prefix = dm.transformer_blocks, "transformer_blocks."
         b0 = blocks[0]
@@ -115,7 +126,10 @@ def decode_parts(vae, video_shape) -> dict:
         raise MemoryModelError(f"{NODE_ID}: input 'vae' cannot decode a latent of shape {shape}: "
                                f"{type(e).__name__}: {e}") from None
     up = getattr(vae, "upscale_ratio", 1)
-    frames = int(up[0](shape[2])) if isinstance(up, tuple) and callable(up[0]) else shape[2]
+    if len(shape) == 4:   # an image latent [B, C, H, W]: one frame
+        shape, frames = shape[:2] + (1,) + shape[2:], 1
+    else:
+        frames = int(up[0](shape[2])) if isinstance(up, tuple) and callable(up[0]) else shape[2]
     px = int(vae.spacial_compression_decode())
     parts = {"VAE weights": int(mm.module_size(vae.first_stage_model)),
              "VAE working set (ComfyUI's estimate)": working}
@@ -131,6 +145,10 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs:
     family = family_of(model)
     if family == "h3":
         tokens, batch = h3_tokens(video_shape, audio_shape, text=text, refs=refs, keyframes=keyframes), 1
+    elif family == "zimage":   # image + caption rows, each padded to the model's pad_tokens_multiple
+        dm = diffusion_model(model)
+        tokens = zimage_tokens(video_shape, text, int(dm.patch_size), getattr(dm, "pad_tokens_multiple", None))
+        batch = int(video_shape[0])
     else:   # text is cross-attention context; guides (LTXVAddGuide) are frames of the latent itself
         tokens, batch = ltx2_tokens(video_shape, audio_shape), int(video_shape[0])
     dims, weights, current, compute = model_facts(model)
@@ -144,6 +162,8 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs:
                    attention=attention_class(), free_bytes=available, head_group=head_group, batch=batch)
 
     def scale(frac: float) -> str:
+        if family == "zimage":
+            return f"width and height x {frac ** 0.5:.2f}"
         t = int(video_shape[2])
         return (f"latent frames <= {max(1, int(t * frac))} of {t} at this resolution, or width and height x "
                 f"{frac ** 0.5:.2f} at this length")
@@ -160,6 +180,11 @@ def latent_shapes_of(samples, family: str = "h3"):
     """(video shape, audio shape) of a LATENT's samples: H3 a NestedTensor of video + audio; LTX-2 the same or a
     video-only 5-D tensor (audio shape None)."""
     tensors = getattr(samples, "tensors", None)
+    if family == "zimage":
+        if torch.is_tensor(samples) and samples.dim() == 4 and tensors is None:
+            return tuple(samples.shape), None
+        raise MemoryModelError(f"{NODE_ID}: the LATENT is not a Z-Image latent (image [B, C, H, W]); got "
+                               f"{type(samples).__name__} {tuple(getattr(samples, 'shape', ()))}")
     if family == "ltx2":
         if tensors and len(tensors) in (1, 2):
             return tuple(tensors[0].shape), (tuple(tensors[1].shape) if len(tensors) == 2 else None)
@@ -210,6 +235,25 @@ def conditioning_rows(entries, video_shape, default_text: int, source: str = "in
         raise MemoryModelError(f"{NODE_ID}: {source}: {msg}") from None
 
 
+def zimage_text_rows(entries, default_text: int, source: str = "input 'positive'") -> int:
+    """Caption rows of the longest Z-Image conditioning among ``entries`` (the cross_attn length; ``default_text``
+    when there is none). Reference latents (Z-Image omni editing) are not modelled: refused naming ``source``."""
+    best = None
+    for c in entries or ():
+        if isinstance(c, dict):
+            ca, d = c.get("cross_attn"), c
+        elif isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[1], dict):
+            ca, d = c[0], c[1]
+        else:
+            raise MemoryModelError(f"{NODE_ID}: {source}: not a CONDITIONING (an item is {type(c).__name__})")
+        if d.get("reference_latents") is not None or d.get("ref_latents") is not None:
+            raise MemoryModelError(f"{NODE_ID}: {source}: Z-Image reference latents (omni editing) are not modelled "
+                                   "by the preflight yet; remove the preflight or the references")
+        text = int(ca.shape[1]) if torch.is_tensor(ca) and ca.dim() >= 2 else default_text
+        best = text if best is None else max(best, text)
+    return default_text if best is None else best
+
+
 def packed_rows(entries, video_shape, default_text: int) -> tuple[int, int, int]:
     """(text, reference, keyframe) rows of the longest packed sequence among the conditioning ``entries``: ComfyUI
     ``CONDITIONING`` items ``[cross_attn, {...}]`` or the sampler's converted dicts (``cross_attn`` a key). Text rows
@@ -249,16 +293,18 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     shapes = kwargs.get("latent_shapes") or (args[8] if len(args) > 8 else None)
     if shapes and len(shapes) == 2:
         video, audio = tuple(shapes[0]), tuple(shapes[1])
-    elif shapes and len(shapes) == 1 and family == "ltx2":
+    elif shapes and len(shapes) == 1 and family in ("ltx2", "zimage"):
         video, audio = tuple(shapes[0]), None
     else:
         latent = args[1] if len(args) > 1 else kwargs.get("latent_image")
         video, audio = latent_shapes_of(latent, family)
     text, refs, kf = info["text"], 0, 0
+    conds = getattr(guider, "conds", None) or {}
+    entries = [c for k in ("positive", "negative") for c in (conds.get(k) or [])]
     if family == "h3":
-        conds = getattr(guider, "conds", None) or {}
-        entries = [c for k in ("positive", "negative") for c in (conds.get(k) or [])]
         text, refs, kf = conditioning_rows(entries, video, info["text"], "the sampler's conditioning")
+    elif family == "zimage":
+        text = zimage_text_rows(entries, info["text"], "the sampler's conditioning")
     p = run_plan(guider.model_patcher, video, audio, text, info["limit_gib"], refs, kf, info.get("vae"))
     target, send = info["report"]
     data = dict(p.as_dict(), phase="sampler", seconds=time.perf_counter() - t0)

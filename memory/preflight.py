@@ -80,6 +80,32 @@ def ltx2_tokens(video_shape, audio_shape=None) -> Tokens:
     return tok
 
 
+def zimage_tokens(latent_shape, text: int = 0, patch: int = 2, pad_multiple: int | None = 32) -> Tokens:
+    """The joint sequence of one Z-Image forward per latent (ComfyUI 0.33 ``NextDiT.patchify_and_embed``): image
+    rows ``ceil(H/p) * ceil(W/p)`` of the [B, C, H, W] latent (padded to the patch), text rows the caption length;
+    each part padded up to ``pad_multiple`` rows (pad tokens; an empty caption is ``pad_multiple`` pad rows).
+    Checked with python ints before anything exists."""
+    if len(latent_shape) != 4:
+        raise MemoryModelError(f"Z-Image latent must be [B, C, H, W], got {tuple(latent_shape)}")
+    dims = [int(x) for x in latent_shape]
+    if any(x <= 0 for x in dims):
+        raise MemoryModelError(f"latent has an empty or negative dimension: {tuple(latent_shape)}")
+    if math.prod(dims) > MAX_LATENT_ELEMENTS:
+        raise MemoryModelError(f"latent {tuple(latent_shape)} is absurdly large ({math.prod(dims):.3g} elements)")
+    p = _count(patch, "patch")
+    m = 1 if pad_multiple is None else _count(pad_multiple, "pad_multiple")
+    if p <= 0 or m <= 0:
+        raise MemoryModelError(f"patch and pad_multiple must be >= 1, got {patch!r}, {pad_multiple!r}")
+    t = _count(text, "text")
+    image = -(-dims[2] // p) * -(-dims[3] // p)
+    cap = m if (t == 0 and pad_multiple is not None) else t
+    tok = Tokens(video=-(-image // m) * m, text=-(-cap // m) * m)
+    if tok.total > MAX_TOKENS:
+        raise MemoryModelError(f"latent {tuple(latent_shape)} packs {tok.total:,} tokens (> {MAX_TOKENS:,}): absurd "
+                               "for any device; check the latent's width / height")
+    return tok
+
+
 REF_KINDS = ("image", "audio", "video", "video_audio")
 
 

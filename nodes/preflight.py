@@ -21,22 +21,22 @@ class DitKitPreflight(io.ComfyNode):
             node_id=NODE_ID,
             display_name="Memory Preflight (ditkit)",
             category="ditkit/sampling",
-            description=("Predicts the peak memory of one MiniMax H3 or LTX-2 sampling step (weights, activations, "
+            description=("Predicts the peak memory of one MiniMax H3, LTX-2 or Z-Image sampling step (weights, activations, "
                          "attention workspace, with the ditkit options on the model) from the real token count, "
                          "compares it with the memory free on the device in use, and refuses before anything "
                          "loads when it does not fit, naming the shortfall and the smallest set of settings that "
                          "fits. The same check runs again when sampling starts."),
             search_aliases=["oom", "vram check", "memory check", "will it fit", "token count", "preflight"],
             inputs=[
-                io.Model.Input("model", tooltip="A MiniMax H3 or LTX-2 model, after the ditkit nodes that change its "
+                io.Model.Input("model", tooltip="A MiniMax H3, LTX-2 or Z-Image model, after the ditkit nodes that change its "
                                                 "memory (DitKit Activation Chunking, quantized loaders)."),
                 io.Latent.Input("latent", tooltip="The latent the sampler will denoise (H3: audio-video; LTX-2: video "
-                                                  "or audio-video)."),
+                                                  "or audio-video; Z-Image: an image latent)."),
                 io.Float.Input("limit_gib", default=0.0, min=0.0, max=4096.0, step=0.5,
                                tooltip="Memory the job may use, in GiB. 0 = what the device in use has free (on a "
                                        "CPU host: free RAM), plus what this model already holds there."),
                 io.Int.Input("text_tokens", default=512, min=0, max=1 << 20,
-                             tooltip="H3: text rows of the packed sequence, used until sampling starts (the "
+                             tooltip="H3 / Z-Image: text rows of the packed sequence, used until sampling starts (the "
                                      "sampler check counts the real conditioning). Not used when positive is "
                                      "connected, nor for LTX-2 (text is cross-attention context there)."),
                 io.Conditioning.Input("positive", optional=True,
@@ -63,8 +63,9 @@ class DitKitPreflight(io.ComfyNode):
             raise MemoryModelError(f"{NODE_ID}: the latent input is not a LATENT")
         family = bridge.family_of(model)
         video, audio = bridge.latent_shapes_of(latent["samples"], family)
-        text, refs, keyframes = (text_tokens, 0, 0) if positive is None or family != "h3" else \
-            bridge.conditioning_rows(positive, video, text_tokens)
+        text, refs, keyframes = (text_tokens, 0, 0) if positive is None or family == "ltx2" else \
+            bridge.conditioning_rows(positive, video, text_tokens) if family == "h3" else \
+            (bridge.zimage_text_rows(positive, text_tokens), 0, 0)
         p = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes, vae)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         data = dict(p.as_dict(), phase="node", seconds=time.perf_counter() - t0)

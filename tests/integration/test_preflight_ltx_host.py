@@ -173,5 +173,5 @@ def test_ltx_bad_latents_and_other_families(ltx, comfy, tiny_ckpts):
         DitKitPreflight.execute(ltx, video_latent(64, 64, 17), limit_gib=float("nan"), text_tokens=0)
     folder_paths.add_model_folder_path("diffusion_models", str(tiny_ckpts / "diffusion_models"), is_default=True)
     flux = DitKitFlux2ModelLoader.execute(unet_name="flux2_tiny.safetensors").args[0]
-    with pytest.raises(UnsupportedModelError, match="H3 and LTX-2"):
+    with pytest.raises(UnsupportedModelError, match="H3, LTX-2 and Z-Image.*flux2"):
         DitKitPreflight.execute(flux, video_latent(64, 64, 17), limit_gib=0.0, text_tokens=0)
