@@ -171,9 +171,11 @@ def _curve_contract():
     import comfy.ops
     from comfy.ldm.minimax import model as mm
 
-    src = inspect.getsource(mm.MiniMaxH3Model._forward)
+    # the model module's own source (not ``_forward`` itself, which a pack or a newer host may wrap around the
+    # same body: the wrapper's source would not show the lerp that still runs inside it)
+    src = inspect.getsource(mm)
     if "torch.lerp(table[i0], table[i0 + 1]" not in src or "pos = t_vals.clamp(0.0, 1.0) * (table.shape[0] - 1)" not in src:
-        return Probe.broken("MiniMaxH3Model._forward no longer lerps adaln_t_table rows at t·(grid−1)")
+        return Probe.broken("comfy.ldm.minimax.model no longer lerps adaln_t_table rows at t·(grid−1)")
     p = mm.AdalnProj(3, 2, 6, 3, apply_silu=False, operations=comfy.ops.disable_weight_init)
     with torch.no_grad():
         p.linear.weight.copy_(torch.arange(36 * 3, dtype=torch.float32).view(36, 3) / 50)
