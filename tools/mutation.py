@@ -99,7 +99,17 @@ EQUIVALENT: dict[str, str] = {
                                                                  "same string either way"),
     "ditkit.sampling.fasth3_recipe.x_normalize_id__mutmut_20": ("split('@', 2) vs split('@', 1): element [0] is "
                                                                  "the same string either way"),
-    "ditkit.sampling.fasth3_recipe.x_load_provenance__mutmut_25": "'UTF-8' and 'utf-8' name the same codec",
+    "ditkit.sampling.fasth3_recipe.x_load_provenance__mutmut_22": "'UTF-8' and 'utf-8' name the same codec",
+    "ditkit.sampling.fasth3_recipe.x__id_candidates__mutmut_18": ("MODEL_IDS.get(... or 'XXXX') for or '': neither "
+                                                                   "'' nor 'XXXX' is a release id, None either way"),
+    "ditkit.sampling.fasth3_recipe.x_decide__mutmut_120": ("the else branch of said = ... if k2 in RECIPES: only the "
+                                                            "contract's own candidates ('contract', 'contract_dense') "
+                                                            "are not in RECIPES, and at strength 3 the contract is the "
+                                                            "unique strongest, always cands[0], never a conflict"),
+    "ditkit.sampling.fasth3_recipe.x_choose__mutmut_67": ("isclose without rel_tol=0 (default 1e-9): the checkpoint's "
+                                                           "sparsity is < 1 (checked), so 1e-9 * max(|a|, |b|) exceeds "
+                                                           "abs_tol 1e-9 only on a window narrower than 1e-18 just "
+                                                           "above 1, which holds no pair of doubles"),
     # loaders/safe_fs.py (reviewed 2026-12-04)
     "ditkit.loaders.safe_fs.xǁSafeDirǁsubdir__mutmut_12": "os.mkdir's default mode is 0o777: the same folder mode",
     "ditkit.loaders.safe_fs.xǁSafeDirǁsubdir__mutmut_18": "os.mkdir's default mode is 0o777: the same folder mode",

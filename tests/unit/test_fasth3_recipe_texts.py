@@ -481,3 +481,12 @@ def test_load_provenance_refusal_texts_name_the_file(tmp_path):
     with pytest.raises(CheckpointError) as ei:
         R.load_provenance(p)
     assert str(ei.value) == f"'{p}': not UTF-8 text"
+
+
+def test_dense_override_lists_every_reason():
+    dense_id = "FastVideo/FastVideo-FastH3-4-step-Preview-v1-Dense-DataFree"
+    rc = R.choose("fasth3_custom", 15.0, ev(gates=0, metadata={"model_id": dense_id},
+                                            file_name="fasth3_preview_dense.safetensors"))
+    assert rc.override == ("the checkpoint is FastH3 Preview v1 (Dense-DataFree) (distilled dense, by file metadata "
+                           f"model_id {dense_id}; file name 'fasth3_preview_dense.safetensors'); running VSA at keep "
+                           "15% as chosen")
