@@ -63,7 +63,8 @@ TESTS: dict[str, list[str]] = {
     "vae/preflight.py": ["tests/unit/test_preflight.py", "tests/unit/test_public_direct.py"],
     "vae/h3_layout.py": ["tests/unit/test_ckpt_h3_vae.py"],
     "sampling/fasth3.py": ["tests/unit/test_fasth3_schedule.py", "tests/unit/test_public_direct.py"],
-    "sampling/fasth3_recipe.py": ["tests/unit/test_fasth3_recipe.py", "tests/unit/test_fasth3_recipe_bounds.py"],
+    "sampling/fasth3_recipe.py": ["tests/unit/test_fasth3_recipe.py", "tests/unit/test_fasth3_recipe_bounds.py",
+                                  "tests/unit/test_fasth3_recipe_texts.py"],
     "offload/streamer.py": ["tests/unit/test_offload_streamer.py", "tests/unit/test_offload_streamer_layouts.py"],
     "loaders/safetensors_io.py": ["tests/unit/test_safetensors_io.py", "tests/unit/test_safe_reader_open_once.py"],
     "loaders/h3.py": ["tests/unit/test_loaders_h3.py", "tests/unit/test_public_direct_loaders.py"],
@@ -80,6 +81,14 @@ _EOP = "EOPNOTSUPP == ENOTSUP (95) on Linux, where the attribute exists: the sam
 _LINK = ("the path fallback's os.link(src, dst) with follow_symlinks True: without dir_fd CPython "
          "calls link(2), which never follows a symlink on Linux (the descriptor branch's linkat is tested)")
 _FALSY = "follow_symlinks=None is falsy: the same call as follow_symlinks=False"
+_CAST = "memoryview(...).cast('b') for cast('B'): the same bytes are hashed"
+_UTF8 = "'UTF-8' and 'utf-8' name the same codec"
+_SHORT_HEAD = ("_sampled_sha256's header length for a file shorter than 8 bytes: hdr_end is clamped to the size, "
+               "so hdr_end <= size < 8 whatever n is: the same bytes are hashed")
+_REPLACED = ("read's own record error text / where: strict_json's ValueError is caught and replaced by read's own "
+             "QuantCacheError message naming the file")
+_STAMP_NONE = ("read_stamp's error text / class / where: every QuantCacheError / ValueError there is caught and the "
+               "stamp is None (the file is hashed in full); the text is never seen")
 EQUIVALENT: dict[str, str] = {
     "ditkit.guards.x_guard_node__mutmut_11": _ELSE_BRANCH,   # raw = None
     "ditkit.guards.x_guard_node__mutmut_19": _ELSE_BRANCH,   # isinstance(...) and False
@@ -90,7 +99,17 @@ EQUIVALENT: dict[str, str] = {
                                                                  "same string either way"),
     "ditkit.sampling.fasth3_recipe.x_normalize_id__mutmut_20": ("split('@', 2) vs split('@', 1): element [0] is "
                                                                  "the same string either way"),
-    "ditkit.sampling.fasth3_recipe.x_load_provenance__mutmut_25": "'UTF-8' and 'utf-8' name the same codec",
+    "ditkit.sampling.fasth3_recipe.x_load_provenance__mutmut_22": "'UTF-8' and 'utf-8' name the same codec",
+    "ditkit.sampling.fasth3_recipe.x__id_candidates__mutmut_18": ("MODEL_IDS.get(... or 'XXXX') for or '': neither "
+                                                                   "'' nor 'XXXX' is a release id, None either way"),
+    "ditkit.sampling.fasth3_recipe.x_decide__mutmut_120": ("the else branch of said = ... if k2 in RECIPES: only the "
+                                                            "contract's own candidates ('contract', 'contract_dense') "
+                                                            "are not in RECIPES, and at strength 3 the contract is the "
+                                                            "unique strongest, always cands[0], never a conflict"),
+    "ditkit.sampling.fasth3_recipe.x_choose__mutmut_67": ("isclose without rel_tol=0 (default 1e-9): the checkpoint's "
+                                                           "sparsity is < 1 (checked), so 1e-9 * max(|a|, |b|) exceeds "
+                                                           "abs_tol 1e-9 only on a window narrower than 1e-18 just "
+                                                           "above 1, which holds no pair of doubles"),
     # loaders/safe_fs.py (reviewed 2026-12-04)
     "ditkit.loaders.safe_fs.xǁSafeDirǁsubdir__mutmut_12": "os.mkdir's default mode is 0o777: the same folder mode",
     "ditkit.loaders.safe_fs.xǁSafeDirǁsubdir__mutmut_18": "os.mkdir's default mode is 0o777: the same folder mode",
@@ -139,6 +158,44 @@ EQUIVALENT: dict[str, str] = {
                                                   "latent (checked) both broadcast over dim 1"),
     "ditkit.guards.x_guard_node__mutmut_42": ("bind_partial(None, ...): only the value bound to execute's first "
                                               "parameter (cls) changes; no FLOAT input can have that name"),
+    # loaders/quant_cache.py (reviewed 2026-12-04; names from the run in ~/.cache/ditkit/mutation/main-f2af6c09)
+    "ditkit.loaders.quant_cache.x_digest_of__mutmut_5": _CAST,
+    "ditkit.loaders.quant_cache.x_write__mutmut_35": _CAST,
+    "ditkit.loaders.quant_cache.xǁDigestǁupdate__mutmut_5": _CAST,
+    "ditkit.loaders.quant_cache.x_read_stamp__mutmut_27": _UTF8,
+    "ditkit.loaders.quant_cache.x_source_key__mutmut_40": _UTF8,
+    "ditkit.loaders.quant_cache.x_write_stamp__mutmut_7": _UTF8,
+    "ditkit.loaders.quant_cache.x__sampled_sha256__mutmut_19": _SHORT_HEAD,   # ... if (len(head) == 8) or True else 0
+    "ditkit.loaders.quant_cache.x__sampled_sha256__mutmut_28": _SHORT_HEAD,   # ... else 1
+    "ditkit.loaders.quant_cache.x__sampled_sha256__mutmut_38": ("while pos <= hdr_end: at pos == hdr_end the pread asks for 0 bytes, gets "
+                                         "b'' and the loop breaks: nothing more is hashed"),
+    "ditkit.loaders.quant_cache.x__sampled_sha256__mutmut_51": "2 MiB header read pieces instead of 1 MiB: the same byte stream is hashed",
+    "ditkit.loaders.quant_cache.x__sampled_sha256__mutmut_52": "2 MiB header read pieces instead of 1 MiB: the same byte stream is hashed",
+    "ditkit.loaders.quant_cache.x__sampled_sha256__mutmut_55": ("return for break on a short header read: unreachable, hdr_end <= size so a "
+                                         "pread below hdr_end never returns b'' on a file that is not shrinking"),
+    "ditkit.loaders.quant_cache.x__sampled_sha256__mutmut_61": "data >= 0 for data > 0: with data == 0 the samples are 0 bytes, nothing hashed",
+    "ditkit.loaders.quant_cache.x__sampled_sha256__mutmut_77": "max(2, SAMPLES - 1) for max(1, ...): SAMPLES - 1 is 63 either way",
+    "ditkit.loaders.quant_cache.x_cache_location__mutmut_8": ("p.lstrip(os.sep) for rstrip(os.sep): a realpath has no trailing separator "
+                                       "but '/', and basename ignores the leading ones"),
+    "ditkit.loaders.quant_cache.x_cached_quantize__mutmut_80": "round(seconds, 4) for 3 in the hit report: a timing figure, not a result",
+    "ditkit.loaders.quant_cache.x_read__mutmut_113": ("the stored digest sliced 33 bytes long: the digest tensor is the file's last 32 "
+                               "bytes (checked), so the slice ends at the end of the map either way"),
+    "ditkit.loaders.quant_cache.x_read__mutmut_6": _REPLACED,
+    "ditkit.loaders.quant_cache.x_read__mutmut_7": _REPLACED,
+    "ditkit.loaders.quant_cache.x_read__mutmut_15": _REPLACED,   # get(META_KEY, "XXXX"): invalid JSON as "" is
+    "ditkit.loaders.quant_cache.x_read__mutmut_16": _REPLACED,
+    "ditkit.loaders.quant_cache.x_read__mutmut_17": _REPLACED,
+    "ditkit.loaders.quant_cache.x_read_stamp__mutmut_7": _STAMP_NONE,
+    "ditkit.loaders.quant_cache.x_read_stamp__mutmut_13": _STAMP_NONE,   # read_inside's default class DitKitError is a ValueError: caught
+    "ditkit.loaders.quant_cache.x_read_stamp__mutmut_16": _STAMP_NONE,
+    "ditkit.loaders.quant_cache.x_read_stamp__mutmut_17": _STAMP_NONE,
+    "ditkit.loaders.quant_cache.x_read_stamp__mutmut_20": _STAMP_NONE,
+    "ditkit.loaders.quant_cache.x_read_stamp__mutmut_21": _STAMP_NONE,
+    "ditkit.loaders.quant_cache.x_read_stamp__mutmut_29": _STAMP_NONE,
+    "ditkit.loaders.quant_cache.x_read_stamp__mutmut_30": _STAMP_NONE,
+    "ditkit.loaders.quant_cache.x_write_stamp__mutmut_23": ("SafeDir.open_root without error=QuantCacheError: its default DitKitError is "
+                                     "caught by the same except (OSError, DitKitError) and reported with the same "
+                                     "message text"),
 }
 
 _SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "mutants", ".pytest_cache", ".ruff_cache",

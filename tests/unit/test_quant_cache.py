@@ -799,6 +799,14 @@ def test_cache_location_of_the_root_folder_is_named_model():
     assert C.cache_location("/", "nvfp4", "ab" * 32) == ("/", "model.ditkit-nvfp4-abababababababab.safetensors")
 
 
+def test_cache_location_keeps_a_shard_folder_name_ending_in_a_space(tmp_path):
+    # only the separator is stripped from the folder's name, never whitespace (mutmut: rstrip(None) survived)
+    d = tmp_path / "shard "
+    d.mkdir()
+    assert C.cache_location(str(d), "mxfp8", "cd" * 32) == (
+        os.path.realpath(d), "shard .ditkit-mxfp8-cdcdcdcdcdcdcdcd.safetensors")
+
+
 def test_a_source_whose_name_holds_the_cache_pattern_is_not_its_own_stale_cache(tmp_path):
     folder = tmp_path / "m"
     folder.mkdir()
