@@ -60,7 +60,8 @@ TESTS: dict[str, list[str]] = {
     "cache/adaln.py": ["tests/unit/test_adaln_core.py", "tests/unit/test_h3_modulation_memo.py"],
     "vae/t1_decode.py": ["tests/unit/test_vae_t1.py", "tests/unit/test_vae_t1_dtypes.py", "tests/unit/test_preflight.py",
                          "tests/unit/test_vae_t1_report.py", "tests/unit/test_progress_callbacks.py"],
-    "vae/preflight.py": ["tests/unit/test_preflight.py", "tests/unit/test_public_direct.py"],
+    "vae/preflight.py": ["tests/unit/test_preflight.py", "tests/unit/test_public_direct.py",
+                         "tests/unit/test_preflight_exact.py"],
     "vae/h3_layout.py": ["tests/unit/test_ckpt_h3_vae.py"],
     "sampling/fasth3.py": ["tests/unit/test_fasth3_schedule.py", "tests/unit/test_public_direct.py"],
     "sampling/fasth3_recipe.py": ["tests/unit/test_fasth3_recipe.py", "tests/unit/test_fasth3_recipe_bounds.py"],
@@ -69,6 +70,10 @@ TESTS: dict[str, list[str]] = {
     "loaders/h3.py": ["tests/unit/test_loaders_h3.py", "tests/unit/test_public_direct_loaders.py"],
     "loaders/lokr_math.py": ["tests/unit/test_public_direct.py", "tests/unit/test_lokr.py"],
     "loaders/quant_cache.py": ["tests/unit/test_quant_cache.py"],
+    "loaders/read_progress.py": ["tests/unit/test_progress_callbacks.py"],
+    "loaders/host_memory.py": ["tests/unit/test_public_direct_loaders.py", "tests/unit/test_quant_speed_helpers.py",
+                               "tests/unit/test_quantize_memory.py"],
+    "vae/metadata.py": ["tests/unit/test_vae_metadata.py", "tests/unit/test_public_direct_cache_vae.py"],
 }
 
 # mutant name -> why it cannot change behaviour (reviewed by hand; a listed name that no longer exists is reported)
