@@ -68,7 +68,8 @@ TESTS: dict[str, list[str]] = {
     "offload/streamer.py": ["tests/unit/test_offload_streamer.py", "tests/unit/test_offload_streamer_layouts.py"],
     "loaders/safetensors_io.py": ["tests/unit/test_safetensors_io.py", "tests/unit/test_safe_reader_open_once.py"],
     "loaders/h3.py": ["tests/unit/test_loaders_h3.py", "tests/unit/test_public_direct_loaders.py"],
-    "loaders/lokr_math.py": ["tests/unit/test_public_direct.py", "tests/unit/test_lokr.py"],
+    "loaders/lokr_math.py": ["tests/unit/test_public_direct.py", "tests/unit/test_lokr.py",
+                           "tests/unit/test_lokr_add_delta.py"],
     "loaders/quant_cache.py": ["tests/unit/test_quant_cache.py"],
     "loaders/read_progress.py": ["tests/unit/test_progress_callbacks.py"],
     "loaders/host_memory.py": ["tests/unit/test_public_direct_loaders.py", "tests/unit/test_quant_speed_helpers.py",
@@ -85,6 +86,8 @@ _EOP = "EOPNOTSUPP == ENOTSUP (95) on Linux, where the attribute exists: the sam
 _LINK = ("the path fallback's os.link(src, dst) with follow_symlinks True: without dir_fd CPython "
          "calls link(2), which never follows a symlink on Linux (the descriptor branch's linkat is tested)")
 _FALSY = "follow_symlinks=None is falsy: the same call as follow_symlinks=False"
+_SAME_RANK = ("'>=' for '>' on the ranks: at equal rank w1.reshape(*w1.shape, *[]) is w1's own shape, a "
+              "no-op view")
 EQUIVALENT: dict[str, str] = {
     "ditkit.guards.x_guard_node__mutmut_11": _ELSE_BRANCH,   # raw = None
     "ditkit.guards.x_guard_node__mutmut_19": _ELSE_BRANCH,   # isinstance(...) and False
@@ -144,6 +147,9 @@ EQUIVALENT: dict[str, str] = {
                                                   "latent (checked) both broadcast over dim 1"),
     "ditkit.guards.x_guard_node__mutmut_42": ("bind_partial(None, ...): only the value bound to execute's first "
                                               "parameter (cls) changes; no FLOAT input can have that name"),
+    "ditkit.loaders.lokr_math.x_delta_weight__mutmut_11": _SAME_RANK,   # w2.dim() >= w1.dim()
+    "ditkit.loaders.lokr_math.x_add_delta___mutmut_11": _SAME_RANK,     # w2.dim() >= w1.dim()
+    "ditkit.loaders.lokr_math.x_add_delta___mutmut_46": "torch.cat(...) without dim=0: its default dim is 0",
 }
 
 _SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "mutants", ".pytest_cache", ".ruff_cache",
