@@ -116,3 +116,20 @@ def test_delta_weight_rebuilds_decomposed_factors_in_the_dtype_asked(src, dtype)
     got = lm.delta_weight(r, (12, 10), 0.25, dtype)
     assert got.dtype == dtype and got.shape == (12, 10)
     assert torch.allclose(got.double(), want, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
+
+
+def test_factorization_factor_rules_on_both_sides():
+    # a factor that divides: exactly (factor, dimension / factor), sorted, even far from sqrt
+    assert lm.factorization(12, 6) == (2, 6) and lm.factorization(12, 2) == (2, 6) and lm.factorization(12, 12) == (1, 12)
+    assert lm.factorization(12, 1) == (1, 12)
+    # factor 0: no divisor pair may have a first value above 0, so the search stops at (1, dimension)
+    assert lm.factorization(12, 0) == (1, 12) and lm.factorization(7, 0) == (1, 7)
+    # a factor that does not divide: the pair closest to sqrt whose first value is at most factor
+    assert lm.factorization(12, 5) == (3, 4) and lm.factorization(12, 2) == (2, 6) and lm.factorization(36, 5) == (4, 9)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 7, 12, 36, 60, 97, 3072])
+def test_factorization_without_bound_is_the_pair_closest_to_sqrt(dim):
+    pairs = [(m, dim // m) for m in range(1, dim + 1) if dim % m == 0 and m <= dim // m]
+    want = min(pairs, key=lambda p: p[0] + p[1])                 # the smallest sum: closest to sqrt
+    assert lm.factorization(dim) == want == lm.factorization(dim, -1)
