@@ -150,6 +150,7 @@ EQUIVALENT: dict[str, str] = {
     "ditkit.loaders.lokr_math.x_delta_weight__mutmut_11": _SAME_RANK,   # w2.dim() >= w1.dim()
     "ditkit.loaders.lokr_math.x_add_delta___mutmut_11": _SAME_RANK,     # w2.dim() >= w1.dim()
     "ditkit.loaders.lokr_math.x_add_delta___mutmut_46": "torch.cat(...) without dim=0: its default dim is 0",
+    "ditkit.loaders.lokr_math.x_factorization__mutmut_11": "m < n for m <= n: at m == n both orders are (m, m)",
     "ditkit.loaders.lokr_math.x_factorization__mutmut_3": ("factor > 1 for factor > 0: factor 1 then takes the "
                                                           "search, whose bound m <= 1 stops at (1, dimension): the "
                                                           "pair the direct branch returns"),
