@@ -140,3 +140,15 @@ def test_streamer_interrupt_from_layer_callback_drops_device_copies():
     assert not st._resident and not st._inflight and st.stats.live_device_bytes == 0
     st.on_layer_done = None
     assert torch.equal(_run(wrapped, torch.ones(2, 8)), _run(_layers(4), torch.ones(2, 8)))
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_load_with_progress_puts_every_tensor_on_the_device_asked(tmp_path, device):
+    # The device argument reaches every tensor read (dropped, the reader's own default "cpu" would be used).
+    p = tmp_path / "d.safetensors"
+    save_file({"a": torch.ones(2, 3), "b": torch.zeros(4, dtype=torch.float16)}, p)
+    calls = []
+    sd, meta = load_with_progress(p, lambda d, t: calls.append((d, t)), device=device)
+    assert [t.device.type for t in sd.values()] == [device, device]
+    assert [tuple(t.shape) for t in sd.values()] == [(2, 3), (4,)] and sd["b"].dtype == torch.float16
+    assert calls == [(1, 2), (2, 2)] and meta == {}
