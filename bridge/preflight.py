@@ -235,17 +235,22 @@ def conditioning_rows(entries, video_shape, default_text: int, source: str = "in
         raise MemoryModelError(f"{NODE_ID}: {source}: {msg}") from None
 
 
+def _cond_item(c, where: str):
+    """``(cross_attn, options dict)`` of one conditioning item: a ComfyUI ``CONDITIONING`` pair ``[cross_attn, {...}]``
+    or the sampler's converted dict (``cross_attn`` a key); anything else refused, ``where`` leading the message."""
+    if isinstance(c, dict):
+        return c.get("cross_attn"), c
+    if isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[1], dict):
+        return c[0], c[1]
+    raise MemoryModelError(f"{where}: not a CONDITIONING (an item is {type(c).__name__})")
+
+
 def zimage_text_rows(entries, default_text: int, source: str = "input 'positive'") -> int:
     """Caption rows of the longest Z-Image conditioning among ``entries`` (the cross_attn length; ``default_text``
     when there is none). Reference latents (Z-Image omni editing) are not modelled: refused naming ``source``."""
     best = None
     for c in entries or ():
-        if isinstance(c, dict):
-            ca, d = c.get("cross_attn"), c
-        elif isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[1], dict):
-            ca, d = c[0], c[1]
-        else:
-            raise MemoryModelError(f"{NODE_ID}: {source}: not a CONDITIONING (an item is {type(c).__name__})")
+        ca, d = _cond_item(c, f"{NODE_ID}: {source}")
         if d.get("reference_latents") is not None or d.get("ref_latents") is not None:
             raise MemoryModelError(f"{NODE_ID}: {source}: Z-Image reference latents (omni editing) are not modelled "
                                    "by the preflight yet; remove the preflight or the references")
@@ -263,12 +268,7 @@ def packed_rows(entries, video_shape, default_text: int) -> tuple[int, int, int]
     frame_rows = -(-int(video_shape[3]) // 2) * -(-int(video_shape[4]) // 2)
     best = None
     for c in entries or ():
-        if isinstance(c, dict):
-            ca, d = c.get("cross_attn"), c
-        elif isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[1], dict):
-            ca, d = c[0], c[1]
-        else:
-            raise MemoryModelError(f"{NODE_ID}: not a CONDITIONING (an item is {type(c).__name__})")
+        ca, d = _cond_item(c, NODE_ID)
         text = int(ca.shape[1]) if torch.is_tensor(ca) and ca.dim() >= 2 else default_text
         refs = sum(h3_ref_rows(b.get("kind"), b.get("latent_t", 0), b.get("latent_h", 0), b.get("latent_w", 0),
                                b.get("ref_audio_t", 0)) for b in _rows_of(d.get("minimax_refs"), "minimax_refs"))
