@@ -79,17 +79,34 @@ class Weights:
 
 @dataclass(frozen=True)
 class Tokens:
+    """Packed rows of one forward. ``video`` holds the latent's own rows: frames x area for a video model, the
+    image's area for an image model (``image=True``: Z-Image, FLUX.2), so every report names them right."""
     video: int
     audio: int = 0
     text: int = 0
     refs: int = 0
     keyframes: int = 0
+    image: bool = False
 
     @property
     def total(self) -> int:
         return self.video + self.audio + self.text + self.refs + self.keyframes
 
+    @property
+    def latent_name(self) -> str:
+        """What the latent's rows are: "image" or "video"."""
+        return "image" if self.image else "video"
+
+    def describe(self) -> str:
+        """The rows by part, named for the model: an image model has image and text rows only."""
+        if self.image:
+            return f"{self.total:,} tokens (image {self.video:,}, text {self.text:,})"
+        return (f"{self.total:,} tokens (video {self.video:,}, audio {self.audio:,}, text {self.text:,}, "
+                f"refs {self.refs:,}, keyframes {self.keyframes:,})")
+
     def as_dict(self) -> dict:
+        if self.image:
+            return {"image": self.video, "text": self.text, "total": self.total}
         return {"video": self.video, "audio": self.audio, "text": self.text, "refs": self.refs,
                 "keyframes": self.keyframes, "total": self.total}
 

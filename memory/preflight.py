@@ -99,7 +99,7 @@ def zimage_tokens(latent_shape, text: int = 0, patch: int = 2, pad_multiple: int
     t = _count(text, "text")
     image = -(-dims[2] // p) * -(-dims[3] // p)
     cap = m if (t == 0 and pad_multiple is not None) else t
-    tok = Tokens(video=-(-image // m) * m, text=-(-cap // m) * m)
+    tok = Tokens(video=-(-image // m) * m, text=-(-cap // m) * m, image=True)
     if tok.total > MAX_TOKENS:
         raise MemoryModelError(f"latent {tuple(latent_shape)} packs {tok.total:,} tokens (> {MAX_TOKENS:,}): absurd "
                                "for any device; check the latent's width / height")
@@ -194,8 +194,7 @@ class Plan:
 
     def summary(self) -> str:
         t = self.tokens
-        head = (f"{t.total:,} tokens (video {t.video:,}, audio {t.audio:,}, text {t.text:,}, refs {t.refs:,}, "
-                f"keyframes {t.keyframes:,}); predicted peak {self.peak() / GIB:.2f} GiB vs "
+        head = (f"{t.describe()}; predicted peak {self.peak() / GIB:.2f} GiB vs "
                 f"{self.available / GIB:.2f} GiB {self.where} [{self.options.describe()}]")
         if self.decode_parts:
             head += (f"; sampling step {self.prediction.device / GIB:.2f} GiB, VAE decode "
@@ -224,7 +223,8 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
          decode_keeps_weights: bool = False, head_groups: bool = True) -> Plan:
     """The job's prediction and, when it does not fit, the fitting settings with the fewest changes (then the
     cheapest: chunking before streaming before a lower-precision format), at most ``max_suggestions``; when no
-    setting fits, the longest video (fraction of the video tokens) that fits with every saving on.
+    setting fits, the longest video (fraction of the video tokens; for an image model the largest image area, named
+    ``image_tokens``) that fits with every saving on.
 
     ``weights``: the model's weights per format name (``opts.weight_format`` must be one of them; formats not
     present are not suggested).
@@ -291,7 +291,10 @@ def plan(dims: DiTDims, weights: dict[str, Weights], tokens: Tokens, opts: Optio
                 hi = mid
         if lo > 0:
             t = replace(tokens, video=max(1, int(tokens.video * lo)))
-            s = dict(best, video_tokens=f"<= {t.video:,} ({lo:.0%} of the length x area)")
+            if tokens.image:
+                s = dict(best, image_tokens=f"<= {t.video:,} ({lo:.0%} of the area)")
+            else:
+                s = dict(best, video_tokens=f"<= {t.video:,} ({lo:.0%} of the length x area)")
             if video_scale is not None:
                 s["resolution_or_length"] = video_scale(lo)
             pr = predict(dims, w, t, o)

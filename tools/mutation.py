@@ -70,7 +70,7 @@ TESTS: dict[str, list[str]] = {
     "loaders/safetensors_io.py": ["tests/unit/test_safetensors_io.py", "tests/unit/test_safe_reader_open_once.py"],
     "loaders/h3.py": ["tests/unit/test_loaders_h3.py", "tests/unit/test_public_direct_loaders.py"],
     "loaders/lokr_math.py": ["tests/unit/test_public_direct.py", "tests/unit/test_lokr.py",
-                           "tests/unit/test_lokr_add_delta.py"],
+                           "tests/unit/test_lokr_add_delta.py", "tests/unit/test_lokr_factorization.py"],
     "loaders/quant_cache.py": ["tests/unit/test_quant_cache.py"],
     "loaders/read_progress.py": ["tests/unit/test_progress_callbacks.py"],
     "loaders/host_memory.py": ["tests/unit/test_public_direct_loaders.py", "tests/unit/test_quant_speed_helpers.py",

@@ -56,7 +56,7 @@ def test_tokens_dims_and_weights_from_the_model(zimage):
     assert dm.pad_tokens_multiple == 32 and dm.patch_size == 2
     p = plan(zimage, lat, text=77)
     # 64 * 64 = 4096 image rows (a multiple of 32); 77 caption rows padded to 96
-    assert p.tokens.as_dict() == {"video": 4096, "audio": 0, "text": 96, "refs": 0, "keyframes": 0, "total": 4192}
+    assert p.tokens.as_dict() == {"image": 4096, "text": 96, "total": 4192}
     odd = plan(zimage, latent(200, 136), text=0)     # latent 17 x 25 -> 9 * 13 = 117 rows -> 128; no caption: 32 pad
     assert (odd.tokens.video, odd.tokens.text) == (math.ceil(9 * 13 / 32) * 32, 32)
     dims, weights, current, compute = model_facts(zimage)
@@ -111,7 +111,7 @@ def test_refuses_then_suggestion_runs(zimage, sdpa):
         DitKitPreflight.execute(zimage, lat, limit_gib=limit, text_tokens=77)
     assert [id(x.model) for x in mm.current_loaded_models] == loaded_before
     msg = str(e.value)
-    assert "SHORT by" in msg and "4,192 tokens (video 4,096" in msg, msg
+    assert "SHORT by" in msg and "4,192 tokens (image 4,096, text 96)" in msg and "video" not in msg.split(";")[0], msg
     m = re.search(r"chunk_tokens (\d+): predicted ([\d.]+) GiB", msg)
     assert m, msg
     fixed = DitKitActivationChunking.execute(zimage, chunk_tokens=int(m.group(1))).args[0]

@@ -309,3 +309,25 @@ def test_head_groups_are_suggested_only_for_backends_that_hold_scores():
     assert "attention 2 heads per call" in already.describe() and "heads per call" not in fl.describe()
     off = plan(D2, w, tok, sq, full - 1, "x", False, head_groups=False)       # a model they do not apply to
     assert not any("attention_heads_per_call" in s.settings for s in off.suggestions)
+
+
+def test_image_rows_are_named_image_in_every_text():
+    """Z-Image / FLUX.2 rows are an image's, never "video": the summary, as_dict and the no-fit suggestion."""
+    img = Tokens(video=40_000, text=300, image=True)
+    vid = Tokens(video=40_000, text=300)
+    assert img.latent_name == "image" and vid.latent_name == "video"
+    assert img.total == vid.total == 40_300
+    assert img.describe() == "40,300 tokens (image 40,000, text 300)"
+    assert vid.describe() == "40,300 tokens (video 40,000, audio 0, text 300, refs 0, keyframes 0)"
+    assert img.as_dict() == {"image": 40_000, "text": 300, "total": 40_300}
+    assert vid.as_dict() == {"video": 40_000, "audio": 0, "text": 300, "refs": 0, "keyframes": 0, "total": 40_300}
+    w = _weights()
+    for tok, key, other in ((img, "image_tokens", "video_tokens"), (vid, "video_tokens", "image_tokens")):
+        p = plan(D2, w, tok, Options(compute="bfloat16"), 3 * GIB // 2, "x", False, video_scale=lambda f: f"x{f:.2f}")
+        s = p.suggestions[0].settings
+        assert not p.fits and key in s and other not in s, s
+        assert ("of the area)" in s[key]) is tok.image and ("length x area" in s[key]) is not tok.image
+        text = p.summary()
+        assert text.startswith(tok.describe() + "; predicted peak"), text
+        assert ("video" in text.split(";")[0]) is not tok.image
+        assert p.as_dict()["tokens"] == tok.as_dict()

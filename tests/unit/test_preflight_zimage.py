@@ -35,7 +35,7 @@ def test_padding_boundaries_both_sides():
     assert zimage_tokens((1, 16, 128, 130), 1).video == 64 * 65 + (-(64 * 65)) % 32   # 4160 = 130 * 32
     assert zimage_tokens((1, 16, 127, 127), 1).video == 4096       # padded to the patch, then 4096 rows
     assert zimage_tokens((1, 16, 3, 3), 5, pad_multiple=None).as_dict() == {
-        "video": 4, "audio": 0, "text": 5, "refs": 0, "keyframes": 0, "total": 9}
+        "image": 4, "text": 5, "total": 9}
     assert zimage_tokens((1, 16, 8, 8), 0, patch=1, pad_multiple=None).total == 64
     assert zimage_tokens((2, 16, 8, 8), 10).total == zimage_tokens((1, 16, 8, 8), 10).total   # per latent
 
