@@ -140,14 +140,20 @@ def decode_parts(vae, video_shape) -> dict:
 
 
 def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs: int = 0, keyframes: int = 0,
-             vae=None) -> Plan:
+             vae=None, zimage=None) -> Plan:
+    """The plan of one job. ``zimage``: :func:`zimage_conds` of the conditioning (Z-Image; the item with the most
+    rows decides; ``text`` when none)."""
     limit = check_limit(limit_gib)
     family = family_of(model)
     if family == "h3":
         tokens, batch = h3_tokens(video_shape, audio_shape, text=text, refs=refs, keyframes=keyframes), 1
     elif family == "zimage":   # image + caption rows, each padded to the model's pad_tokens_multiple
         dm = diffusion_model(model)
-        tokens = zimage_tokens(video_shape, text, int(dm.patch_size), getattr(dm, "pad_tokens_multiple", None))
+        p, m, sig = int(dm.patch_size), getattr(dm, "pad_tokens_multiple", None), \
+            getattr(dm, "siglip_embedder", None) is not None
+        tokens = max((zimage_tokens(video_shape, c["text"], p, m, c["refs"], c["ref_texts"], c["siglip"], sig)
+                      for c in (zimage or [{"text": text, "refs": [], "ref_texts": [], "siglip": []}])),
+                     key=lambda t: t.total)
         batch = int(video_shape[0])
     else:   # text is cross-attention context; guides (LTXVAddGuide) are frames of the latent itself
         tokens, batch = ltx2_tokens(video_shape, audio_shape), int(video_shape[0])
@@ -247,16 +253,61 @@ def _cond_item(c, where: str):
 
 def zimage_text_rows(entries, default_text: int, source: str = "input 'positive'") -> int:
     """Caption rows of the longest Z-Image conditioning among ``entries`` (the cross_attn length; ``default_text``
-    when there is none). Reference latents (Z-Image omni editing) are not modelled: refused naming ``source``."""
-    best = None
+    when there is none). Omni references are read by :func:`zimage_conds`."""
+    return max([c["text"] for c in zimage_conds(entries, default_text, source)] or [default_text])
+
+
+def _tensor_list(v, what: str, where: str, dims: int) -> list:
+    if v is None:
+        return []
+    if not isinstance(v, (list, tuple)) or not all(torch.is_tensor(t) and t.dim() == dims for t in v):
+        raise MemoryModelError(f"{where}: the conditioning's {what} is not a list of {dims}-D tensors "
+                               f"({type(v).__name__})")
+    return list(v)
+
+
+def _siglip_rows(d: dict, where: str) -> list[int]:
+    """SigLIP rows of each image encoding, as ``Lumina2.extra_conds`` reads them: ``clip_vision_outputs`` or each
+    ``unclip_conditioning`` item's ``clip_vision_output`` (absent ones skipped), ``(H // 16) * (W // 16)`` of the
+    output's ``image_sizes[0]`` = (C, H, W)."""
+    outs = d.get("clip_vision_outputs")
+    if outs is None:
+        unclip = d.get("unclip_conditioning") or []
+        if not isinstance(unclip, (list, tuple)) or not all(isinstance(u, dict) for u in unclip):
+            raise MemoryModelError(f"{where}: the conditioning's unclip_conditioning is not a list of dicts")
+        outs = [u.get("clip_vision_output") for u in unclip]
+    if not isinstance(outs, (list, tuple)):
+        raise MemoryModelError(f"{where}: the conditioning's clip_vision_outputs is not a list")
+    rows = []
+    for o in outs:
+        if o is None:
+            continue
+        size = getattr(o, "image_sizes", None)
+        try:
+            h, w = int(size[0][1]), int(size[0][2])
+        except (TypeError, IndexError, ValueError):
+            raise MemoryModelError(f"{where}: a CLIP vision output without image_sizes [(C, H, W)]: "
+                                   f"{type(o).__name__}") from None
+        rows.append((h // 16) * (w // 16))
+    return rows
+
+
+def zimage_conds(entries, default_text: int, source: str = "input 'positive'") -> list[dict]:
+    """What each Z-Image conditioning item adds to the joint sequence: ``text`` (the cross_attn length,
+    ``default_text`` when there is none), and for omni editing (``reference_latents``) the (H, W) of each reference
+    latent (``refs``), its caption rows (``reference_latents_text_embeds``: ``ref_texts``) and the SigLIP rows of
+    the image encodings (``siglip``), read as ComfyUI 0.33's ``Lumina2.extra_conds`` reads them. ``[]`` for none."""
+    where = f"{NODE_ID}: {source}"
+    out = []
     for c in entries or ():
-        ca, d = _cond_item(c, f"{NODE_ID}: {source}")
-        if d.get("reference_latents") is not None or d.get("ref_latents") is not None:
-            raise MemoryModelError(f"{NODE_ID}: {source}: Z-Image reference latents (omni editing) are not modelled "
-                                   "by the preflight yet; remove the preflight or the references")
-        text = int(ca.shape[1]) if torch.is_tensor(ca) and ca.dim() >= 2 else default_text
-        best = text if best is None else max(best, text)
-    return default_text if best is None else best
+        ca, d = _cond_item(c, where)
+        refs = _tensor_list(d.get("reference_latents"), "reference_latents", where, 4)
+        out.append({"text": int(ca.shape[1]) if torch.is_tensor(ca) and ca.dim() >= 2 else default_text,
+                    "refs": [(int(r.shape[-2]), int(r.shape[-1])) for r in refs],
+                    "ref_texts": [int(t.shape[1]) for t in _tensor_list(d.get("reference_latents_text_embeds"),
+                                                                     "reference_latents_text_embeds", where, 3)],
+                    "siglip": _siglip_rows(d, where) if refs else []})
+    return out
 
 
 def packed_rows(entries, video_shape, default_text: int) -> tuple[int, int, int]:
@@ -303,9 +354,10 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     entries = [c for k in ("positive", "negative") for c in (conds.get(k) or [])]
     if family == "h3":
         text, refs, kf = conditioning_rows(entries, video, info["text"], "the sampler's conditioning")
-    elif family == "zimage":
-        text = zimage_text_rows(entries, info["text"], "the sampler's conditioning")
-    p = run_plan(guider.model_patcher, video, audio, text, info["limit_gib"], refs, kf, info.get("vae"))
+    zconds = None
+    if family == "zimage":
+        zconds = zimage_conds(entries, info["text"], "the sampler's conditioning")
+    p = run_plan(guider.model_patcher, video, audio, text, info["limit_gib"], refs, kf, info.get("vae"), zconds)
     target, send = info["report"]
     data = dict(p.as_dict(), phase="sampler", seconds=time.perf_counter() - t0)
     send(target, NODE_ID, "preflight", ("sampler check: " + p.summary()), data)
@@ -380,4 +432,28 @@ def _vae_probe() -> Probe:
     src = inspect.getsource(VAE.__init__)
     missing += [a for a in ("self.memory_used_decode", "self.first_stage_model", "self.vae_dtype", "self.upscale_ratio",
                             "self.device") if a not in src]
+    return Probe.broken(f"missing {missing}") if missing else Probe.holds("")
+
+
+@entry("comfy.ldm.lumina.model.NextDiT.patchify_and_embed[preflight omni]", nodes=(NODE_ID,), what="behaviour",
+       doc="Z-Image omni: each reference's caption (ref_contexts), SigLIP (siglip_feats, siglip_pad_token) and image "
+           "rows, the target's, then the leftover captions, each padded by pad_zimage; Lumina2.extra_conds reads "
+           "reference_latents / reference_latents_text_embeds / clip_vision_outputs or unclip_conditioning: the "
+           "rows zimage_tokens counts")
+def _zimage_omni_probe() -> Probe:
+    import inspect
+
+    from comfy.ldm.lumina.model import NextDiT
+    from comfy.model_base import Lumina2
+
+    missing = [f"patchify_and_embed: {w}" for w in ("ref_latents", "ref_contexts", "siglip_feats", "leftover_cap",
+                                                    "embed_cap(cap, offset")
+               if w not in inspect.getsource(NextDiT.patchify_and_embed)]
+    missing += [f"embed_all: {w}" for w in ("siglip_pad_token", "pad_zimage(siglip_feats", "pad_zimage(x",
+                                            "self.siglip_embedder is None")
+                if w not in inspect.getsource(NextDiT.embed_all)]
+    missing += [f"Lumina2.extra_conds: {w}" for w in ('"reference_latents"', '"reference_latents_text_embeds"',
+                                                      '"clip_vision_outputs"', '"unclip_conditioning"', "image_sizes[0]",
+                                                      "// 16")
+                if w not in inspect.getsource(Lumina2.extra_conds)]
     return Probe.broken(f"missing {missing}") if missing else Probe.holds("")

@@ -100,13 +100,15 @@ class Tokens:
     def describe(self) -> str:
         """The rows by part, named for the model: an image model has image and text rows only."""
         if self.image:
-            return f"{self.total:,} tokens (image {self.video:,}, text {self.text:,})"
+            refs = f", refs {self.refs:,}" if self.refs else ""
+            return f"{self.total:,} tokens (image {self.video:,}, text {self.text:,}{refs})"
         return (f"{self.total:,} tokens (video {self.video:,}, audio {self.audio:,}, text {self.text:,}, "
                 f"refs {self.refs:,}, keyframes {self.keyframes:,})")
 
     def as_dict(self) -> dict:
         if self.image:
-            return {"image": self.video, "text": self.text, "total": self.total}
+            return {"image": self.video, "text": self.text, **({"refs": self.refs} if self.refs else {}),
+                    "total": self.total}
         return {"video": self.video, "audio": self.audio, "text": self.text, "refs": self.refs,
                 "keyframes": self.keyframes, "total": self.total}
 

@@ -80,11 +80,20 @@ def ltx2_tokens(video_shape, audio_shape=None) -> Tokens:
     return tok
 
 
-def zimage_tokens(latent_shape, text: int = 0, patch: int = 2, pad_multiple: int | None = 32) -> Tokens:
+def zimage_tokens(latent_shape, text: int = 0, patch: int = 2, pad_multiple: int | None = 32, refs=(),
+                  ref_texts=(), siglip=(), siglip_model: bool = False) -> Tokens:
     """The joint sequence of one Z-Image forward per latent (ComfyUI 0.33 ``NextDiT.patchify_and_embed``): image
     rows ``ceil(H/p) * ceil(W/p)`` of the [B, C, H, W] latent (padded to the patch), text rows the caption length;
     each part padded up to ``pad_multiple`` rows (pad tokens; an empty caption is ``pad_multiple`` pad rows).
-    Checked with python ints before anything exists."""
+    Checked with python ints before anything exists.
+
+    Omni editing (``refs``: the (H, W) of each reference latent, non-empty): each reference adds its caption
+    (``ref_texts[i]`` rows, ``pad_multiple`` pad rows when it has none), its SigLIP rows when the model has a SigLIP
+    embedder (``siglip_model``; ``siglip[i]`` rows, ``pad_multiple`` pad rows when it has none) and its image rows
+    ``(H/p) * (W/p)`` (a reference is not padded to the patch: a size that is not a multiple is refused, as the
+    model cannot take it); the target then has ``pad_multiple`` SigLIP pad rows, and the captions in ``ref_texts``
+    past the references join the text. Every part is padded to ``pad_multiple``. Reference image and SigLIP rows
+    are counted as ``refs``."""
     if len(latent_shape) != 4:
         raise MemoryModelError(f"Z-Image latent must be [B, C, H, W], got {tuple(latent_shape)}")
     dims = [int(x) for x in latent_shape]
@@ -97,9 +106,32 @@ def zimage_tokens(latent_shape, text: int = 0, patch: int = 2, pad_multiple: int
     if p <= 0 or m <= 0:
         raise MemoryModelError(f"patch and pad_multiple must be >= 1, got {patch!r}, {pad_multiple!r}")
     t = _count(text, "text")
+    refs, ref_texts, siglip = list(refs), [_count(x, "reference caption rows") for x in ref_texts], \
+        [_count(x, "SigLIP rows") for x in siglip]
+    if refs and pad_multiple is None:
+        raise MemoryModelError("Z-Image omni references need the model's pad_tokens_multiple (this model has none)")
+
+    def up(n: int) -> int:
+        return -(-n // m) * m
+
     image = -(-dims[2] // p) * -(-dims[3] // p)
     cap = m if (t == 0 and pad_multiple is not None) else t
-    tok = Tokens(video=-(-image // m) * m, text=-(-cap // m) * m, image=True)
+    text_rows, ref_rows = up(cap), 0
+    for i, hw in enumerate(refs):
+        if not isinstance(hw, (tuple, list)) or len(hw) != 2:
+            raise MemoryModelError(f"reference latent {i} must be given as (H, W), got {hw!r}")
+        h, w = (_count(v, f"reference latent {i} size") for v in hw)
+        if h <= 0 or w <= 0 or h % p or w % p:
+            raise MemoryModelError(f"reference latent {i} is {h} x {w}: Z-Image takes a reference whose height and "
+                                   f"width are multiples of the patch {p} (> 0)")
+        text_rows += up(ref_texts[i]) if i < len(ref_texts) else m
+        if siglip_model:
+            ref_rows += up(siglip[i]) if i < len(siglip) else m
+        ref_rows += up((h // p) * (w // p))
+    if refs:
+        ref_rows += m if siglip_model else 0
+        text_rows += sum(up(x) for x in ref_texts[len(refs):])
+    tok = Tokens(video=up(image), text=text_rows, refs=ref_rows, image=True)
     if tok.total > MAX_TOKENS:
         raise MemoryModelError(f"latent {tuple(latent_shape)} packs {tok.total:,} tokens (> {MAX_TOKENS:,}): absurd "
                                "for any device; check the latent's width / height")

@@ -41,7 +41,8 @@ class DitKitPreflight(io.ComfyNode):
                                      "connected, nor for LTX-2 (text is cross-attention context there)."),
                 io.Conditioning.Input("positive", optional=True,
                                       tooltip="Optional: the conditioning the sampler will get. Its text rows, H3 "
-                                              "ref2va reference blocks (images, videos, audio) and fl2va keyframes "
+                                              "ref2va reference blocks (images, videos, audio), fl2va keyframes and "
+                                              "Z-Image omni references (with their captions and SigLIP encodings) "
                                               "are counted into the packed sequence now instead of at sampling."),
                 io.Vae.Input("vae", optional=True,
                              tooltip="Optional: the video VAE that will decode the result. Its decode's predicted peak "
@@ -63,10 +64,10 @@ class DitKitPreflight(io.ComfyNode):
             raise MemoryModelError(f"{NODE_ID}: the latent input is not a LATENT")
         family = bridge.family_of(model)
         video, audio = bridge.latent_shapes_of(latent["samples"], family)
-        text, refs, keyframes = (text_tokens, 0, 0) if positive is None or family == "ltx2" else \
-            bridge.conditioning_rows(positive, video, text_tokens) if family == "h3" else \
-            (bridge.zimage_text_rows(positive, text_tokens), 0, 0)
-        p = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes, vae)
+        text, refs, keyframes = (bridge.conditioning_rows(positive, video, text_tokens)
+                                 if positive is not None and family == "h3" else (text_tokens, 0, 0))
+        zconds = bridge.zimage_conds(positive, text_tokens) if positive is not None and family == "zimage" else None
+        p = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes, vae, zconds)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         data = dict(p.as_dict(), phase="node", seconds=time.perf_counter() - t0)
         payload = send_report(node_id, NODE_ID, "preflight", p.summary(), data)

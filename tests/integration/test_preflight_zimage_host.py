@@ -3,7 +3,7 @@ DitKitZImageLoader: the stock UNETLoader only knows Z-Image at dim 3840 and cann
 the 2x2-patched image rows plus the caption rows, each padded to the model's pad_tokens_multiple (counted here from
 the latent ComfyUI's EmptySD3LatentImage makes and the LotusConditioning caption); the dims and weights come from
 the loaded model; a job made to exceed limit_gib is refused before sampling naming the setting that fits; following
-it samples; the sampler-time check refuses before any forward; reference latents and FLUX.2 are refused by name."""
+it samples; the sampler-time check refuses before any forward; FLUX.2 is refused by name."""
 from __future__ import annotations
 
 import math
@@ -80,7 +80,7 @@ def test_positive_caption_is_counted(zimage):
     cond = [[torch.zeros(1, 300, 1024), {}]]
     out = DitKitPreflight.execute(zimage, latent(512, 512), limit_gib=1000.0, text_tokens=5, positive=cond)
     tok = out.ui["ditkit_report"][0]["data"]["tokens"]
-    assert (tok["video"], tok["text"]) == (1024, 320)
+    assert (tok["image"], tok["text"]) == (1024, 320) and "video" not in tok
     out = DitKitPreflight.execute(zimage, latent(512, 512), limit_gib=1000.0, text_tokens=5)
     assert out.ui["ditkit_report"][0]["data"]["tokens"]["text"] == 32
 
@@ -160,8 +160,12 @@ def test_bad_inputs_named_before_any_allocation(zimage, comfy, tiny_ckpts):
         # NaN / Inf: refused by the pack's FLOAT guard when the node is registered (DitKitError), else by the node
         with pytest.raises(DitKitError, match="'?limit_gib'?"):
             DitKitPreflight.execute(zimage, latent(64, 64), limit_gib=bad)
-    ref = [[torch.zeros(1, 77, 1024), {"reference_latents": [torch.zeros(1, 16, 8, 8)]}]]
-    with pytest.raises(MemoryModelError, match="positive.*reference latents"):
+    # omni references are counted (test_preflight_zimage_omni_host.py); one the model cannot take is named
+    ref = [[torch.zeros(1, 77, 1024), {"reference_latents": [torch.zeros(1, 16, 9, 8)]}]]
+    with pytest.raises(MemoryModelError, match="reference latent 0 is 9 x 8"):
+        DitKitPreflight.execute(zimage, latent(64, 64), limit_gib=1.0, positive=ref)
+    ref = [[torch.zeros(1, 77, 1024), {"reference_latents": torch.zeros(1, 16, 8, 8)}]]
+    with pytest.raises(MemoryModelError, match="input 'positive'.*reference_latents is not a list"):
         DitKitPreflight.execute(zimage, latent(64, 64), limit_gib=1.0, positive=ref)
     flux = DitKitFlux2ModelLoader.execute(unet_name="flux2_tiny.safetensors").args[0]
     with pytest.raises(UnsupportedModelError, match="H3, LTX-2 and Z-Image.*flux2"):
