@@ -520,3 +520,32 @@ def _zimage_omni_probe() -> Probe:
                                                       "// 16")
                 if w not in inspect.getsource(Lumina2.extra_conds)]
     return Probe.broken(f"missing {missing}") if missing else Probe.holds("")
+
+
+@entry("comfy.ldm.flux.model.Flux[preflight FLUX.2 layout]", nodes=(NODE_ID,), what="behaviour",
+       doc="FLUX.2: image rows of process_img (pad_to_patch_size, rearrange by patch_size), reference latents "
+           "(ref_latents) concatenated after them, txt + img joined before the single blocks; Flux2.extra_conds "
+           "pads the caption to 512 rows; the single block's fused linear1 (3 x hidden + the gated MLP's 2F) and "
+           "the SiLU-gated MLP: the rows flux2_tokens counts and the blocks flux2_activation_parts models")
+def _flux2_layout_probe() -> Probe:
+    import inspect
+
+    from comfy.ldm.flux import layers
+    from comfy.ldm.flux.model import Flux
+    from comfy.model_base import Flux2
+
+    from ..memory.preflight import FLUX2_TEXT_ROWS
+
+    checks = {"Flux.process_img": (inspect.getsource(Flux.process_img), ("pad_to_patch_size",
+                                                                        "b c (h ph) (w pw) -> b (h w) (c ph pw)")),
+              "Flux._forward": (inspect.getsource(Flux._forward), ("for ref in ref_latents",
+                                                                   "torch.cat([img, kontext], dim=1)")),
+              "Flux.forward_orig": (inspect.getsource(Flux.forward_orig), ("img = torch.cat((txt, img), 1)",)),
+              "Flux2.extra_conds": (inspect.getsource(Flux2.extra_conds), (f"target_text_len = {FLUX2_TEXT_ROWS}",)),
+              "SingleStreamBlock": (inspect.getsource(layers.SingleStreamBlock),
+                                    ("hidden_size * 3 + self.mlp_hidden_dim_first",
+                                     "self.mlp_hidden_dim_first = int(hidden_size * mlp_ratio * 2)",
+                                     "torch.cat((attn, mlp), 2)")),
+              "SiLUActivation": (inspect.getsource(layers.SiLUActivation), ("self.gate_fn(x1) * x2",))}
+    missing = [f"{where}: {w}" for where, (src, words) in checks.items() for w in words if w not in src]
+    return Probe.broken(f"missing {missing}") if missing else Probe.holds("")

@@ -280,3 +280,15 @@ def test_predicted_vs_measured_peak_on_cpu(comfyui_path, name, width, height, hi
     print(f"{name}: measured {res['total_growth'] / 2**20:.1f} MiB, predicted {res['predicted'] / 2**20:.1f} MiB, "
           f"{err:+.1%}")
     assert abs(err) <= 0.15, res
+
+
+def test_layout_probe_holds_and_sees_a_changed_constant(comfy, monkeypatch):
+    """The contract entry for the FLUX.2 layout the preflight mirrors holds on the tested host, and names what no
+    longer matches (here: a caption pad length that is not the host's 512)."""
+    from ditkit.bridge import preflight as bp
+    from ditkit.memory import preflight as mp
+
+    assert bp._flux2_layout_probe().state == "holds"
+    monkeypatch.setattr(mp, "FLUX2_TEXT_ROWS", 511)
+    p = bp._flux2_layout_probe()
+    assert p.state == "broken" and "target_text_len = 511" in p.note, p
