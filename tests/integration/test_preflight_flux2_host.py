@@ -260,6 +260,9 @@ def test_bad_inputs_named_before_any_allocation(flux2):
     bad_ref = [[torch.zeros(1, 77, 1024), {"reference_latents": "not a list"}]]
     with pytest.raises(MemoryModelError, match="positive.*reference latents"):
         DitKitPreflight.execute(flux2, latent(64, 64), limit_gib=1.0, positive=bad_ref)
+    sd3_ref = [[torch.zeros(1, 77, 1024), {"reference_latents": [torch.zeros(1, 128, 4, 4), torch.zeros(1, 16, 8, 8)]}]]
+    with pytest.raises(MemoryModelError, match="reference latent 1 has 16 channels.*takes 128"):
+        DitKitPreflight.execute(flux2, latent(64, 64), limit_gib=1.0, positive=sd3_ref)
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs /proc/self/statm (Linux)")
