@@ -81,6 +81,17 @@ LTX_CONFIGS = [("ltx2-h1024-512x512x97", 512, 512, 97, None, 0), ("ltx2-h1024-51
 ZIMAGE_SCALED = {"dim": 1024, "n_layers": 2}
 ZIMAGE_CONFIGS = [("zimage-d1024-1024x1024", 1024, 1024, None), ("zimage-d1024-1024x1024-chunk512", 1024, 1024, 512),
                   ("zimage-d1024-768x1280", 768, 1280, None)]
+# FLUX.2: one sampling step of a hidden-1024 (8 heads of 128) FLUX.2 (2 double + 2 single blocks) loaded by ComfyUI's
+# own loader from a file written here, EmptyFlux2LatentImage, caption [1, 77, 1024] (padded to 512 by the model);
+# predicted by run_plan: (name, width, height, chunk)
+FLUX2_SCALED = {"hidden": 1024, "depth": 2, "depth_single": 2}
+FLUX2_CONFIGS = [("flux2-h1024-1024x1024", 1024, 1024, None), ("flux2-h1024-1024x1024-chunk256", 1024, 1024, 256),
+                 ("flux2-h1024-768x1280", 768, 1280, None),
+                 # ComfyUI's --use-pytorch-cross-attention (no score matrix): the blocks' activations dominate
+                 ("sdpa-flux2-h1024-1024x1024", 1024, 1024, None), ("sdpa-flux2-h1024-1024x1024-chunk256", 1024, 1024, 256),
+                 ("sdpa-flux2-h1024-1536x1536", 1536, 1536, None),
+                 # attention over head groups (DitKitActivationChunking's attention_heads_per_call) on sub_quad
+                 ("flux2-h1024-1024x1024-heads2", 1024, 1024, None, 2), ("flux2-h1024-1024x1024-heads1", 1024, 1024, None, 1)]
 # VAE decode (tiny H3 video VAE as ComfyUI builds it; DitKitPreflight's decode parts): (name, width, height, length)
 DECODE_CONFIGS = [("decode-tiny-vae-256x256x22", 256, 256, 22), ("decode-tiny-vae-512x512x56", 512, 512, 56)]
 
@@ -339,6 +350,87 @@ def zimage_child(spec: dict) -> dict:
             "tokens": p.tokens.total, "parts": p.prediction.parts, "seconds": secs}
 
 
+def flux2_child(spec: dict) -> dict:
+    """One FLUX.2 sampling step through ComfyUI in this fresh process (``ltx_child``'s method; ComfyUI's own
+    loader)."""
+    import torch
+
+    sys.path.insert(0, spec["comfyui"])
+    from comfy.cli_args import args as cargs
+
+    cargs.cpu = True
+    cargs.use_pytorch_cross_attention = spec["name"].startswith("sdpa-")
+    import comfy.model_management as mm
+    import comfy.sd
+    import nodes
+    from comfy_extras.nodes_flux import EmptyFlux2LatentImage
+
+    from benchmarks.bench_quantize import _rss_now, peak_during
+    from ditkit.bridge import chunking as bchunk
+    from ditkit.bridge.preflight import latent_shapes_of, run_plan
+    from ditkit.loaders.safetensors_io import save_file
+    from ditkit.tiny import ckpt_image
+
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    tmp = Path(tempfile.mkdtemp(prefix="ditkit-bench-flux2-"))
+    cfg = {**ckpt_image.FLUX2, **FLUX2_SCALED, **({"hidden": int(spec["hidden"])} if spec.get("hidden") else {})}
+    save_file(ckpt_image.flux2_state_dict(cfg), tmp / "flux2_bench.safetensors")
+
+    def latent(w, h):
+        return EmptyFlux2LatentImage.execute(w, h, 1).result[0]
+
+    cond = [[torch.randn(1, 77, cfg["context_dim"], generator=torch.Generator().manual_seed(0)), {}]]
+    warm = comfy.sd.load_diffusion_model(str(tmp / "flux2_bench.safetensors"))
+    nodes.common_ksampler(warm, 0, 1, 1.0, "euler", "simple", cond, cond, latent(64, 64))
+    del warm
+    import gc
+
+    mm.unload_all_models()
+    gc.collect()
+    base = _rss_now()
+    m = comfy.sd.load_diffusion_model(str(tmp / "flux2_bench.safetensors"))
+    if spec["chunk"] or spec.get("heads"):
+        m = m.clone()
+        if spec.get("heads"):
+            bchunk.install_head_groups(m, int(spec["heads"]))
+        if spec["chunk"]:
+            bchunk.install(m, "flux2", int(spec["chunk"]), None)
+    lat = latent(spec["width"], spec["height"])
+    free_bytes = int(mm.get_free_memory(torch.device("cpu")))
+    v, _ = latent_shapes_of(lat["samples"], "flux2")
+    p = run_plan(m, v, None, 77, free_bytes / 2**30)
+    out, growth, before, secs = peak_during(
+        lambda: nodes.common_ksampler(m, 0, 1, 1.0, "euler", "simple", cond, cond, lat))
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"name": spec["name"], "total_growth": (before - base) + growth, "forward_growth": growth,
+            "predicted": p.prediction.device, "weights": p.prediction.parts["weights_device"],
+            "tokens": p.tokens.total, "parts": p.prediction.parts, "seconds": secs}
+
+
+def flux2_table(comfyui: str, threads: int, rows, only=()) -> list[dict]:
+    configs = [c for c in FLUX2_CONFIGS if not only or any(o in c[0] for o in only)]
+    if not configs:
+        return []
+    print("\n| FLUX.2 step | tokens | weights MiB | measured peak MiB | predicted MiB | error |")
+    print("|---|---|---|---|---|---|")
+    out = []
+    for name, w, h, chunk, *heads in configs:
+        spec = {"name": name, "width": w, "height": h, "chunk": chunk, "heads": heads[0] if heads else 0,
+                "comfyui": comfyui, "threads": threads}
+        res = run_child(spec, kind="--flux2-child")
+        err = res["predicted"] / res["total_growth"] - 1
+        mib = 2 ** 20
+        print(f"| {name} | {res['tokens']} | {res['weights'] / mib:.1f} | {res['total_growth'] / mib:.1f} | "
+              f"{res['predicted'] / mib:.1f} | {err:+.1%} |")
+        rows.add(name, "measured_peak", res["total_growth"], "B")
+        rows.add(name, "predicted_peak", res["predicted"], "B")
+        rows.add(name, "error", err, "ratio")
+        out.append({"spec": spec, "res": res, "err": err})
+    return out
+
+
 def zimage_table(comfyui: str, threads: int, rows, only=()) -> list[dict]:
     configs = [c for c in ZIMAGE_CONFIGS if not only or any(o in c[0] for o in only)]
     if not configs:
@@ -578,6 +670,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-child")
     ap.add_argument("--ltx-child")
     ap.add_argument("--zimage-child")
+    ap.add_argument("--flux2-child")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true")
@@ -597,6 +690,9 @@ def main(argv=None) -> int:
     if a.zimage_child:
         print(json.dumps(zimage_child(json.loads(a.zimage_child))))
         return 0
+    if a.flux2_child:
+        print(json.dumps(flux2_child(json.loads(a.flux2_child))))
+        return 0
     if a.decode_child:
         print(json.dumps(decode_child(json.loads(a.decode_child))))
         return 0
@@ -615,6 +711,7 @@ def main(argv=None) -> int:
         chunk_table(table, comfyui, a.rounds, a.threads, rows)
     table += [] if a.quick else ltx_table(comfyui, a.threads, rows, a.only)
     table += [] if a.quick else zimage_table(comfyui, a.threads, rows, a.only)
+    table += [] if a.quick else flux2_table(comfyui, a.threads, rows, a.only)
     dec = [] if a.quick else decode_table(comfyui, a.threads, rows, a.only)
     if not table and not dec:
         print("no configuration selected")

@@ -9,8 +9,9 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..memory.model import DiTDims, MemoryModelError, Options, Weights, weights_from_inventory
-from ..memory.preflight import (MemoryShortfallError, Plan, check_available, check_limit, h3_keyframe_rows,
-                                h3_ref_rows, h3_tokens, ltx2_tokens, plan, zimage_tokens)
+from ..memory.preflight import (FLUX2_TEXT_ROWS, MemoryShortfallError, Plan, check_available, check_limit,
+                                flux2_tokens, h3_keyframe_rows, h3_ref_rows, h3_tokens, ltx2_tokens, plan,
+                                zimage_tokens)
 from .chunking import installed_chunk
 from .contract import Probe, entry
 from .models import diffusion_model, model_family
@@ -40,22 +41,26 @@ def _compute_dtype(model) -> str:
     return {torch.float32: "float32", torch.float16: "float16"}.get(dt, "bfloat16")
 
 
-FAMILIES = ("h3", "ltx2", "zimage")
+FAMILIES = ("h3", "ltx2", "zimage", "flux2")
+# FLUX.2: fp32 copies of the latent's rows alive at the blocks' peak outside them (the sampler's noise, latent, x,
+# the CFG batch and its output buffers, the model input, padded and patchified): measured, benchmarks/bench_memory.py
+# (sdpa-flux2 rows: 12.9 and 11.9 latent rows of RSS beyond the blocks' own terms; docs/memory.md)
+LATENT_COPIES = 12
 
 
 def family_of(model) -> str:
-    """``"h3"``, ``"ltx2"`` or ``"zimage"``; UnsupportedModelError naming the family or class for any other MODEL
-    (FLUX.2 included: not modelled yet; nothing is loaded)."""
+    """``"h3"``, ``"ltx2"``, ``"zimage"`` or ``"flux2"``; UnsupportedModelError naming the class for any other MODEL
+    (nothing is loaded)."""
     family = model_family(model)
     if family not in FAMILIES:
-        raise UnsupportedModelError(f"{NODE_ID}: the memory model is checked for MiniMax H3, LTX-2 and Z-Image; the "
-                                    f"MODEL input "
+        raise UnsupportedModelError(f"{NODE_ID}: the memory model is checked for MiniMax H3, LTX-2, Z-Image and "
+                                    f"FLUX.2; the MODEL input "
                                     f"is {family or type(diffusion_model(model)).__name__}")
     return family
 
 
 def model_facts(model):
-    """(dims, {format: Weights}, current format, compute dtype name) of an H3, LTX-2 or Z-Image MODEL."""
+    """(dims, {format: Weights}, current format, compute dtype name) of an H3, LTX-2, Z-Image or FLUX.2 MODEL."""
     import comfy.model_management as mm
 
     family = family_of(model)
@@ -75,6 +80,21 @@ def model_facts(model):
         dims = DiTDims("zimage", int(b0.attention.qkv.in_features), int(b0.attention.n_local_heads), hd,
                        int(b0.feed_forward.w2.in_features), len(blocks), extra_cols=rope_cols)
         w = b0.feed_forward.w1.weight
+    elif family == "flux2":   # double blocks then single blocks (per-block weights for streaming)
+        blocks, prefix = list(dm.double_blocks) + list(dm.single_blocks), ("double_blocks.", "single_blocks.")
+        b0 = dm.double_blocks[0] if len(dm.double_blocks) else None
+        s0 = dm.single_blocks[0] if len(dm.single_blocks) else None
+        heads = int(dm.num_heads)
+        hd = int(dm.hidden_size) // heads
+        if s0 is not None:   # linear2 takes [attn D | mlp F]
+            ffn = int(s0.linear2.in_features) - int(dm.hidden_size)
+        else:
+            ffn = int(b0.img_mlp[2].in_features)
+        rope_cols = 8 * hd // {"float32": 4}.get(_compute_dtype(model), 2)   # the fp32 pe table, 8 * hd bytes a row
+        dims = DiTDims("flux2", int(dm.hidden_size), heads, hd, ffn, len(dm.double_blocks), extra_cols=rope_cols,
+                       single_layers=len(dm.single_blocks),
+                       latent_row_bytes=LATENT_COPIES * int(dm.in_channels) * 4)
+        w = s0.linear1.weight if s0 is not None else b0.img_mlp[0].weight
     else:
         blocks, prefix = dm.transformer_blocks, "transformer_blocks."
         b0 = blocks[0]
@@ -139,9 +159,10 @@ def decode_parts(vae, video_shape) -> dict:
     return parts
 
 
-def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs: int = 0, keyframes: int = 0,
+def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs=0, keyframes: int = 0,
              vae=None, zimage=None) -> Plan:
-    """The plan of one job. ``zimage``: :func:`zimage_conds` of the conditioning (Z-Image; the item with the most
+    """The plan of one job. ``refs``: H3 reference rows (int); FLUX.2 the reference latents' shapes (a tuple,
+    :func:`flux2_rows`). ``zimage``: :func:`zimage_conds` of the conditioning (Z-Image; the item with the most
     rows decides; ``text`` when none)."""
     limit = check_limit(limit_gib)
     family = family_of(model)
@@ -155,20 +176,32 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs:
                       for c in (zimage or [{"text": text, "refs": [], "ref_texts": [], "siglip": []}])),
                      key=lambda t: t.total)
         batch = int(video_shape[0])
+    elif family == "flux2":    # image rows, reference latents (``refs``: their shapes), caption padded to 512
+        dm = diffusion_model(model)
+        tokens = flux2_tokens(video_shape, text, refs or (), int(dm.patch_size))
+        want = int(dm.params.in_channels)
+        for what, shape in (("latent", video_shape),) + tuple((f"reference latent {i}", r)
+                                                             for i, r in enumerate(refs or ())):
+            if int(shape[1]) != want:
+                raise MemoryModelError(f"{NODE_ID}: the FLUX.2 {what} has {int(shape[1])} channels; this model takes "
+                                       f"{want} (a FLUX.2 latent: EmptyFlux2LatentImage / the FLUX.2 VAE)")
+        batch = int(video_shape[0])
     else:   # text is cross-attention context; guides (LTXVAddGuide) are frames of the latent itself
         tokens, batch = ltx2_tokens(video_shape, audio_shape), int(video_shape[0])
     dims, weights, current, compute = model_facts(model)
     installed, chunk = installed_chunk(model)
     ov = (model.model_options.get("transformer_options") or {}).get("optimized_attention_override")
-    # head groups split H3's packed self-attention only (skip_reshape calls); LTX-2's attention passes through them
-    head_group = ov.heads_per_call if getattr(ov, "_ditkit_head_groups", False) and family == "h3" else None
+    # head groups split packed [B, H, S, hd] self-attention (skip_reshape calls): H3's and FLUX.2's (host test: every
+    # FLUX.2 call grouped, the same samples); LTX-2's attention passes through them
+    head_group = ov.heads_per_call if getattr(ov, "_ditkit_head_groups", False) and family in ("h3", "flux2") \
+        else None
     available, where, streaming_possible = available_memory(model, limit)
     # auto chunking (chunk None) is counted unchunked: the upper bound, said in the report
     opts = Options(compute=compute, weight_format=current, chunk=chunk if installed else None,
                    attention=attention_class(), free_bytes=available, head_group=head_group, batch=batch)
 
     def scale(frac: float) -> str:
-        if family == "zimage":
+        if family in ("zimage", "flux2"):
             return f"width and height x {frac ** 0.5:.2f}"
         t = int(video_shape[2])
         return (f"latent frames <= {max(1, int(t * frac))} of {t} at this resolution, or width and height x "
@@ -176,7 +209,8 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs:
 
     dec = decode_parts(vae, video_shape) if vae is not None else None
     p = plan(dims, weights, tokens, opts, available, where, streaming_possible, video_scale=scale, decode_parts=dec,
-             decode_keeps_weights=torch.device(model.load_device).type == "cpu", head_groups=family == "h3")
+             decode_keeps_weights=torch.device(model.load_device).type == "cpu",
+             head_groups=family in ("h3", "flux2"))
     if installed and chunk is None:
         p.where += " (feed-forward chunking is auto: predicted unchunked, an upper bound)"
     return p
@@ -186,10 +220,11 @@ def latent_shapes_of(samples, family: str = "h3"):
     """(video shape, audio shape) of a LATENT's samples: H3 a NestedTensor of video + audio; LTX-2 the same or a
     video-only 5-D tensor (audio shape None)."""
     tensors = getattr(samples, "tensors", None)
-    if family == "zimage":
+    if family in ("zimage", "flux2"):
         if torch.is_tensor(samples) and samples.dim() == 4 and tensors is None:
             return tuple(samples.shape), None
-        raise MemoryModelError(f"{NODE_ID}: the LATENT is not a Z-Image latent (image [B, C, H, W]); got "
+        name = "Z-Image" if family == "zimage" else "FLUX.2"
+        raise MemoryModelError(f"{NODE_ID}: the LATENT is not a {name} latent (image [B, C, H, W]); got "
                                f"{type(samples).__name__} {tuple(getattr(samples, 'shape', ()))}")
     if family == "ltx2":
         if tensors and len(tensors) in (1, 2):
@@ -310,6 +345,32 @@ def zimage_conds(entries, default_text: int, source: str = "input 'positive'") -
     return out
 
 
+def flux2_rows(entries, default_text: int, source: str = "input 'positive'") -> tuple[int, tuple]:
+    """(caption rows, reference latent shapes) of the longest FLUX.2 conditioning among ``entries``: the cross_attn
+    length (``default_text`` when there is none; the model pads it to 512) and the ``reference_latents``
+    (ReferenceLatent; the sampler's converted dicts carry them as ``ref_latents``) whose rows join the image's.
+    Anything that is not a list of latent tensors is refused naming ``source``."""
+    best = None
+    for c in entries or ():
+        ca, d = _cond_item(c, f"{NODE_ID}: {source}")
+        text = int(ca.shape[1]) if torch.is_tensor(ca) and ca.dim() >= 2 else default_text
+        refs = d.get("reference_latents")
+        if refs is None:
+            refs = d.get("ref_latents")
+        cond = getattr(refs, "cond", None)      # the sampler's CONDList
+        refs = cond if cond is not None else refs
+        if refs is None:
+            refs = ()
+        if not isinstance(refs, (list, tuple)) or not all(torch.is_tensor(r) and r.dim() >= 3 for r in refs):
+            raise MemoryModelError(f"{NODE_ID}: {source}: FLUX.2 reference latents must be a list of latent tensors "
+                                   f"[B, C, h, w]; got {type(refs).__name__}")
+        shapes = tuple(tuple(int(x) for x in r.shape) for r in refs)
+        rows = max(text, FLUX2_TEXT_ROWS) + sum(s[-2] * s[-1] for s in shapes)   # as the model pads the caption
+        if best is None or rows > best[0]:
+            best = (rows, text, shapes)
+    return (default_text, ()) if best is None else (best[1], best[2])
+
+
 def packed_rows(entries, video_shape, default_text: int) -> tuple[int, int, int]:
     """(text, reference, keyframe) rows of the longest packed sequence among the conditioning ``entries``: ComfyUI
     ``CONDITIONING`` items ``[cross_attn, {...}]`` or the sampler's converted dicts (``cross_attn`` a key). Text rows
@@ -344,7 +405,7 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     shapes = kwargs.get("latent_shapes") or (args[8] if len(args) > 8 else None)
     if shapes and len(shapes) == 2:
         video, audio = tuple(shapes[0]), tuple(shapes[1])
-    elif shapes and len(shapes) == 1 and family in ("ltx2", "zimage"):
+    elif shapes and len(shapes) == 1 and family in ("ltx2", "zimage", "flux2"):
         video, audio = tuple(shapes[0]), None
     else:
         latent = args[1] if len(args) > 1 else kwargs.get("latent_image")
@@ -354,6 +415,8 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     entries = [c for k in ("positive", "negative") for c in (conds.get(k) or [])]
     if family == "h3":
         text, refs, kf = conditioning_rows(entries, video, info["text"], "the sampler's conditioning")
+    elif family == "flux2":
+        text, refs = flux2_rows(entries, info["text"], "the sampler's conditioning")
     zconds = None
     if family == "zimage":
         zconds = zimage_conds(entries, info["text"], "the sampler's conditioning")
@@ -456,4 +519,33 @@ def _zimage_omni_probe() -> Probe:
                                                       '"clip_vision_outputs"', '"unclip_conditioning"', "image_sizes[0]",
                                                       "// 16")
                 if w not in inspect.getsource(Lumina2.extra_conds)]
+    return Probe.broken(f"missing {missing}") if missing else Probe.holds("")
+
+
+@entry("comfy.ldm.flux.model.Flux[preflight FLUX.2 layout]", nodes=(NODE_ID,), what="behaviour",
+       doc="FLUX.2: image rows of process_img (pad_to_patch_size, rearrange by patch_size), reference latents "
+           "(ref_latents) concatenated after them, txt + img joined before the single blocks; Flux2.extra_conds "
+           "pads the caption to 512 rows; the single block's fused linear1 (3 x hidden + the gated MLP's 2F) and "
+           "the SiLU-gated MLP: the rows flux2_tokens counts and the blocks flux2_activation_parts models")
+def _flux2_layout_probe() -> Probe:
+    import inspect
+
+    from comfy.ldm.flux import layers
+    from comfy.ldm.flux.model import Flux
+    from comfy.model_base import Flux2
+
+    from ..memory.preflight import FLUX2_TEXT_ROWS
+
+    checks = {"Flux.process_img": (inspect.getsource(Flux.process_img), ("pad_to_patch_size",
+                                                                        "b c (h ph) (w pw) -> b (h w) (c ph pw)")),
+              "Flux._forward": (inspect.getsource(Flux._forward), ("for ref in ref_latents",
+                                                                   "torch.cat([img, kontext], dim=1)")),
+              "Flux.forward_orig": (inspect.getsource(Flux.forward_orig), ("img = torch.cat((txt, img), 1)",)),
+              "Flux2.extra_conds": (inspect.getsource(Flux2.extra_conds), (f"target_text_len = {FLUX2_TEXT_ROWS}",)),
+              "SingleStreamBlock": (inspect.getsource(layers.SingleStreamBlock),
+                                    ("hidden_size * 3 + self.mlp_hidden_dim_first",
+                                     "self.mlp_hidden_dim_first = int(hidden_size * mlp_ratio * 2)",
+                                     "torch.cat((attn, mlp), 2)")),
+              "SiLUActivation": (inspect.getsource(layers.SiLUActivation), ("self.gate_fn(x1) * x2",))}
+    missing = [f"{where}: {w}" for where, (src, words) in checks.items() for w in words if w not in src]
     return Probe.broken(f"missing {missing}") if missing else Probe.holds("")

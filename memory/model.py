@@ -57,7 +57,11 @@ class DiTDims:
     layers: int
     ffn_kind: str = "swiglu"   # "swiglu" (fc1 2F -> F) | "gelu" (F -> F)
     extra_cols: int = ROPE_COLS  # persistent columns per token besides 2D (H3: its rope table; LTX-2: the a/v
-    #                              cross-attention rope, audio_cross_attention_dim wide)
+    #                              cross-attention rope, audio_cross_attention_dim wide; Z-Image / FLUX.2: the fp32
+    #                              rope table, 8 * head_dim bytes a row, in compute-dtype columns)
+    single_layers: int = 0       # FLUX.2: single-stream blocks after the ``layers`` double-stream blocks
+    latent_row_bytes: int = 0    # FLUX.2: bytes per image row held outside the blocks (the sampler's and the
+    #                              model boundary's copies of the fp32 latent; bridge: LATENT_COPIES x C x 4)
 
     @property
     def inner(self) -> int:
@@ -161,13 +165,19 @@ def _bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def activation_parts(d: DiTDims, tokens: Tokens, opts: Options) -> dict:
-    """Peak activation bytes of one forward, by phase (module docstring)."""
+def _check_options(tokens: Tokens, opts: Options) -> None:
     check_tokens(tokens)
     if opts.attention not in ATTENTION:
         raise MemoryModelError(f"unknown attention backend class {opts.attention!r} (one of {ATTENTION})")
     if opts.chunk is not None and (isinstance(opts.chunk, bool) or not isinstance(opts.chunk, int) or opts.chunk <= 0):
         raise MemoryModelError(f"chunk must be None (off) or a positive number of tokens, got {opts.chunk!r}")
+
+
+def activation_parts(d: DiTDims, tokens: Tokens, opts: Options) -> dict:
+    """Peak activation bytes of one forward, by phase (module docstring; FLUX.2: :func:`flux2_activation_parts`)."""
+    if d.family == "flux2":
+        return flux2_activation_parts(d, tokens, opts)
+    _check_options(tokens, opts)
     b = _bytes(opts.compute)
     s = tokens.total * max(1, int(opts.batch))
     D, I, F = d.hidden, d.inner, d.ffn
@@ -204,6 +214,81 @@ def activation_parts(d: DiTDims, tokens: Tokens, opts: Options) -> dict:
             "block_peak": persistent + max(attn, ff)}
 
 
+def flux2_activation_parts(d: DiTDims, tokens: Tokens, opts: Options) -> dict:
+    """Peak activation bytes of one FLUX.2 forward (ComfyUI 0.33 ``comfy/ldm/flux``: ``Flux.forward_orig``,
+    ``DoubleStreamBlock``, ``SingleStreamBlock``, gated SiLU MLP ``SiLUActivation``), in rows of the joint sequence
+    ``S`` = text + image + reference rows (``Si`` = image + reference rows, ``St`` = text rows), ``D`` = hidden
+    (= heads x head_dim), ``F`` = MLP width (3D: the gated MLP's first linear is 2F wide):
+
+    * **persistent**: the residual streams (double blocks: img [Si, D] + txt [St, D]; single blocks: the joint x
+      [S, D] plus the txt [St, D] the forward keeps), the fp32 rope table ``pe`` (``extra_cols``) and, outside the
+      blocks, the copies of the latent the sampler and the model boundary hold (``latent_row_bytes`` per image
+      row: noise, latent, x, the CFG batch and its output buffers, the model input, padded and patchified);
+    * **double attention** (q/k/v concatenated over txt + img and handed to the attention): q, k, v [S, D], the
+      roped q and k [S, D] each, the output and its head-merged copy: ``7 S D`` plus the backend's scores (as the
+      other families); before it, both streams' qkv [S, 3D] + normed q, k [S, 2D] + one concatenated [S, D]
+      (``6 S D``, never above the attention's);
+    * **double feed-forward** (img stream, the larger): the joint attention output [S, D] still alive (the txt
+      half is a view of it) and the MLP's input [Si, D], ``linear 0`` [Si, 2F], ``silu(gate)`` [Si, F] and the
+      product [Si, F]: ``S D + Si (D + 4F)``; chunked (DitKitActivationChunking chunks ``img_mlp`` / ``txt_mlp``):
+      the input and the output [Si, D] whole, the intermediates of one chunk ``c (4F + D)``;
+    * **single attention**: the fused ``linear1`` output [S, 3D + 2F] (q, k, v and the MLP half are views of
+      it), normed q, k, roped q, k, the output and its merged copy: ``S (9D + 2F)`` plus the scores;
+    * **single MLP** (not chunkable: fused into ``linear1``): ``linear1``'s output [S, 3D + 2F], the attention
+      output [S, D], ``silu(gate)`` [S, F] and the product [S, F]: ``S (4D + 4F)``;
+    * **head groups** (DitKitActivationChunking's ``attention_heads_per_call`` reaches FLUX.2's ``[B, H, S, hd]``
+      attention calls): the scores of one group of ``g`` heads, plus that group's output ``S D g / H`` beside the
+      full output.
+
+    ``block_peak`` is the larger of the double and the single blocks' peaks (persistent included)."""
+    _check_options(tokens, opts)
+    b = _bytes(opts.compute)
+    batch = max(1, int(opts.batch))
+    s = tokens.total * batch
+    st = tokens.text * batch
+    si = s - st
+    D, F = d.hidden, d.ffn
+    if d.inner != D:
+        raise MemoryModelError(f"FLUX.2 dims: heads x head_dim ({d.heads} x {d.head_dim}) must equal hidden {D}")
+    g = d.heads if opts.head_group is None else int(opts.head_group)
+    if g <= 0:
+        raise MemoryModelError(f"head_group must be None (off) or a positive number of heads, got {opts.head_group!r}")
+    g = min(g, d.heads)
+    sb = 4 if (opts.upcast_attention or b == 4) else b
+    bh = g * batch          # heads per attention call (HeadGroupAttention: one group at a time)
+    if opts.attention == "flash":
+        scores = 0
+    elif opts.attention == "sub_quad":
+        scores = 2 * bh * min(sub_quad_chunk(bh, sb, tokens.total, opts.free_bytes), tokens.total) * tokens.total * sb
+    else:
+        scores = 2 * bh * tokens.total ** 2 * sb
+    # head groups: the full [S, D] output is filled group by group, one group's output [S, D g / H] beside it
+    part = s * D * g // d.heads * b if g < d.heads else 0
+    rope = s * int(d.extra_cols) * b + tokens.video * batch * int(d.latent_row_bytes)
+    persistent_double = s * D * b + rope
+    persistent_single = (s + st) * D * b + rope
+    attn_double = 7 * s * D * b + part + scores
+    rows = max(si, st)
+    spans = [(0, rows // batch)]
+    if opts.chunk is not None:   # apply_rows: one span is the module called whole
+        from .chunking import plan_chunks
+
+        spans = plan_chunks(rows // batch, opts.chunk)
+    if len(spans) == 1:
+        ff_rows = rows * (D + 4 * F)
+    else:
+        c = max(b2 - a2 for a2, b2 in spans) * batch
+        ff_rows = 2 * rows * D + c * (4 * F + D)
+    ff_double = (s * D + ff_rows) * b
+    attn_single = s * (9 * D + 2 * F) * b + part + scores
+    mlp_single = s * (4 * D + 4 * F) * b
+    double = persistent_double + max(attn_double, ff_double) if d.layers else 0
+    single = persistent_single + max(attn_single, mlp_single) if d.single_layers else 0
+    return {"persistent": max(persistent_double, persistent_single), "attention": max(attn_double, attn_single),
+            "feed_forward": max(ff_double, mlp_single), "double_block_peak": double, "single_block_peak": single,
+            "block_peak": max(double, single)}
+
+
 def sub_quad_chunk(batch_heads: int, score_bytes: int, k_tokens: int, free_bytes: int) -> int:
     """ComfyUI 0.33 ``attention_sub_quad``'s query chunk: the largest of 4096..256 with
     ``free / (B*H * bytes * chunk * 4) >= k_tokens``, else 512."""
@@ -237,16 +322,18 @@ def predict(d: DiTDims, w: Weights, tokens: Tokens, opts: Options, host_extra: i
 
 # ------------------------------------------------------------------------------------------------ weights
 
-def weights_from_inventory(family: str, inv: dict, fmt: str, block_prefix: str) -> Weights:
+def weights_from_inventory(family: str, inv: dict, fmt: str, block_prefix) -> Weights:
     """``inv``: ``{key: (shape, dtype name "BF16"/"F32"/...)}`` (ComfyUI keys without the model prefix). Bytes in
-    ``fmt`` (``"bf16"``: as stored) per block (keys under ``block_prefix`` + index) and the rest."""
+    ``fmt`` (``"bf16"``: as stored) per block (keys under ``block_prefix`` + index; a tuple of prefixes: the
+    blocks of each in turn, FLUX.2's double then single blocks) and the rest."""
     from ..kernels.quant import quantized_nbytes
     from ..loaders import quantize as qc
 
     sizes = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "U8": 1}
     if fmt not in FORMATS:
         raise MemoryModelError(f"unknown weight format {fmt!r} (one of {FORMATS})")
-    blocks: dict[int, int] = {}
+    prefixes = (block_prefix,) if isinstance(block_prefix, str) else tuple(block_prefix)
+    blocks: dict[tuple[int, int], int] = {}
     other = 0
     largest = 0
     for k, (shape, dt) in inv.items():
@@ -257,8 +344,9 @@ def weights_from_inventory(family: str, inv: dict, fmt: str, block_prefix: str) 
             nb = n * sizes.get(dt, 2)
         if len(shape) == 2:
             largest = max(largest, n)
-        if k.startswith(block_prefix):
-            i = int(k[len(block_prefix):].split(".", 1)[0])
+        j = next((j for j, pre in enumerate(prefixes) if k.startswith(pre)), None)
+        if j is not None:
+            i = (j, int(k[len(prefixes[j]):].split(".", 1)[0]))
             blocks[i] = blocks.get(i, 0) + nb
         else:
             other += nb

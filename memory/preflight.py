@@ -138,6 +138,47 @@ def zimage_tokens(latent_shape, text: int = 0, patch: int = 2, pad_multiple: int
     return tok
 
 
+FLUX2_TEXT_ROWS = 512   # ComfyUI 0.33 model_base.Flux2.extra_conds left-pads a shorter cross_attn to 512 rows
+
+
+def flux2_tokens(latent_shape, text: int = 0, refs=(), patch: int = 1, min_text: int | None = FLUX2_TEXT_ROWS
+                 ) -> Tokens:
+    """The joint sequence of one FLUX.2 forward per latent (ComfyUI 0.33 ``Flux._forward`` / ``process_img``):
+    image rows ``ceil(H/p) * ceil(W/p)`` of the [B, 128, H, W] latent (padded to the patch; FLUX.2's patch is 1:
+    the 2x2 patching is in the latent's 128 channels), each reference latent ``[.., h, w]`` in ``refs`` (the
+    conditioning's ``reference_latents``, concatenated after the image rows) ``ceil(h/p) * ceil(w/p)`` rows, and the
+    text rows: the caption length, left-padded up to ``min_text`` (``model_base.Flux2.extra_conds``: 512; None: no
+    padding). Checked with python ints before anything exists."""
+    if len(latent_shape) != 4:
+        raise MemoryModelError(f"FLUX.2 latent must be [B, C, H, W], got {tuple(latent_shape)}")
+    dims = [int(x) for x in latent_shape]
+    if any(x <= 0 for x in dims):
+        raise MemoryModelError(f"latent has an empty or negative dimension: {tuple(latent_shape)}")
+    if math.prod(dims) > MAX_LATENT_ELEMENTS:
+        raise MemoryModelError(f"latent {tuple(latent_shape)} is absurdly large ({math.prod(dims):.3g} elements)")
+    p = _count(patch, "patch")
+    if p <= 0:
+        raise MemoryModelError(f"patch must be >= 1, got {patch!r}")
+    t = _count(text, "text")
+    m = 0 if min_text is None else _count(min_text, "min_text")
+    if not isinstance(refs, (list, tuple)):
+        raise MemoryModelError(f"refs must be a list of reference latent shapes, got {type(refs).__name__}")
+    ref_rows = 0
+    for i, r in enumerate(refs):
+        r = tuple(int(x) for x in r) if isinstance(r, (list, tuple)) else r
+        if not isinstance(r, tuple) or len(r) < 2 or any(x <= 0 for x in r):
+            raise MemoryModelError(f"reference latent {i} must be a shape [.., h, w] with h, w >= 1, got {r!r}")
+        if math.prod(r) > MAX_LATENT_ELEMENTS:
+            raise MemoryModelError(f"reference latent {i} {r} is absurdly large ({math.prod(r):.3g} elements)")
+        ref_rows += -(-r[-2] // p) * -(-r[-1] // p)
+    image = -(-dims[2] // p) * -(-dims[3] // p)
+    tok = Tokens(video=image, text=max(t, m), refs=ref_rows, image=True)
+    if tok.total > MAX_TOKENS:
+        raise MemoryModelError(f"latent {tuple(latent_shape)} packs {tok.total:,} tokens (> {MAX_TOKENS:,}): absurd "
+                               "for any device; check the latent's width / height and the reference images")
+    return tok
+
+
 REF_KINDS = ("image", "audio", "video", "video_audio")
 
 

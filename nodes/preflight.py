@@ -21,29 +21,30 @@ class DitKitPreflight(io.ComfyNode):
             node_id=NODE_ID,
             display_name="Memory Preflight (ditkit)",
             category="ditkit/sampling",
-            description=("Predicts the peak memory of one MiniMax H3, LTX-2 or Z-Image sampling step (weights, activations, "
+            description=("Predicts the peak memory of one MiniMax H3, LTX-2, Z-Image or FLUX.2 sampling step (weights, activations, "
                          "attention workspace, with the ditkit options on the model) from the real token count, "
                          "compares it with the memory free on the device in use, and refuses before anything "
                          "loads when it does not fit, naming the shortfall and the smallest set of settings that "
                          "fits. The same check runs again when sampling starts."),
             search_aliases=["oom", "vram check", "memory check", "will it fit", "token count", "preflight"],
             inputs=[
-                io.Model.Input("model", tooltip="A MiniMax H3, LTX-2 or Z-Image model, after the ditkit nodes that change its "
+                io.Model.Input("model", tooltip="A MiniMax H3, LTX-2, Z-Image or FLUX.2 model, after the ditkit nodes that change its "
                                                 "memory (DitKit Activation Chunking, quantized loaders)."),
                 io.Latent.Input("latent", tooltip="The latent the sampler will denoise (H3: audio-video; LTX-2: video "
-                                                  "or audio-video; Z-Image: an image latent)."),
+                                                  "or audio-video; Z-Image, FLUX.2: an image latent)."),
                 io.Float.Input("limit_gib", default=0.0, min=0.0, max=4096.0, step=0.5,
                                tooltip="Memory the job may use, in GiB. 0 = what the device in use has free (on a "
                                        "CPU host: free RAM), plus what this model already holds there."),
                 io.Int.Input("text_tokens", default=512, min=0, max=1 << 20,
-                             tooltip="H3 / Z-Image: text rows of the packed sequence, used until sampling starts (the "
+                             tooltip="H3 / Z-Image / FLUX.2: text rows of the packed sequence, used until sampling starts (the "
                                      "sampler check counts the real conditioning). Not used when positive is "
                                      "connected, nor for LTX-2 (text is cross-attention context there)."),
                 io.Conditioning.Input("positive", optional=True,
                                       tooltip="Optional: the conditioning the sampler will get. Its text rows, H3 "
-                                              "ref2va reference blocks (images, videos, audio), fl2va keyframes and "
+                                              "ref2va reference blocks (images, videos, audio), fl2va keyframes, "
                                               "Z-Image omni references (with their captions and SigLIP encodings) "
-                                              "are counted into the packed sequence now instead of at sampling."),
+                                              "and FLUX.2 reference latents are counted into the packed sequence "
+                                              "now instead of at sampling."),
                 io.Vae.Input("vae", optional=True,
                              tooltip="Optional: the video VAE that will decode the result. Its decode's predicted peak "
                                      "(weights, ComfyUI's working-set estimate, the decoded frames on a CPU host) "
@@ -66,6 +67,8 @@ class DitKitPreflight(io.ComfyNode):
         video, audio = bridge.latent_shapes_of(latent["samples"], family)
         text, refs, keyframes = (bridge.conditioning_rows(positive, video, text_tokens)
                                  if positive is not None and family == "h3" else (text_tokens, 0, 0))
+        if positive is not None and family == "flux2":   # refs: the reference latents' shapes
+            text, refs = bridge.flux2_rows(positive, text_tokens)
         zconds = bridge.zimage_conds(positive, text_tokens) if positive is not None and family == "zimage" else None
         p = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes, vae, zconds)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None

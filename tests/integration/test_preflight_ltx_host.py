@@ -2,7 +2,8 @@
 count is the latent's T x H x W (patch 1; counted here from the latent ComfyUI's own EmptyLTXVLatentVideo makes),
 plus one row per audio latent frame for an audio-video latent; the model's dimensions and weights come from the
 loaded model; a job made to exceed ``limit_gib`` is refused before sampling with the settings that fit, following
-the suggestion passes the node and the sampler-time check and samples. Z-Image / FLUX.2 are refused by name."""
+the suggestion passes the node and the sampler-time check and samples. A video latent given with a FLUX.2 model
+is refused by name."""
 from __future__ import annotations
 
 import re
@@ -159,7 +160,8 @@ def test_sampler_check_refuses_ltx_before_any_forward(ltx):
 def test_ltx_bad_latents_and_other_families(ltx, comfy, tiny_ckpts):
     import folder_paths
 
-    from ditkit.errors import DitKitError, UnsupportedModelError
+    from ditkit.errors import DitKitError
+    from ditkit.memory.model import MemoryModelError
     from ditkit.nodes.dit_loaders import DitKitFlux2ModelLoader
     from ditkit.nodes.preflight import DitKitPreflight
 
@@ -173,5 +175,5 @@ def test_ltx_bad_latents_and_other_families(ltx, comfy, tiny_ckpts):
         DitKitPreflight.execute(ltx, video_latent(64, 64, 17), limit_gib=float("nan"), text_tokens=0)
     folder_paths.add_model_folder_path("diffusion_models", str(tiny_ckpts / "diffusion_models"), is_default=True)
     flux = DitKitFlux2ModelLoader.execute(unet_name="flux2_tiny.safetensors").args[0]
-    with pytest.raises(UnsupportedModelError, match="H3, LTX-2 and Z-Image.*flux2"):
+    with pytest.raises(MemoryModelError, match="not a FLUX.2 latent"):   # FLUX.2 is planned; a video latent is not
         DitKitPreflight.execute(flux, video_latent(64, 64, 17), limit_gib=0.0, text_tokens=0)

@@ -3,7 +3,8 @@ DitKitZImageLoader: the stock UNETLoader only knows Z-Image at dim 3840 and cann
 the 2x2-patched image rows plus the caption rows, each padded to the model's pad_tokens_multiple (counted here from
 the latent ComfyUI's EmptySD3LatentImage makes and the LotusConditioning caption); the dims and weights come from
 the loaded model; a job made to exceed limit_gib is refused before sampling naming the setting that fits; following
-it samples; the sampler-time check refuses before any forward; FLUX.2 is refused by name."""
+it samples; the sampler-time check refuses before any forward; a Z-Image latent given with a FLUX.2 model is refused
+by name (test_preflight_flux2_host.py plans FLUX.2)."""
 from __future__ import annotations
 
 import math
@@ -147,7 +148,7 @@ def test_sampler_check_refuses_before_any_forward(zimage):
 def test_bad_inputs_named_before_any_allocation(zimage, comfy, tiny_ckpts):
     import nodes
 
-    from ditkit.errors import DitKitError, UnsupportedModelError
+    from ditkit.errors import DitKitError
     from ditkit.memory.model import MemoryModelError
     from ditkit.nodes.dit_loaders import DitKitFlux2ModelLoader
     from ditkit.nodes.preflight import DitKitPreflight
@@ -168,13 +169,13 @@ def test_bad_inputs_named_before_any_allocation(zimage, comfy, tiny_ckpts):
     with pytest.raises(MemoryModelError, match="input 'positive'.*reference_latents is not a list"):
         DitKitPreflight.execute(zimage, latent(64, 64), limit_gib=1.0, positive=ref)
     flux = DitKitFlux2ModelLoader.execute(unet_name="flux2_tiny.safetensors").args[0]
-    with pytest.raises(UnsupportedModelError, match="H3, LTX-2 and Z-Image.*flux2"):
+    with pytest.raises(MemoryModelError, match="FLUX.2 latent has 16 channels"):   # a Z-Image latent
         DitKitPreflight.execute(flux, latent(64, 64), limit_gib=1.0)
     # the stock loader cannot load the tiny Z-Image (it knows Z-Image at dim 3840 only): why the fixture uses ours
     with pytest.raises(AssertionError):      # ComfyUI 0.33: a bare assert in its Z-Image model config
         nodes.UNETLoader().load_unet("zimage_tiny.safetensors", "default")
     stock = nodes.UNETLoader().load_unet("flux2_tiny.safetensors", "default")[0]   # the tiny FLUX.2 does load
-    with pytest.raises(UnsupportedModelError, match="flux2"):
+    with pytest.raises(MemoryModelError, match="FLUX.2 latent has 16 channels"):
         DitKitPreflight.execute(stock, latent(64, 64), limit_gib=1.0)
 
 
