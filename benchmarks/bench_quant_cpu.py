@@ -1,0 +1,181 @@
+"""CPU: the nvfp4 quantize of ``kernels/quant.py`` now vs before issue #34's in-place pass (the old code is kept
+here, and only here, as the labelled baseline), on one real-size weight, at torch threads 1 and 2.
+
+    python benchmarks/bench_quant_cpu.py [--shape 2048,21504] [--dtype bfloat16] [--rounds 7] [--threads 1,2]
+                                         [--mode quantize|rows] [--rows FILE]
+
+The default weight is a 2048-row slice of H3's largest layer (``5376 x 21504`` bf16, the FFN down projection;
+``--shape 5376,21504`` for all of it), random normal * 0.02. ``--mode quantize`` times ``quantize(w, "nvfp4",
+error=ErrorSample(8), finite=True)``, what the loader calls (``loaders/quantize.py``): the per-tensor amax, the row
+slices, the sampled reconstruction error, the blocked scales; ``--mode rows`` only the row-slice step
+(``_nvfp4_rows`` over every slice). For each torch thread count: OLD, NEW and the stock cast
+``w.to(torch.float8_e4m3fn)`` (what the bench_quantize.py targets are relative to) run in turn (ABCABC...) for
+``--rounds`` rounds after a warm-up; printed: each one's wall time (median, min-max), the per-round ratio OLD/NEW
+of the wall clock and of the process CPU time (median, min-max; the CPU time is the steadier on a shared machine),
+NEW / stock, and whether OLD and NEW give the same bytes (data and block scales; checked once per thread count).
+
+The machine this was written on is shared (2 cores, other jobs running): read the min-max, not only the median.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
+from benchmarks._harness import Rows, Timer, add_rows_argument, interleave, ratio_stats, spread, stats  # noqa: E402
+
+
+# ------------------------------------------------------------------ OLD: kernels/quant.py before this change
+# (verbatim but for the names; the helpers it calls that this change left alone are taken from the module)
+
+def _old_e2m1_codes_finite(Q, v):
+    shape = v.shape
+    b = v.contiguous().view(Q.torch.int32).reshape(-1)
+    n = b.numel()
+    idx, low = Q._work_int("old_e2m1_idx", n), Q._work_int("old_e2m1_low", n)
+    Q.torch.bitwise_right_shift(b, 20, out=idx)
+    Q.torch.bitwise_and(b, 0xFFFFF, out=low)
+    idx.bitwise_or_(low.ne_(0)).bitwise_and_(0xFFF)
+    return Q.torch.index_select(Q._E2M1_BITS_LUT, 0, idx).reshape(shape)
+
+
+def _old_pack_nibbles(Q, c, out=None):
+    torch = Q.torch
+    v = c.view(torch.int16)
+    r = torch.bitwise_left_shift(v, 4, out=Q._work_int("old_pack", v.numel(), torch.int16).view(v.shape))
+    r.bitwise_or_(torch.bitwise_right_shift(v, 8, out=Q._work_int("old_pack2", v.numel(), torch.int16)
+                                            .view(v.shape)))
+    if out is None:
+        return r.to(torch.uint8)
+    out.copy_(r)
+    return out
+
+
+def _old_nvfp4_rows(Q, x, s2, out=None):
+    """``_nvfp4_rows(x, s2, finite=True, out)`` before: the finite CPU branch."""
+    torch = Q.torch
+    rows, cols = x.shape
+    f, amax = Q._blocks_f32(x, 16)
+    sbs8, total, zero, any_zero = Q._nvfp4_block_scales(amax, s2)
+    d = f.div_((torch.where(zero, torch.ones_like(total), total) if any_zero else total).unsqueeze(-1))
+    if any_zero:
+        d.masked_fill_(zero.unsqueeze(-1), 0.0)
+    c = _old_e2m1_codes_finite(Q, d.reshape(rows, cols))
+    return _old_pack_nibbles(Q, c, out), sbs8
+
+
+def old_quantize_nvfp4(Q, w, error=None):
+    """``quantize(w, "nvfp4", error=error, finite=True)`` before (its block-format branch, CPU)."""
+    torch = Q.torch
+    rows, cols = w.shape
+    if error is not None:
+        error.total_rows += rows
+    step = Q._row_step(cols)
+    spans = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    amax = Q._amax_abs(w)
+    if not bool(torch.isfinite(amax)):
+        raise Q.NonFiniteWeight("nvfp4: the weight holds NaN or Inf values")
+    pad = 16
+    pr, pc = Q._roundup(rows, pad), Q._roundup(cols, pad)
+    s2 = Q.per_tensor_scale(w, "nvfp4", amax)
+    data = torch.empty((pr, pc // 2), dtype=torch.uint8)
+    sparts = []
+    for i, (r0, r1) in enumerate(spans):
+        x = w[r0:r1]
+        xp = Q._pad_rows_cols(x, (pr - rows) if r1 == rows else 0, pc - cols)
+        into = data[r0:r0 + xp.shape[0]]
+        d, sc = _old_nvfp4_rows(Q, xp, s2, into)
+        sparts.append(sc)
+        if error is not None and i % error.every == 0:
+            rec = Q._dequant_slice("nvfp4", d[: r1 - r0], sc[: r1 - r0], s2)[:, :cols]
+            Q._add_error(error, rec, x)
+        del x, xp, d
+    b = Q.to_blocked(sparts[0] if len(sparts) == 1 else torch.cat(sparts))
+    blocked = torch.empty(tuple(b.shape), dtype=b.dtype)
+    blocked.copy_(b)
+    return data, {"weight_scale": blocked, "weight_scale_2": s2}
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+def _rows_all(Q, w, s2, out, fn):
+    step = Q._row_step(w.shape[1])
+    for r0 in range(0, w.shape[0], step):
+        fn(w[r0:r0 + step], s2, out[r0:r0 + step])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="2048,21504", help="rows,cols of the weight (cols a multiple of 16)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", default="1,2", help="torch thread counts, comma separated")
+    ap.add_argument("--mode", default="quantize", choices=["quantize", "rows"])
+    add_rows_argument(ap)
+    a = ap.parse_args(argv)
+    try:
+        rows, cols = (int(x) for x in a.shape.split(","))
+        threads = [int(t) for t in a.threads.split(",") if t]
+    except ValueError:
+        raise SystemExit(f"--shape {a.shape!r} / --threads {a.threads!r}: expected rows,cols / n,m") from None
+    if rows <= 0 or cols <= 0 or cols % 16 or a.rounds <= 0 or not threads or min(threads) <= 0:
+        raise SystemExit("--shape must be positive with cols a multiple of 16; --rounds and --threads positive")
+    import torch
+
+    from ditkit.kernels import quant as Q
+
+    dtype = getattr(torch, a.dtype)
+    w = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+    out = Rows(a.rows, "bench_quant_cpu")
+    case0 = f"{rows}x{cols} {a.dtype} nvfp4 {a.mode}"
+    print(f"nvfp4 {a.mode}: {rows}x{cols} {a.dtype}, {a.rounds} rounds, OLD (before issue #34's in-place pass) vs "
+          f"NEW (kernels/quant.py) vs stock fp8 cast, interleaved")
+    for nt in threads:
+        torch.set_num_threads(nt)
+        case = f"{case0} threads={nt}"
+        if a.mode == "quantize":
+            fns = {"old": lambda: old_quantize_nvfp4(Q, w, Q.ErrorSample(8)),
+                   "new": lambda: Q.quantize(w, "nvfp4", error=Q.ErrorSample(8), finite=True)}
+        else:
+            s2 = Q.per_tensor_scale(w, "nvfp4")
+            o1 = torch.empty(rows, cols // 2, dtype=torch.uint8)
+            o2 = torch.empty(rows, cols // 2, dtype=torch.uint8)
+            fns = {"old": lambda: _rows_all(Q, w, s2, o1, lambda x, s, o: _old_nvfp4_rows(Q, x, s, o)),
+                   "new": lambda: _rows_all(Q, w, s2, o2, lambda x, s, o: Q._nvfp4_rows(x, s, True, o))}
+        if a.mode == "quantize":
+            (d0, s0), (d1, s1) = fns["old"](), fns["new"]()
+            same = (torch.equal(d0, d1) and torch.equal(s0["weight_scale"].view(torch.uint8),
+                                                        s1["weight_scale"].view(torch.uint8))
+                    and torch.equal(s0["weight_scale_2"], s1["weight_scale_2"]))
+        else:
+            fns["old"](), fns["new"]()
+            same = torch.equal(o1, o2)
+        fns["stock"] = lambda: w.to(torch.float8_e4m3fn)
+        walls: dict = {}
+        cpu = interleave(fns, a.rounds, warmup=1, timer=Timer(cpu_time=True), walls=walls)
+        rw, rc = ratio_stats(walls["old"], walls["new"]), ratio_stats(cpu["old"], cpu["new"])
+        rs = ratio_stats(walls["new"], walls["stock"])
+        ro = ratio_stats(walls["old"], walls["stock"])
+        print(f"\ntorch threads {nt}: bits equal OLD vs NEW: {same}")
+        for k in ("old", "new", "stock"):
+            s = stats([t * 1e3 for t in walls[k]])
+            print(f"  {k:5s} wall {s['median']:8.1f} ms {spread(s)}")
+            out.add(case, f"{k}_wall_ms", s["median"], "ms", min=s["min"], max=s["max"], n=s["n"])
+        print(f"  OLD/NEW wall   {rw['median']:.2f}x {spread(rw)}")
+        print(f"  OLD/NEW cpu    {rc['median']:.2f}x {spread(rc)}")
+        print(f"  NEW/stock wall {rs['median']:.2f}x {spread(rs)}   (OLD/stock {ro['median']:.2f}x {spread(ro)})")
+        out.add(case, "old_over_new_wall", rw["median"], "x", min=rw["min"], max=rw["max"], n=rw["rounds"])
+        out.add(case, "old_over_new_cpu", rc["median"], "x", min=rc["min"], max=rc["max"], n=rc["rounds"])
+        out.add(case, "new_over_stock_wall", rs["median"], "x", min=rs["min"], max=rs["max"], n=rs["rounds"])
+        out.add(case, "old_over_stock_wall", ro["median"], "x", min=ro["min"], max=ro["max"], n=ro["rounds"])
+        out.add(case, "bits_equal", bool(same))
+    print(f"\n(load average at the end: {open('/proc/loadavg').read().split()[:3]}; "
+          f"{time.strftime('%H:%M:%S')})" if Path("/proc/loadavg").exists() else "")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
