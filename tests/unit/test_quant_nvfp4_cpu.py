@@ -1,5 +1,6 @@
 """The in-place CPU nvfp4 path (issue #34): ``_nvfp4_rows_cpu``, ``_e2m1_codes_bits_``, ``_pack_nibbles_cpu``,
-each called directly, against the nvfp4 math written here.
+each called directly, against the nvfp4 math written here; the row groups of the CPU block-format rows (nvfp4 and
+mxfp8: any group size gives the bits of one group).
 
 Oracle (the host's deterministic nvfp4 layout quantize, operation for operation): per 16-column block the float32
 amax of |x|; ``sbs = clamp((amax / 6) / s2, max=448)`` rounded to float8_e4m3fn (torch's conversion); the divisor
@@ -167,3 +168,57 @@ def test_quantize_finite_equals_the_general_path_for_every_dtype(dtype):
         assert torch.equal(a[0], b[0])
         assert torch.equal(a[1]["weight_scale"].view(torch.uint8), b[1]["weight_scale"].view(torch.uint8))
         assert torch.equal(a[1]["weight_scale_2"], b[1]["weight_scale_2"])
+
+
+@pytest.mark.parametrize("rows,cols,elems,want", [
+    (128, 1024, 1 << 19, 128),          # fits: one group
+    (128, 4096, 1 << 19, 128),          # exactly GROUP_ELEMS: one group
+    (128, 4097, 1 << 19, 64),           # one element over: two groups of 64 rows
+    (128, 21504, 1 << 19, 22),          # 2.75 M elements: 6 groups, 22 rows (the last one 18)
+    (3, 100, 1, 1),                     # at least one row
+    (0, 16, 1 << 19, 1),
+])
+def test_group_rows_boundaries(rows, cols, elems, want, monkeypatch):
+    monkeypatch.setattr(Q, "GROUP_ELEMS", elems)
+    step = Q._group_rows(rows, cols)
+    assert step == want
+    if rows:
+        groups = -(-rows // step)
+        assert step * cols <= max(elems, cols) or groups == 1
+        assert groups == max(1, -(-(rows * cols) // elems)) or step == 1
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("elems", [1, 40 * 32, 1 << 40])
+def test_row_groups_give_the_bits_of_one_group(fmt, dtype, elems, monkeypatch):
+    g = torch.Generator().manual_seed(9)
+    w = (torch.randn(300, 200, generator=g) * 0.03).to(dtype)
+    w[5, :32] = 0.0                                   # a zero block in one group
+    w[7, 40] = 3.0 if dtype != torch.float16 else 300.0   # a group whose clamp decision differs from the others
+    monkeypatch.setattr(Q, "GROUP_ELEMS", 1 << 40)
+    want = [Q.quantize(src, fmt, finite=True) for src in (w, w.t().contiguous().t())]
+    monkeypatch.setattr(Q, "GROUP_ELEMS", elems)
+    for (wd, ws), src in zip(want, (w, w.t().contiguous().t())):
+        d, s = Q.quantize(src, fmt, finite=True)
+        assert torch.equal(d.view(torch.uint8), wd.view(torch.uint8))
+        for k in ws:
+            assert torch.equal(s[k].reshape(-1).view(torch.uint8), ws[k].reshape(-1).view(torch.uint8)), k
+    xp = torch.nn.functional.pad(w.float(), (0, 24, 0, 4)).to(dtype)   # _mxfp8_rows / _nvfp4_rows_cpu directly
+    if fmt == "mxfp8":
+        monkeypatch.setattr(Q, "GROUP_ELEMS", 1 << 40)
+        d1, e1 = Q._mxfp8_rows(xp)
+        monkeypatch.setattr(Q, "GROUP_ELEMS", elems)
+        d2, e2 = Q._mxfp8_rows(xp)
+        out = torch.empty_like(d1)
+        d3, e3 = Q._mxfp8_rows(xp, out)
+        assert d3 is out and torch.equal(e3, e1)
+    else:
+        s2 = torch.tensor(0.03 / 448.0)
+        monkeypatch.setattr(Q, "GROUP_ELEMS", 1 << 40)
+        d1, e1 = Q._nvfp4_rows_cpu(xp, s2)
+        monkeypatch.setattr(Q, "GROUP_ELEMS", elems)
+        d2, e2 = Q._nvfp4_rows_cpu(xp, s2)
+        _check(xp, s2)
+    assert torch.equal(d1.view(torch.uint8), d2.view(torch.uint8))
+    assert torch.equal(e1.view(torch.uint8), e2.view(torch.uint8))
