@@ -19,11 +19,28 @@ The machine this was written on is shared (2 cores, other jobs running): read th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # the checkout, last: its folders must never shadow ComfyUI's `nodes`
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _view() -> str:
+    """A folder whose ``ditkit`` entry is this checkout (never the checkout's own folder on sys.path): a ``ditkit``
+    importable from elsewhere (another clone, an editable install) would otherwise be measured as NEW, silently."""
+    view = Path(tempfile.gettempdir()) / f"ditkit-bench-view-{os.getuid()}-{abs(hash(str(REPO))) % 10**8}"
+    view.mkdir(exist_ok=True)
+    for name, target in (("ditkit", REPO), ("benchmarks", REPO / "benchmarks")):
+        link = view / name
+        if not link.is_symlink():
+            os.symlink(target, link, target_is_directory=True)
+    return str(view)
+
+
+sys.path.insert(0, _view())
 from benchmarks._harness import Rows, Timer, add_rows_argument, interleave, ratio_stats, spread, stats  # noqa: E402
 
 
@@ -149,13 +166,16 @@ def main(argv=None) -> int:
 
     from ditkit.kernels import quant as Q
 
+    where = Path(Q.__file__).resolve()
+    if where.parents[1] != REPO:
+        raise SystemExit(f"`ditkit.kernels.quant` resolves to {where}, not this checkout ({REPO})")
     dtype = getattr(torch, a.dtype)
     w = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
     out = Rows(a.rows, "bench_quant_cpu")
     fmt = a.format
     case0 = f"{rows}x{cols} {a.dtype} {fmt} {a.mode}"
     print(f"{fmt} {a.mode}: {rows}x{cols} {a.dtype}, {a.rounds} rounds, OLD (before issue #34's in-place pass) vs "
-          f"NEW (kernels/quant.py) vs stock fp8 cast, interleaved")
+          f"NEW ({where}) vs stock fp8 cast, interleaved")
     for nt in threads:
         torch.set_num_threads(nt)
         case = f"{case0} threads={nt}"
