@@ -228,7 +228,25 @@ def _mxfp8_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch
 
     The zero-block ``where`` and the clamp run only where they can change a value (a block with amax 0; a block
     whose ``amax / scale`` exceeds 448, from the small per-block arrays: division by the positive scale and
-    rounding are monotonic, so no element of a block exceeds its amax's quotient); the bits are the same."""
+    rounding are monotonic, so no element of a block exceeds its amax's quotient); the bits are the same. On the
+    CPU in row groups (:data:`GROUP_ELEMS`), each group its own such decisions (a clamp that changes no value in a
+    group changes no bit)."""
+    rows, cols = x.shape
+    if x.device.type != "cpu":
+        return _mxfp8_group(x, out)
+    if out is None:
+        out = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
+    step = _group_rows(rows, cols)
+    if step >= rows:
+        return _mxfp8_group(x, out)
+    e8 = torch.empty((rows, cols // 32), dtype=torch.uint8)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        e8[r0:r1] = _mxfp8_group(x[r0:r1], out[r0:r1])[1]
+    return out, e8
+
+
+def _mxfp8_group(x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     f, amax = _blocks_f32(x, 32)
     e8, s, zero, any_zero = _mxfp8_block_scales(amax)
@@ -299,6 +317,19 @@ def _work_int(slot: str, n: int, dtype: torch.dtype = torch.int32) -> torch.Tens
     return buf[:n]
 
 
+def _e2m1_codes_bits_(b: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`e2m1_codes` of the float32 values whose bits are the 1-D contiguous int32 CPU tensor ``b``, written
+    into ``out`` (uint8, ``b``'s size) through the table of :func:`_e2m1_bits_lut`; ``idx`` (int32, same size) is
+    a work buffer and ``b`` is overwritten (its low bits become the "any lower bit set" flag). Five int32 passes
+    in place, then one lookup into ``out``: no allocation, two buffers live instead of three."""
+    # 2 * (b >> 21) + (b & 0x1FFFFF != 0) == (b >> 20) | (b & 0xFFFFF != 0): bit 20 is the low bit of b >> 20;
+    # the & 0xFFF maps the arithmetic shift of a negative b to the table's sign half
+    torch.bitwise_right_shift(b, 20, out=idx)
+    b.bitwise_and_(0xFFFFF).ne_(0)
+    idx.bitwise_or_(b).bitwise_and_(0xFFF)
+    return torch.index_select(_E2M1_BITS_LUT, 0, idx, out=out)
+
+
 def _e2m1_codes_finite(v: torch.Tensor) -> torch.Tensor:
     """:func:`e2m1_codes` of float32 values in [-6, 6] from one lookup of their bits (:func:`_e2m1_bits_lut`): five
     int32 passes and a 4096-entry table instead of signbit, abs, seven comparisons and their copies (2.6 s of a
@@ -306,26 +337,26 @@ def _e2m1_codes_finite(v: torch.Tensor) -> torch.Tensor:
     inside, and on every threshold and its neighbours. (The name is historical: NaN and out-of-range values get
     the code of their class too, that of e2m1_codes, but the callers clamp and check first.)"""
     shape = v.shape
-    b = v.contiguous().view(torch.int32).reshape(-1)
-    n = b.numel()
-    # 2 * (b >> 21) + (b & 0x1FFFFF != 0) == (b >> 20) | (b & 0xFFFFF != 0): bit 20 is the low bit of b >> 20
     if v.device.type == "cpu":
-        idx, low = _work_int("e2m1_idx", n), _work_int("e2m1_low", n)
-        torch.bitwise_right_shift(b, 20, out=idx)
-        torch.bitwise_and(b, 0xFFFFF, out=low)
-        lut = _E2M1_BITS_LUT
-    else:
-        idx, low = torch.bitwise_right_shift(b, 20), torch.bitwise_and(b, 0xFFFFF)
-        lut = _E2M1_BITS_LUT.to(v.device)
+        n = v.numel()
+        b = _work_int("e2m1_low", n)
+        b.view(torch.float32).view(shape).copy_(v)          # a copy in any layout: _e2m1_codes_bits_ overwrites it
+        out = torch.empty(n, dtype=torch.uint8)
+        return _e2m1_codes_bits_(b, _work_int("e2m1_idx", n), out).view(shape)
+    b = v.contiguous().view(torch.int32).reshape(-1)
+    idx, low = torch.bitwise_right_shift(b, 20), torch.bitwise_and(b, 0xFFFFF)
     idx.bitwise_or_(low.ne_(0)).bitwise_and_(0xFFF)
-    return torch.index_select(lut, 0, idx).reshape(shape)
+    return torch.index_select(_E2M1_BITS_LUT.to(v.device), 0, idx).reshape(shape)
 
 
 def _nvfp4_rows(x: torch.Tensor, s2: torch.Tensor, finite: bool = False,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded rows -> (packed uint8 data [rows, cols/2], written into ``out`` when given; unswizzled fp8 block
     scales [rows, cols/16]); the zero-block ``where`` only where a block's scale is 0, the clamp in place (same bits
-    as the one-shot ops)."""
+    as the one-shot ops). A finite CPU slice takes :func:`_nvfp4_rows_cpu` (the same operations on reused
+    buffers)."""
+    if finite and x.device.type == "cpu" and x.dtype in SOURCE_DTYPES:
+        return _nvfp4_rows_cpu(x, s2, out)
     rows, cols = x.shape
     f, amax = _blocks_f32(x, 16)
     sbs8, total, zero, any_zero = _nvfp4_block_scales(amax, s2)
@@ -339,27 +370,108 @@ def _nvfp4_rows(x: torch.Tensor, s2: torch.Tensor, finite: bool = False,
     return _pack_nibbles(c, out), sbs8
 
 
+def _nvfp4_rows_cpu(x: torch.Tensor, s2: torch.Tensor, out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_nvfp4_rows` with ``finite=True`` of CPU rows (any strides), in row groups (:data:`GROUP_ELEMS`, see
+    :func:`_nvfp4_group_cpu`), every full-size step in place on the per-thread buffers of :func:`_work_int`: one
+    float32 copy; its magnitude bits into the index buffer and their
+    integer block maximum (as :func:`_blocks_f32`); the host's scale step of :func:`_nvfp4_block_scales` on the
+    block array, in place, with the all-zero test as one ``amin`` (a block's divisor is >= 0, and NaN only where
+    the caller broke ``finite``, which the ``amin`` sends to the mask path too); the division in place; the codes
+    by :func:`_e2m1_codes_bits_` over the division's own bits; the nibble pack of :func:`_pack_nibbles_cpu`. The
+    same torch operations on the values as the general path, so the same bits (tested against it and the host;
+    timed against the code before in benchmarks/bench_quant_cpu.py)."""
+    rows, cols = x.shape
+    nb = cols // 16
+    sbs8 = torch.empty((rows, nb), dtype=torch.float8_e4m3fn)
+    if out is None:
+        out = torch.empty((rows, cols // 2), dtype=torch.uint8)
+    step = _group_rows(rows, cols)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        _nvfp4_group_cpu(x[r0:r1], s2, out[r0:r1], sbs8[r0:r1])
+    return out, sbs8
+
+
+# the CPU block-format rows (_nvfp4_rows_cpu, _mxfp8_rows) work in groups of whole rows of at most about this many
+# elements, the slice split evenly: the float32 copy, the index buffer and the codes of one group stay in the
+# last-level cache between their passes (a 128-row slice of a 21504-column weight is 2.75 M elements, 11 MB per
+# int32 buffer; 2.0x faster in 512 Ki groups there, measured: benchmarks/bench_quant_cpu.py). The rows are
+# independent (a block is 16 / 32 columns of one row), so the bits are those of one pass over the slice.
+GROUP_ELEMS = 1 << 19
+
+
+def _group_rows(rows: int, cols: int) -> int:
+    """Rows per group of a ``[rows, cols]`` slice: the slice split into ``ceil(rows * cols / GROUP_ELEMS)`` groups
+    of equal row counts (the last one smaller), at least one row each."""
+    groups = max(1, -(-(rows * cols) // GROUP_ELEMS))
+    return max(1, -(-rows // groups))
+
+
+def _nvfp4_group_cpu(x: torch.Tensor, s2: torch.Tensor, out: torch.Tensor, sbs8: torch.Tensor) -> None:
+    """One row group of :func:`_nvfp4_rows_cpu`: packed codes into ``out`` (uint8 ``[rows, cols/2]``, unit column
+    stride), the fp8 block scales into ``sbs8`` (contiguous ``[rows, cols/16]``)."""
+    rows, cols = x.shape
+    nb, n = cols // 16, rows * cols
+    f = _work_f32("blk", x)
+    f.copy_(x)
+    b = f.view(-1).view(torch.int32)
+    idx = _work_int("n4_idx", n)
+    torch.bitwise_and(b, 0x7FFFFFFF, out=idx)
+    sbs = torch.amax(idx.view(rows, nb, 16), dim=-1).view(torch.float32)       # the float32 block amaxes
+    sbs.div_(FP4_E2M1_MAX).div_(s2).clamp_(max=FP8_E4M3_MAX)     # (amax / 6) / s2, clamped: _nvfp4_block_scales
+    sbs8.copy_(sbs)                                              # the conversion of .to(torch.float8_e4m3fn)
+    total = sbs                                                  # reused: the float32 divisor s2 * fp8(scale)
+    _to_f32(sbs8, total)
+    total.mul_(s2)
+    any_zero = not bool(total.amin() > 0) if total.numel() else False
+    if any_zero:
+        zero = total == 0
+        total.masked_fill_(zero, 1.0)
+    d = f.view(rows, nb, 16).div_(total.unsqueeze(-1))
+    if any_zero:
+        d.masked_fill_(zero.unsqueeze(-1), 0.0)
+    c = _e2m1_codes_bits_(b, idx, _work_int("n4_codes", n, torch.uint8))
+    _pack_nibbles_cpu(c.view(rows, cols), out)
+
+
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _pack_nibbles(c: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``(c[:, 0::2] << 4) | c[:, 1::2]`` for 4-bit codes (uint8 < 16), high nibble first, written into ``out``
-    (uint8 ``[rows, cols/2]``) when given. On a little-endian host through the int16 view of each pair (low byte the
-    even code, high byte the odd one): ``(v << 4) | (v >> 8)`` has that byte as its low byte, and the conversion to
-    uint8 keeps the low byte; 3x faster than the strided form (measured); the same bytes (tested)."""
+    (uint8 ``[rows, cols/2]``) when given. A contiguous CPU ``c`` on a little-endian host takes
+    :func:`_pack_nibbles_cpu`; elsewhere the int16 view of each pair (low byte the even code, high byte the odd
+    one): ``(v << 4) | (v >> 8)`` has that byte as its low byte, and the conversion to uint8 keeps the low byte;
+    3x faster than the strided form (measured); the same bytes (tested)."""
     if not (_LITTLE_ENDIAN and c.is_contiguous() and c.shape[-1] % 2 == 0):
         r = (c[:, 0::2] << 4) | c[:, 1::2]
+    elif c.device.type == "cpu":
+        return _pack_nibbles_cpu(c, out)
     else:
         v = c.view(torch.int16)
-        if v.device.type == "cpu":
-            r = torch.bitwise_left_shift(v, 4, out=_work_int("pack", v.numel(), torch.int16).view(v.shape))
-            r.bitwise_or_(torch.bitwise_right_shift(v, 8, out=_work_int("pack2", v.numel(), torch.int16)
-                                                    .view(v.shape)))
-        else:
-            r = (v << 4) | (v >> 8)
+        r = (v << 4) | (v >> 8)
     if out is None:
         return r.to(torch.uint8)
     out.copy_(r)
+    return out
+
+
+def _pack_nibbles_cpu(c: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`_pack_nibbles` of a contiguous CPU ``c`` (uint8 codes < 16, even row length) on a little-endian host,
+    in two int16 passes on a per-thread buffer and the conversion into ``out``: each pair read as one int16
+    ``v = even + 256 * odd``; ``v * 0x1001`` (wrapping in int16) has bits 8..15 equal to ``16 * even + odd``
+    (``even * 4097 + 256 * odd``, whose bits 8..15 are ``(16 * even + odd + even // 256) mod 256`` and
+    ``even < 16``), so ``(v * 0x1001) >> 8`` has that byte as its low byte, which the conversion to uint8 keeps.
+    One pass fewer than the shift-or form (every one of the 256 pairs tested)."""
+    if not _LITTLE_ENDIAN:
+        raise AssertionError("_pack_nibbles_cpu reads each pair as a little-endian int16")
+    v = c.view(torch.int16)
+    t = torch.mul(v, 0x1001, out=_work_int("pack", v.numel(), torch.int16).view(v.shape))
+    t.bitwise_right_shift_(8)
+    if out is None:
+        return t.to(torch.uint8)
+    out.copy_(t)
     return out
 
 

@@ -62,6 +62,29 @@ def test_reference_equals_host_layout_quantize(qops, fmt, dtype, shape):
     assert {k: (tuple(v.shape), v.dtype) for k, v in host.items()} == lay
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("group_elems", [1, 40 * 32, 1 << 19])
+def test_finite_cpu_path_in_row_groups_equals_host(qops, fmt, dtype, group_elems, monkeypatch):
+    """What the loader runs (``finite=True``: nvfp4's in-place CPU rows) in row groups of one row, of 40 blocks and
+    the default size, on a contiguous and a transposed source: the host's bits."""
+    from ditkit.kernels import quant as Q
+
+    if fmt not in qops.QUANT_ALGOS:
+        pytest.skip(f"this host's QUANT_ALGOS has no {fmt}")
+    monkeypatch.setattr(Q, "GROUP_ELEMS", group_elems)
+    w = _weights((260, 200), dtype, seed=7)
+    w[9, :16] = 0.0                                       # an all-zero block
+    _, host = _host_sd(qops, w, fmt)
+    for src in (w, w.t().contiguous().t()):
+        data, scales = Q.quantize(src, fmt, finite=True)
+        mine = {"weight": data, **scales}
+        assert set(mine) == set(host)
+        for k in host:
+            assert mine[k].dtype == host[k].dtype, k
+            assert torch.equal(_bits(mine[k]), _bits(host[k])), k
+
+
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "nvfp4"])
 def test_all_zero_weight_equals_host_with_scale_one(qops, fmt):
     from ditkit.kernels import quant as Q

@@ -205,3 +205,20 @@ def test_bench_quant_triton_cpu_smoke(tmp_path):
         assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr
     proc, _ = _run(tmp_path, "bench_quant_triton.py", "--device", "cpu", "--shape", "4", expect_rc=None)
     assert proc.returncode != 0 and "--shape" in proc.stderr
+
+
+@pytest.mark.parametrize("fmt,mode", [("nvfp4", "quantize"), ("mxfp8", "rows")])
+def test_bench_quant_cpu_smoke(tmp_path, fmt, mode):
+    """The CPU block-quantize benchmark (OLD kept in the script vs NEW kernels/quant.py): a row per figure, the
+    bits equal at every thread count, ratios positive inside their min-max; its refusal of a shape off the block."""
+    proc, rows = _run(tmp_path, "bench_quant_cpu.py", "--format", fmt, "--mode", mode, "--shape", "130,64",
+                      "--rounds", "2", "--threads", "1,2")
+    for nt in (1, 2):
+        case = f"130x64 bfloat16 {fmt} {mode} threads={nt}"
+        assert rows.value(case, "bits_equal") is True
+        for metric in ("old_over_new_wall", "old_over_new_cpu", "new_over_stock_wall"):
+            r = rows.row(case, metric)
+            assert r["n"] == 2 and 0 < r["min"] <= r["value"] <= r["max"] and math.isfinite(r["max"])
+    assert str(REPO / "kernels" / "quant.py") in proc.stdout           # what was measured as NEW is named
+    proc, _ = _run(tmp_path, "bench_quant_cpu.py", "--format", "mxfp8", "--shape", "4,48", expect_rc=None)
+    assert proc.returncode != 0 and "multiple of the block" in proc.stderr
