@@ -143,6 +143,8 @@ def _check_source(w: torch.Tensor, fmt: str) -> None:
         raise ValueError(f"{fmt}: source weights must be float32 / bfloat16 / float16, got {w.dtype}")
     if w.dim() != 2:
         raise ValueError(f"{fmt}: quantized weights are 2-D, got shape {list(w.shape)}")
+    if w.numel() == 0:
+        raise ValueError(f"{fmt}: an empty weight (shape {list(w.shape)}) has no scale to quantize with")
 
 
 def _amax_abs(w: torch.Tensor) -> torch.Tensor:

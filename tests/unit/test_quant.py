@@ -188,6 +188,12 @@ def test_refusals():
         Q.quantize(torch.ones(4), "float8_e4m3fn")
     with pytest.raises(ValueError, match="float32 / bfloat16 / float16"):
         Q.quantize(torch.ones(2, 2, dtype=torch.float64), "float8_e4m3fn")
+    # an empty weight: named, before any reduction (torch's amax of nothing was the message); one element is fine
+    for fmt in Q.FORMATS:
+        for shape in ((0, 16), (3, 0), (0, 0)):
+            with pytest.raises(ValueError, match=rf"{fmt}: an empty weight \(shape \[{shape[0]}, {shape[1]}\]\)"):
+                Q.quantize(torch.ones(shape), fmt)
+        Q.quantize(torch.ones(1, 1), fmt)
 
 
 # ------------------------------------------------------------------------------------------ Triton kernel
