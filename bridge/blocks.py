@@ -510,7 +510,7 @@ class TeaCacheHolder:
         parts = [p.clone() for p in self.adapter.output_parts(out, ctx)]
         force = ctx.force or ("one block in the stack" if n_blocks < 2 else None)
         ctx.skip = self.state.decide_first_block(ctx.keys, ctx.sigma, res, shapes=[tuple(p.shape[1:]) for p in parts],
-                                                 force=force)
+                                                 force=force, outputs=outs)
         ctx.snapshot = None if ctx.skip else parts
 
     def _on_last(self, ctx: CallCtx, out: dict) -> dict:

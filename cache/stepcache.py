@@ -40,6 +40,34 @@ MODE_NAMES = {"first_block": "first-block residual", "sigma_schedule": "sigma sc
 DEFAULT_THRESHOLDS = {"first_block": {"video": 0.2, "audio": 0.2},
                       "sigma_schedule": {"video": 0.03, "audio": 0.03}}
 
+# Lab-only switch (issue #33 experiment; set by benchmarks/lab/stepcache_lab.py ``first_block@<variant>``, never by a
+# node): the distance the first_block decision thresholds. A state reads it once, when built. "" = the shipped rule.
+#   last   : rel-L1 of block 0's residual against the last computed call's (shipped)
+#   prev   : rel-L1 against the previous call's residual (computed or not), no accumulation
+#   acc    : TeaCache-style: the per-call rel-L1 against the previous call's residual, summed since the last computed
+#            call (reset when a call computes)
+#   rate   : ``last`` divided by the sigma distance to the last computed call, times the schedule's mean step
+#            (change per unit of sigma removed, on the scale of one mean step)
+#   l2     : relative L2 against the last computed call's residual
+#   out    : rel-L1 of block 0's OUTPUT (not the residual) against the last computed call's
+#   cfg    : ``last``, one decision per step for every condition (ComfyUI may run cond and uncond as separate calls,
+#            each deciding alone, so CFG combines a fresh and a stale prediction): the step's first call decides on
+#            the larger of its own distance and each other condition's latest measured distance; the step's later
+#            calls (same sigma) measure theirs (for the next step) and follow that decision
+#   <distance>+cfg : the distance variant with the ``cfg`` one-decision-per-step rule (e.g. ``acc+cfg``)
+LAB_VARIANTS = ("last", "prev", "acc", "rate", "l2", "out", "cfg")
+
+
+def parse_variant(name: str) -> tuple[str, bool]:
+    """``(distance, one decision per step)`` of a lab variant name (``cfg`` alone: ``last`` + per step)."""
+    parts = name.split("+")
+    joint = "cfg" in parts
+    rest = [p for p in parts if p != "cfg"]
+    if len(rest) > 1 or any(p not in LAB_VARIANTS for p in rest) or parts.count("cfg") > 1:
+        raise ValueError(f"unknown first_block lab variant {name!r} (one of {LAB_VARIANTS}, or '<distance>+cfg')")
+    return (rest[0] if rest else "last"), joint
+LAB_FIRST_BLOCK_VARIANT = ""
+
 
 
 def l1_sums(cur: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -50,6 +78,29 @@ def l1_sums(cur: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
     if c.shape != p.shape:
         raise ValueError(f"l1_sums: shapes differ {tuple(c.shape)} vs {tuple(p.shape)}")
     return torch.stack(((c - p).abs().sum(), p.abs().sum()))
+
+
+def l2_sums(cur: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """``[sum (cur - prev)^2, sum prev^2]`` in float64 (lab variant ``l2``; summable across shards like
+    :func:`l1_sums`)."""
+    c = cur.detach().to(torch.float64)
+    p = prev.detach().to(device=c.device, dtype=torch.float64)
+    if c.shape != p.shape:
+        raise ValueError(f"l2_sums: shapes differ {tuple(c.shape)} vs {tuple(p.shape)}")
+    return torch.stack(((c - p).square().sum(), p.square().sum()))
+
+
+def rate_distance(rel: float, sigma_last: float | None, sigma: float, sigmas: Sequence[float]) -> float:
+    """Lab variant ``rate``: ``rel / (sigma_last - sigma) * mean_step``, ``mean_step = (sigmas[0] - sigmas[-1]) /
+    (len(sigmas) - 1)``: the change per unit of sigma removed since the last computed call, on the scale of one
+    mean step. No sigma distance (same sigma, no computed call yet, < 2 sigmas): +inf (compute)."""
+    if sigma_last is None or len(sigmas) < 2:
+        return float("inf")
+    ds = float(sigma_last) - float(sigma)
+    if not ds > 0.0:
+        return float("inf")
+    mean = (float(sigmas[0]) - float(sigmas[-1])) / (len(sigmas) - 1)
+    return rel / ds * mean
 
 
 def rel_from_sums(num: float, den: float) -> float:
@@ -145,15 +196,23 @@ class StepCacheState(TeaCacheState):
 
     def __init__(self, config: StepCacheConfig, reducer: Reducer | Callable | None = None):
         super().__init__(config, "", as_reducer(reducer))
+        variant = LAB_FIRST_BLOCK_VARIANT or "last"
+        parse_variant(variant)
+        self.variant = variant
 
     def clone(self) -> "StepCacheState":
-        return StepCacheState(self.config, self.reducer)
+        st = StepCacheState(self.config, self.reducer)
+        st.variant = self.variant
+        return st
 
     def _reset_state(self, sigmas: Sequence[float]):
         super()._reset_state(sigmas)
         self.stats = {s: StepCacheStreamStats() for s in self.config.streams}
         cfg = self.config
         self.plan: dict[str, list[bool]] = {}
+        self.last_sigma: dict[Hashable, float] = {}   # lab variant "rate": sigma of each condition's last computed call
+        self.last_distance: dict[tuple, float] = {}   # lab variant "cfg": latest distance per (condition, stream)
+        self.step_decision: tuple[float, bool] | None = None   # lab variant "cfg": (sigma, skip) of the step's first call
         if cfg.mode == "sigma_schedule" and self.sigmas:
             self.plan = {s: sigma_plan(self.sigmas, cfg.thresholds[s], cfg.start_percent, cfg.end_percent)
                          for s in cfg.streams}
@@ -194,9 +253,11 @@ class StepCacheState(TeaCacheState):
 
     # ------------------------------------------------------------------------------------------- first block
     def decide_first_block(self, keys: Sequence[Hashable], sigma: float, residuals: dict[str, list[torch.Tensor]],
-                           shapes: Sequence[tuple] | None = None, force: str | None = None) -> bool:
+                           shapes: Sequence[tuple] | None = None, force: str | None = None,
+                           outputs: dict[str, list[torch.Tensor]] | None = None) -> bool:
         """True = skip the blocks after block 0. ``residuals[stream][k]``: block 0's output minus its input for
-        condition ``keys[k]``. The reference residual of a condition moves only when the call computes."""
+        condition ``keys[k]``. The reference residual of a condition moves only when the call computes.
+        ``outputs`` (block 0's outputs, same layout) is read only by the lab variant ``out``."""
         if self.config.mode != "first_block":
             raise ValueError(f"decide_first_block on a {self.config.mode!r} state")
         self.calls += 1
@@ -211,23 +272,65 @@ class StepCacheState(TeaCacheState):
                 reason = "no previous residual"
         below = {s: True for s in self.config.streams}
         distances: dict[str, float] = {}
+        v, joint = parse_variant(self.variant)
+        if v == "out" and outputs is None:
+            raise ValueError("decide_first_block: lab variant 'out' needs outputs")
+        if reason is None and v in ("prev", "acc") and any(
+                c.prev.get(("step", s)) is None or c.prev[("step", s)].shape != residuals[s][ci].shape
+                for ci, c in enumerate(conds) for s in streams):
+            reason = "no previous residual"
+        follow = None
+        if joint and reason is None and self.step_decision is not None and self.step_decision[0] == float(sigma):
+            follow = self.step_decision[1]   # a later call of this step: the step's first call decided
         if reason is None and streams:
-            rows = [l1_sums(residuals[s][ci], c.prev[s]) for ci, c in enumerate(conds) for s in streams]
+            rows, tags = [], []
+            for ci, c in enumerate(conds):
+                for s in streams:
+                    r = residuals[s][ci]
+                    if v == "l2":
+                        rows.append(l2_sums(r, c.prev[s]))
+                    elif v == "out":
+                        rows.append(l1_sums(outputs[s][ci], c.prev[("out", s)]))
+                    elif v in ("prev", "acc"):
+                        rows.append(l1_sums(r, c.prev[("step", s)]))
+                    else:
+                        rows.append(l1_sums(r, c.prev[s]))
+                    tags.append((ci, s))
             sums = torch.stack(rows)
             sums = self.reducer.sum(sums)
             vals = sums.detach().to("cpu", torch.float64).tolist()   # the one host sync of the call
-            for j, (num, den) in enumerate(vals):
-                s = streams[j % len(streams)]
+            for (ci, s), (num, den) in zip(tags, vals):
                 rel = rel_from_sums(num, den)
+                if v == "l2":
+                    rel = rel ** 0.5
+                elif v == "acc":
+                    c = conds[ci]
+                    rel = c.acc.get(s, 0.0) + rel
+                    c.acc[s] = rel
+                elif v == "rate":
+                    rel = rate_distance(rel, self.last_sigma.get(keys[ci]), float(sigma), self.sigmas)
+                if joint:
+                    self.last_distance[(keys[ci], s)] = rel
+                    rel = max([rel] + [d for (k, st), d in self.last_distance.items() if st == s and k not in keys])
                 distances[s] = max(distances.get(s, 0.0), rel)
                 thr = self.config.thresholds[s]
                 if thr <= 0 or not (rel < thr):
                     below[s] = False
+        if follow is not None:   # measured (for the next step's first call), decided by this step's first call
+            below = {s: follow for s in self.config.streams}
         skip = self._finish(conds, below, distances, reason)
-        if not skip:
-            for ci, c in enumerate(conds):
-                for s in streams:
+        if joint and follow is None:
+            self.step_decision = (float(sigma), skip)
+        for ci, c in enumerate(conds):
+            for s in streams:
+                if v in ("prev", "acc"):
+                    c.prev[("step", s)] = residuals[s][ci].detach().clone()
+                if not skip:
                     c.prev[s] = residuals[s][ci].detach().clone()
+                    if v == "out":
+                        c.prev[("out", s)] = outputs[s][ci].detach().clone()
+            if not skip:
+                self.last_sigma[keys[ci]] = float(sigma)
         return skip
 
     # ------------------------------------------------------------------------------------------- sigma schedule

@@ -8,10 +8,17 @@ their ratio exact / cached, video SSIM / PSNR of the decoded frames and audio SS
 decoded waveform against the uncached sample of the same prompt and seed. Then, per target ratio (1.5x, 2x, 2.8x),
 each method's sweep point whose ratio is nearest (the ratio actually reached is printed), and per DitKitStepCache
 mode the largest threshold with video and audio SSIM >= 0.98 (the default rule). Every row goes to ``--rows``.
+
+``--match``: instead of a fixed sweep, per method and target ratio a bisection of the threshold (log scale, between
+the method's sweep ends, ``--match-probes`` probes per target, every probe kept and shared by the targets) and the
+probe nearest each target is reported. ``first_block@<variant>`` (issue #33 experiment) runs first_block with the
+lab-only decision variant ``cache.stepcache.LAB_FIRST_BLOCK_VARIANT`` (``LAB_VARIANTS``); no node input changes.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import math
 import sys
 import time
 from pathlib import Path
@@ -64,14 +71,29 @@ def overrides(method, thr):
         return {"reuse_threshold": thr}
     if method == "TeaCache":
         return {"threshold": thr, "audio_threshold": thr}
-    return {"mode": method, "threshold": thr, "audio_threshold": thr}
+    return {"mode": method.split("@")[0], "threshold": thr, "audio_threshold": thr}
+
+
+def set_variant(method: str) -> None:
+    """The lab-only first_block decision variant of ``first_block@<variant>`` ("" = shipped) on the core module the
+    node imports (``ditkit.cache.stepcache``)."""
+    sc = importlib.import_module("ditkit.cache.stepcache")
+    v = method.split("@", 1)[1] if "@" in method else ""
+    if v:
+        sc.parse_variant(v)
+    sc.LAB_FIRST_BLOCK_VARIANT = v
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--cfg", type=float, default=3.0)
-    ap.add_argument("--prompts", type=int, default=2, help="first N of harness.PROMPTS, one seed each")
+    ap.add_argument("--prompts", type=int, default=2, help="first N of harness.PROMPTS")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per prompt (prompt i, seed k: seed i + 1000 k)")
+    ap.add_argument("--match", action="store_true", help="bisect each method's threshold to each target ratio")
+    ap.add_argument("--match-probes", type=int, default=4, help="bisection probes per method and target")
+    ap.add_argument("--match-tol", type=float, default=0.04, help="stop a target's bisection within this fraction")
+    ap.add_argument("--range", default="", help="bisection ranges, e.g. 'TeaCache=0.05,0.4;first_block@acc=0.1,3'")
     ap.add_argument("--calib-prompts", type=int, default=3, help="TeaCache calibration prompts (CALIB_PROMPTS)")
     ap.add_argument("--methods", default=",".join(SWEEPS))
     ap.add_argument("--small", action="store_true", help="the SMALL sweeps (fewer thresholds per method)")
@@ -83,11 +105,12 @@ def main(argv=None) -> int:
     t0 = time.time()
     lab = Hn.ComfyLab(a.steps, cfg=a.cfg)
     prompts = Hn.PROMPTS[:a.prompts]
+    cases = [(p, i + 1000 * k) for k in range(a.seeds) for i, p in enumerate(prompts)]   # seed k = 0: seed i
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     exact, n_exact = {}, 0
-    for i, p in enumerate(prompts):
-        f, w, n = sample(lab, lab.dit, p, i, a.cfg)
-        exact[p] = (f, w)
+    for p, seed in cases:
+        f, w, n = sample(lab, lab.dit, p, seed, a.cfg)
+        exact[(p, seed)] = (f, w)
         n_exact += n
     tea_spec = None
     if "TeaCache" in methods:
@@ -95,11 +118,46 @@ def main(argv=None) -> int:
         tea_spec, where = lab.calibrate_teacache(cal)
         print(f"TeaCache calibrated on {len(cal)} prompts at {a.steps} steps, cfg {a.cfg:g} -> {tea_spec} {where}")
     results = []
+    ranges = dict(kv.split("=", 1) for kv in a.range.split(";") if "=" in kv)
+
+    def evaluate(m, cls, thr):
+        set_variant(m)
+        ov = overrides(m, thr)
+        if m == "TeaCache":
+            ov["coefficients"] = tea_spec
+        vs, vp, as_, al, nb = [], [], [], [], 0
+        for p, seed in cases:
+            model = Hn.apply_node(cls, lab.dit.clone(), ov)
+            f, w, n = sample(lab, model, p, seed, a.cfg)
+            rf, rw = exact[(p, seed)]
+            vs.append(ssim(rf.movedim(1, 0), f.movedim(1, 0)))
+            vp.append(psnr(rf, f))
+            as_.append(audio_ssim(rw, w))
+            al.append(log_spectral_distance(rw, w))
+            nb += n
+        set_variant("")
+        k = len(cases)
+        r = {"method": m, "thr": thr, "ratio": n_exact / nb, "skipped": 1 - nb / n_exact, "v_ssim": sum(vs) / k,
+             "v_psnr": sum(vp) / k, "a_ssim": sum(as_) / k, "a_lsd": sum(al) / k, "blocks": nb,
+             "v_min": min(vs), "a_min": min(as_)}
+        results.append(r)
+        case = f"{m} thr {thr:g}"
+        for key, unit in (("ratio", "x"), ("skipped", "fraction"), ("v_ssim", ""), ("v_psnr", "dB"),
+                          ("a_ssim", ""), ("a_lsd", "dB"), ("blocks", ""), ("v_min", ""), ("a_min", "")):
+            out.add(case, key, r[key], unit)
+        print(f"{case:28s} ratio {r['ratio']:.2f}x skipped {r['skipped']:.2f} video SSIM {r['v_ssim']:.4f} "
+              f"PSNR {r['v_psnr']:.2f} dB audio SSIM {r['a_ssim']:.4f} LSD {r['a_lsd']:.2f} dB "
+              f"(min {r['v_min']:.4f} / {r['a_min']:.4f}) [{time.time() - t0:.0f}s]", flush=True)
+        return r
+
     for m in methods:
-        module, node_id, _, thrs = SWEEPS[m]
-        thrs = SMALL[m] if a.small else thrs
+        base = m.split("@")[0]
+        if base not in SWEEPS:
+            raise SystemExit(f"unknown method {m!r} (one of {list(SWEEPS)}, first_block@<variant>)")
+        module, node_id, _, thrs = SWEEPS[base]
+        thrs = SMALL[base] if a.small else thrs
         pts = dict(kv.split("=", 1) for kv in a.points.split(";") if "=" in kv)
-        if a.points:
+        if a.points and not a.match:
             if m not in pts:
                 continue
             thrs = tuple(float(x) for x in pts[m].split(","))
@@ -107,31 +165,26 @@ def main(argv=None) -> int:
         if cls is None:
             print(f"{m}: {why}")
             continue
-        for thr in thrs:
-            ov = overrides(m, thr)
-            if m == "TeaCache":
-                ov["coefficients"] = tea_spec
-            vs, vp, as_, al, nb = [], [], [], [], 0
-            for i, p in enumerate(prompts):
-                model = Hn.apply_node(cls, lab.dit.clone(), ov)
-                f, w, n = sample(lab, model, p, i, a.cfg)
-                rf, rw = exact[p]
-                vs.append(ssim(rf.movedim(1, 0), f.movedim(1, 0)))
-                vp.append(psnr(rf, f))
-                as_.append(audio_ssim(rw, w))
-                al.append(log_spectral_distance(rw, w))
-                nb += n
-            k = len(prompts)
-            r = {"method": m, "thr": thr, "ratio": n_exact / nb, "skipped": 1 - nb / n_exact, "v_ssim": sum(vs) / k,
-                 "v_psnr": sum(vp) / k, "a_ssim": sum(as_) / k, "a_lsd": sum(al) / k, "blocks": nb}
-            results.append(r)
-            case = f"{m} thr {thr:g}"
-            for key, unit in (("ratio", "x"), ("skipped", "fraction"), ("v_ssim", ""), ("v_psnr", "dB"),
-                              ("a_ssim", ""), ("a_lsd", "dB"), ("blocks", "")):
-                out.add(case, key, r[key], unit)
-            print(f"{case:28s} ratio {r['ratio']:.2f}x skipped {r['skipped']:.2f} video SSIM {r['v_ssim']:.4f} "
-                  f"PSNR {r['v_psnr']:.2f} dB audio SSIM {r['a_ssim']:.4f} LSD {r['a_lsd']:.2f} dB", flush=True)
-    print(f"\nH3 lab, {len(prompts)} prompts x 1 seed, {a.steps} euler steps, cfg {a.cfg:g}; exact {n_exact} block "
+        if not a.match:
+            for thr in thrs:
+                evaluate(m, cls, thr)
+            continue
+        lo, hi = (float(x) for x in ranges[m].split(",")) if m in ranges else (min(thrs), max(thrs))
+        probed = {}
+        for t in TARGETS:
+            a_lo, a_hi = lo, hi
+            for _ in range(a.match_probes):
+                below = [th for th, r in probed.items() if r["ratio"] < t and a_lo <= th <= a_hi]
+                above = [th for th, r in probed.items() if r["ratio"] >= t and a_lo <= th <= a_hi]
+                a_lo = max(below, default=a_lo)
+                a_hi = min(above, default=a_hi)
+                thr = float(f"{math.sqrt(a_lo * a_hi):.4g}")
+                if thr in probed:
+                    break
+                probed[thr] = evaluate(m, cls, thr)
+                if abs(probed[thr]["ratio"] - t) <= a.match_tol * t:
+                    break
+    print(f"\nH3 lab, {len(prompts)} prompts x {a.seeds} seed(s), {a.steps} euler steps, cfg {a.cfg:g}; exact {n_exact} block "
           f"evaluations")
     print("target | method          | thr    | ratio | skipped | video SSIM | video PSNR | audio SSIM | audio LSD")
     for t in TARGETS:
