@@ -70,7 +70,8 @@ TESTS: dict[str, list[str]] = {
     "loaders/safetensors_io.py": ["tests/unit/test_safetensors_io.py", "tests/unit/test_safe_reader_open_once.py"],
     "loaders/h3.py": ["tests/unit/test_loaders_h3.py", "tests/unit/test_public_direct_loaders.py"],
     "loaders/lokr_math.py": ["tests/unit/test_public_direct.py", "tests/unit/test_lokr.py",
-                           "tests/unit/test_lokr_add_delta.py", "tests/unit/test_lokr_factorization.py"],
+                           "tests/unit/test_lokr_add_delta.py", "tests/unit/test_lokr_factorization.py",
+                           "tests/unit/test_lokr_rebuild.py"],
     "loaders/quant_cache.py": ["tests/unit/test_quant_cache.py"],
     "loaders/read_progress.py": ["tests/unit/test_progress_callbacks.py"],
     "loaders/host_memory.py": ["tests/unit/test_public_direct_loaders.py", "tests/unit/test_quant_speed_helpers.py",
@@ -97,6 +98,8 @@ _STAMP_NONE = ("read_stamp's error text / class / where: every QuantCacheError /
                "stamp is None (the file is hashed in full); the text is never seen")
 _SAME_RANK = ("'>=' for '>' on the ranks: at equal rank w1.reshape(*w1.shape, *[]) is w1's own shape, a "
               "no-op view")
+_PAIR_SUM = ("factorization's sum test is dead: below sqrt a divisor pair's sum falls as m grows, and the next "
+             "divisor above sqrt is its partner (same sum, same pair)")
 EQUIVALENT: dict[str, str] = {
     "ditkit.guards.x_guard_node__mutmut_11": _ELSE_BRANCH,   # raw = None
     "ditkit.guards.x_guard_node__mutmut_19": _ELSE_BRANCH,   # isinstance(...) and False
@@ -211,6 +214,17 @@ EQUIVALENT: dict[str, str] = {
     "ditkit.loaders.lokr_math.x_factorization__mutmut_3": ("factor > 1 for factor > 0: factor 1 then takes the "
                                                           "search, whose bound m <= 1 stops at (1, dimension): the "
                                                           "pair the direct branch returns"),
+    # the sum test never fires: below sqrt the sum of a divisor pair falls as m grows, and the first divisor above
+    # sqrt is the partner of the last one below it (divisors pair up as x, d / x): the same sum, the same pair
+    "ditkit.loaders.lokr_math.x_factorization__mutmut_32": _PAIR_SUM,   # new_m - new_n > length
+    "ditkit.loaders.lokr_math.x_factorization__mutmut_33": _PAIR_SUM,   # >= length: stops one step early, same pair
+    "ditkit.loaders.lokr_math.x_factorization__mutmut_34": ("new_m >= factor: a divisor equal to factor means factor "
+                                                           "divides (the direct branch) or factor = dimension (-1), "
+                                                           "reached only for a prime, whose pair is (1, d) either way"),
+    "ditkit.loaders.lokr_math.x_factorization__mutmut_39": "m >= n swaps m == n: the same pair",
+    "ditkit.loaders.lokr_math.x_rebuild_w2__mutmut_30": "einsum labels in upper case: the same contraction",
+    "ditkit.loaders.lokr_math.x_rebuild_w2__mutmut_31": ("b.dim() >= 2: a 2-D w2_b through flatten(1) / reshape is "
+                                                        "a @ b of the same shape"),
 }
 
 _SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "mutants", ".pytest_cache", ".ruff_cache",
