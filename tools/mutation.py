@@ -223,6 +223,8 @@ EQUIVALENT: dict[str, str] = {
                                                            "reached only for a prime, whose pair is (1, d) either way"),
     "ditkit.loaders.lokr_math.x_factorization__mutmut_39": "m >= n swaps m == n: the same pair",
     "ditkit.loaders.lokr_math.x_rebuild_w2__mutmut_30": "einsum labels in upper case: the same contraction",
+    "ditkit.vae.preflight.x_check_latent_shape__mutmut_14": ("strip('XX[]XX') for strip('[]'): every dims text "
+                                                            "starts with '[' and ends with ']' (never an 'X')"),
     "ditkit.loaders.lokr_math.x_rebuild_w2__mutmut_31": ("b.dim() >= 2: a 2-D w2_b through flatten(1) / reshape is "
                                                         "a @ b of the same shape"),
 }

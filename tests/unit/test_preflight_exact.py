@@ -68,6 +68,11 @@ def test_memory_limit_on_both_sides_and_the_whole_message():
     assert pf.check_memory("N", "s", (1,), {}, 0, "free") == 0                         # nothing needed, nothing free
     assert pf.check_memory("N", "s", (1,), {"a": 0}, -GIB, "free") == 0                # negative free counts as 0
     assert "(limit 0.0 MiB)" in _msg(pf.check_memory, "N", "s", (1,), {"a": 1}, -GIB, "free")
+    # nothing free is a limit of 0 bytes at any fraction: one byte needed is refused even with fraction 1 (or 2)
+    for frac in (1.0, 2.0):
+        for free in (0, -GIB, 0.4):
+            assert "needs about" in _msg(pf.check_memory, "N", "s", (1,), {"a": 1}, free, "free", fraction=frac)
+    assert pf.check_memory("N", "s", (1,), {"a": 2}, 1, "free", fraction=2.0) == 2      # 1 byte free x 2 = 2: fits
     big = _msg(pf.check_memory, "N", "s", [1], {"x": 2 * GIB, "y": GIB}, 2 * GIB, "on cuda:0")
     assert big == ("N: input 's' of shape (1,) needs about 3.00 GiB (x 2.00 GiB, y 1.00 GiB), more than 90% of the "
                    "2.00 GiB on cuda:0 (limit 1.80 GiB); nothing was allocated. Use a smaller size or batch")
