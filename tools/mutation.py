@@ -74,8 +74,9 @@ TESTS: dict[str, list[str]] = {
                            "tests/unit/test_lokr_rebuild.py"],
     "loaders/quant_cache.py": ["tests/unit/test_quant_cache.py"],
     "loaders/read_progress.py": ["tests/unit/test_progress_callbacks.py"],
-    "loaders/host_memory.py": ["tests/unit/test_public_direct_loaders.py", "tests/unit/test_quant_speed_helpers.py",
-                               "tests/unit/test_quantize_memory.py"],
+    # not test_quantize_memory.py: its peak-RSS tests import the pack in a child process, where mutmut's trampoline
+    # (MUTANT_UNDER_TEST inherited) cannot find its configuration and the stats pass fails
+    "loaders/host_memory.py": ["tests/unit/test_public_direct_loaders.py", "tests/unit/test_quant_speed_helpers.py"],
     "vae/metadata.py": ["tests/unit/test_vae_metadata.py", "tests/unit/test_public_direct_cache_vae.py"],
 }
 
