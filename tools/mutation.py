@@ -76,7 +76,8 @@ TESTS: dict[str, list[str]] = {
     "loaders/read_progress.py": ["tests/unit/test_progress_callbacks.py"],
     # not test_quantize_memory.py: its peak-RSS tests import the pack in a child process, where mutmut's trampoline
     # (MUTANT_UNDER_TEST inherited) cannot find its configuration and the stats pass fails
-    "loaders/host_memory.py": ["tests/unit/test_public_direct_loaders.py", "tests/unit/test_quant_speed_helpers.py"],
+    "loaders/host_memory.py": ["tests/unit/test_public_direct_loaders.py", "tests/unit/test_quant_speed_helpers.py",
+                               "tests/unit/test_host_memory_exact.py"],
     "vae/metadata.py": ["tests/unit/test_vae_metadata.py", "tests/unit/test_public_direct_cache_vae.py"],
 }
 
@@ -224,6 +225,8 @@ EQUIVALENT: dict[str, str] = {
                                                            "reached only for a prime, whose pair is (1, d) either way"),
     "ditkit.loaders.lokr_math.x_factorization__mutmut_39": "m >= n swaps m == n: the same pair",
     "ditkit.loaders.lokr_math.x_rebuild_w2__mutmut_30": "einsum labels in upper case: the same contraction",
+    "ditkit.loaders.host_memory.x\u01c1Scratch\u01c1take__mutmut_19": ("self._buf = '' for None before the new mapping: "
+                                                                  "either drops the old mapping, then overwritten"),
     "ditkit.vae.preflight.x_check_latent_shape__mutmut_14": ("strip('XX[]XX') for strip('[]'): every dims text "
                                                             "starts with '[' and ends with ']' (never an 'X')"),
     "ditkit.loaders.lokr_math.x_rebuild_w2__mutmut_31": ("b.dim() >= 2: a 2-D w2_b through flatten(1) / reshape is "
