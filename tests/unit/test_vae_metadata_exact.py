@@ -74,6 +74,7 @@ def test_same_type_rules():
     assert _same("x", "x") and not _same("x", "y") and _same(None, None)
     assert not _same("1", 1) and not _same(1, "1") and not _same(None, 0) and not _same(0, None)
     assert not _same((1,), [1]) and not _same([1], (1,))
+    assert not _same(complex(1, 0), 1) and not _same({1}, frozenset({1}))  # equal by ==, types differ
 
 
 # ---- _check_source_config
@@ -202,6 +203,11 @@ def test_config_json_and_object_exact():
     m["minimax_h3_video_vae"] = "[1]"
     assert _refuse(m) == _msg("minimax_h3_video_vae", "'[1]'", "must be a JSON object")
     m["minimax_h3_video_vae"] = "{"
+    m["minimax_h3_video_vae"] = '{"a":1,"a":2}'
+    assert _refuse(m) == _msg("minimax_h3_video_vae", "'{\"a\":1,\"a\":2}'",
+                              f"not valid strict JSON ({W}: __metadata__ 'minimax_h3_video_vae': duplicate JSON "
+                              "key 'a' in the safetensors metadata value)")
+    m["minimax_h3_video_vae"] = "{"
     msg = _refuse(m)
     assert msg.startswith(_msg("minimax_h3_video_vae", "'{'", "not valid strict JSON (")[:-len(TAIL)])
     assert msg.endswith(")" + TAIL)
@@ -244,8 +250,6 @@ def test_floats_exact():
 
 def test_non_finite_exact():
     m = good_meta()
-    raw = json.dumps(_cfg())
-    m["minimax_h3_video_vae"] = raw.replace('"latents_mean": [', '"latents_mean": [1e999, ', 1)
     c = _cfg()
     c["latents_mean"] = c["latents_mean"][:23]
     m["minimax_h3_video_vae"] = json.dumps(c).replace('"latents_mean": [', '"latents_mean": [1e999, ', 1)
