@@ -159,7 +159,7 @@ def test_scalar_keys_exact():
     m["h3_t1_format"] = "v2"
     assert _refuse(m) == _msg("h3_t1_format", "'v2'", 'must be exactly "full_decoder_v1"')
     why = "must be exactly one digit 0..3 (one of the 4 frames a token decodes to)"
-    for s in ("4", "", "00", "01", "x"):
+    for s in ("4", "", "00", "01", "x", "X"):
         m = good_meta()
         m["h3_t1_output_slice"] = s
         assert _refuse(m) == _msg("h3_t1_output_slice", repr(s), why)
