@@ -78,7 +78,8 @@ TESTS: dict[str, list[str]] = {
     # (MUTANT_UNDER_TEST inherited) cannot find its configuration and the stats pass fails
     "loaders/host_memory.py": ["tests/unit/test_public_direct_loaders.py", "tests/unit/test_quant_speed_helpers.py",
                                "tests/unit/test_host_memory_exact.py"],
-    "vae/metadata.py": ["tests/unit/test_vae_metadata.py", "tests/unit/test_public_direct_cache_vae.py"],
+    "vae/metadata.py": ["tests/unit/test_vae_metadata.py", "tests/unit/test_vae_metadata_exact.py",
+                        "tests/unit/test_public_direct_cache_vae.py"],
 }
 
 # mutant name -> why it cannot change behaviour (reviewed by hand; a listed name that no longer exists is reported)
