@@ -226,6 +226,8 @@ EQUIVALENT: dict[str, str] = {
                                                            "reached only for a prime, whose pair is (1, d) either way"),
     "ditkit.loaders.lokr_math.x_factorization__mutmut_39": "m >= n swaps m == n: the same pair",
     "ditkit.loaders.lokr_math.x_rebuild_w2__mutmut_30": "einsum labels in upper case: the same contraction",
+    "ditkit.vae.metadata.x_validate_image_vae_metadata__mutmut_163": ("floats('latents_mean', None) for False: the flag "
+                                                                     "is read for its truth only; both are false"),
     "ditkit.loaders.host_memory.x\u01c1Scratch\u01c1take__mutmut_19": ("self._buf = '' for None before the new mapping: "
                                                                   "either drops the old mapping, then overwritten"),
     "ditkit.vae.preflight.x_check_latent_shape__mutmut_14": ("strip('XX[]XX') for strip('[]'): every dims text "

@@ -325,3 +325,20 @@ def test_whitening_exact():
     small[i_small] = info.latents_std[0] + 0.9e-3        # 0.5: absolute tolerance 1e-3 applies
     check_whitening_matches(info, mean, small, W)
     check_whitening_matches(info, mean.reshape(2, 12), std.reshape(4, 6), W)
+
+
+def test_whitening_tolerance_boundary_is_inclusive():
+    """|a - b| equal to the tolerance is accepted (strict >): a = 0, b = 0.001 exactly (float64); 0.001 + 1 ulp not."""
+    import dataclasses
+    import math
+
+    info = validate_image_vae_metadata(good_meta(), W)
+    info = dataclasses.replace(info, latents_mean=(0.0,) + tuple(info.latents_mean[1:]))
+    mean = torch.tensor(info.latents_mean, dtype=torch.float64)
+    std = torch.tensor(info.latents_std, dtype=torch.float64)
+    mean[0] = 1e-3
+    assert abs(0.0 - float(mean[0])) == 1e-3 * max(1.0, 0.0)
+    check_whitening_matches(info, mean, std, W)
+    mean[0] = math.nextafter(1e-3, 1.0)
+    with pytest.raises(MetadataError):
+        check_whitening_matches(info, mean, std, W)
