@@ -262,3 +262,94 @@ def test_stream_refuses_a_device_that_is_not_cuda(device):
         list(QC.quantize_stream(iter([("blocks.0.mlp.fc1.weight", torch.ones(32, 32))]), plan, rep, "x",
                                 device=device))
     assert rep.quantized_on == ""
+
+
+# ---------------------------------------------------------------------- the error sample's work buffers, to_blocked
+
+def _slice_rows(fmt, rows, cols, dtype, seed):
+    w = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02).to(dtype)
+    if fmt == "nvfp4":
+        s2 = Q.per_tensor_scale(w, fmt)
+        d, sc = Q._nvfp4_rows(w, s2, True)
+        return d, sc, s2
+    d, sc = Q._mxfp8_rows(w)
+    return d, sc, None
+
+
+def _dequant_oracle(fmt, d, sc, s2):
+    """The stored rows' float32 values from the formats' definitions: each product formed exactly in float64 (an
+    e2m1 / fp8 value, an fp8 / power-of-two block scale and a float32 s2 have few enough bits) and rounded once to
+    float32, which is what one float32 multiplication gives; nvfp4's factor ``s2 * block scale`` is rounded first."""
+    if fmt == "mxfp8":
+        vals = d.view(torch.uint8).view(torch.float8_e4m3fn).double()
+        e = sc.view(torch.uint8).to(torch.int64)
+        s = torch.where(e == 0, torch.zeros_like(e, dtype=torch.float64), torch.pow(2.0, (e - 127).double()))
+        out = vals.reshape(d.shape[0], -1, 32) * s.unsqueeze(-1)
+        return out.float().double().reshape(d.shape[0], -1)
+    table = torch.tensor(Q.E2M1_VALUES + tuple(-v for v in Q.E2M1_VALUES), dtype=torch.float64)
+    d = d.to(torch.int64)
+    codes = torch.stack([d >> 4, d & 0x0F], dim=-1).reshape(d.shape[0], -1)     # high nibble first
+    bs = (sc.view(torch.float8_e4m3fn).double() * float(s2)).float().double()
+    return (table[codes].reshape(d.shape[0], -1, 16) * bs.unsqueeze(-1)).float().double().reshape(d.shape[0], -1)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_dequant_slice_work_is_the_stored_values_bit_for_bit(fmt, dtype):
+    d, sc, s2 = _slice_rows(fmt, 130, 96, dtype if dtype != torch.float64 else torch.float32, 11)
+    got = Q._dequant_slice_work(fmt, d, sc, s2)
+    want = _dequant_oracle(fmt, d, sc, s2)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.equal(got.double(), want)
+    assert torch.equal(got, Q._dequant_slice(fmt, d, sc, s2))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_dequant_slice_work_reuses_its_buffer_and_falls_back_on_strided_rows(fmt):
+    d, sc, s2 = _slice_rows(fmt, 128, 64, torch.bfloat16, 12)
+    d2, sc2, s22 = _slice_rows(fmt, 128, 64, torch.bfloat16, 13)
+    first = Q._dequant_slice_work(fmt, d, sc, s2)
+    keep = first.clone()
+    second = Q._dequant_slice_work(fmt, d2, sc2, s22)
+    # the work buffer: the second call's values are written where the first's were (the caller uses it at once)
+    assert second.data_ptr() == first.data_ptr() and torch.equal(first, second)
+    assert torch.equal(second.double(), _dequant_oracle(fmt, d2, sc2, s22))
+    assert torch.equal(keep.double(), _dequant_oracle(fmt, d, sc, s2))
+    # strided rows (every other row) take the allocating path: a fresh tensor with the same values
+    ds, scs = d[::2], sc[::2]
+    assert not ds.is_contiguous()
+    got = Q._dequant_slice_work(fmt, ds, scs, s2)
+    assert got.data_ptr() != second.data_ptr()
+    assert torch.equal(got.double(), _dequant_oracle(fmt, ds, scs, s2))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_error_sample_leaves_an_earlier_dequantize_alone(fmt, monkeypatch):
+    monkeypatch.setattr(Q, "CHUNK_ELEMS", 1)
+    w = (torch.randn(256, 64, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
+    data, scales = Q.quantize(w, fmt, error=Q.ErrorSample(1))
+    rec = Q.dequantize(data, scales, fmt, (256, 64))
+    keep = rec.clone()
+    Q.quantize(w.flip(0).contiguous(), fmt, error=Q.ErrorSample(1))   # the work buffers written again
+    assert torch.equal(rec, keep)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.float8_e8m0fnu])
+@pytest.mark.parametrize("rows,cols", [(1, 1), (1, 4), (130, 7), (256, 8), (300, 13), (128, 64)])
+def test_blocked_layout_of_byte_scales_matches_the_cublas_offset_formula(rows, cols, dtype):
+    codes = (torch.arange(rows * cols, dtype=torch.int64) % 250 + 1).to(torch.uint8).reshape(rows, cols)
+    m = codes.view(dtype)
+    b = Q.to_blocked(m)
+    pr, pc = math.ceil(rows / 128) * 128, math.ceil(cols / 4) * 4
+    assert b.shape == (pr, pc) and b.dtype == dtype
+    flat = b.view(torch.uint8).flatten()
+    ncb = pc // 4
+    want = torch.zeros(pr * pc, dtype=torch.uint8)
+    for r in range(rows):
+        for c in range(cols):
+            want[(r // 128) * ncb * 512 + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4] = codes[r, c]
+    assert torch.equal(flat, want)                                  # padding is zero
+    assert torch.equal(Q.from_blocked(b, rows, cols).view(torch.uint8), codes)
+    mt = codes.t().contiguous().t().view(dtype)                     # a transposed (column-major) input
+    assert not mt.is_contiguous() or rows == 1 or cols == 1
+    assert torch.equal(Q.to_blocked(mt).view(torch.uint8), b.view(torch.uint8))
