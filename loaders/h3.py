@@ -752,7 +752,8 @@ def load_h3_state_dict(path: str | os.PathLike, progress: ProgressFn | None = No
     return sd, plan.report(len(sd))
 
 
-def comfy_metadata(path: str | os.PathLike) -> dict[str, str] | None:
-    """The safetensors ``__metadata__`` ComfyUI should see (single files only; its ``config`` JSON overrides)."""
-    src = detect(path)
+def comfy_metadata(path: str | os.PathLike | H3Source) -> dict[str, str] | None:
+    """The safetensors ``__metadata__`` ComfyUI should see (single files only; its ``config`` JSON overrides), of
+    ``path`` or of an already detected source (a plan's ``src``: no second read of the headers)."""
+    src = path if isinstance(path, H3Source) else detect(path)
     return dict(src.metadata) if src.layout == "comfy" and src.metadata else None

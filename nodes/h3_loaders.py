@@ -138,13 +138,13 @@ def load_h3_model(path: str, weight_dtype: str = "default", node_id: str | None 
                                          cache=(path, src.files) if quantized_cache else None, device=device)
         report = plan.report(len(sd))
     report.quant = quant
+    meta = core.comfy_metadata(path if fmt is None else src)   # the plan's own detection: headers read once
     # ComfyUI 0.33 has no module for FastH3's trained VSA gates and drops them as unexpected keys: keep them as an
     # attachment that DitKitSparseAttention reads (nodes/sparse_attention.py GATE_ATTACHMENT). A host that builds
     # attn.to_gate_compress (0.35+) loads them itself: they stay in the state dict (checked after the load).
     keys = [k for k in sd if k.startswith("blocks.") and k.endswith(".attn.to_gate_compress.weight")]
     host_gates = bool(keys) and stock_keeps_gates()
     gates = {int(k.split(".")[1]): (sd[k] if host_gates else sd.pop(k)) for k in keys}
-    meta = core.comfy_metadata(path)
     try:
         with share_block_scales(sd) as sharing:       # no second copy of the block scales (bridge/quant_scales.py)
             model = load_diffusion_model(sd, model_options=opts, metadata=meta)

@@ -123,6 +123,14 @@ def test_comfy_metadata(tmp_path):
     assert L.comfy_metadata(_st(tmp_path / "m.safetensors", ORIG, "diffusion_model.", meta)) == meta
     assert L.comfy_metadata(_st(tmp_path / "n.safetensors", ORIG)) is None             # no metadata
     assert L.comfy_metadata(_st(tmp_path / "d.safetensors", DIFF, metadata=meta)) is None   # not the comfy layout
+    # an already detected source (the loader passes its plan's): the same answers, no second detection
+    p = _st(tmp_path / "m2.safetensors", ORIG, "diffusion_model.", meta)
+    src = L.detect(p)
+    p.unlink()                                           # nothing is read again: the file is gone
+    got = L.comfy_metadata(src)
+    assert got == meta and got is not src.metadata       # a copy: the caller may change it
+    assert L.comfy_metadata(L.detect(_st(tmp_path / "n2.safetensors", ORIG))) is None
+    assert L.comfy_metadata(L.detect(_st(tmp_path / "d2.safetensors", DIFF, metadata=meta))) is None
     d = tmp_path / "tr"
     d.mkdir()
     _st(d / L.DIFFUSERS_SINGLE, DIFF, metadata=meta)
