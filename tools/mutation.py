@@ -78,6 +78,8 @@ TESTS: dict[str, list[str]] = {
     # (MUTANT_UNDER_TEST inherited) cannot find its configuration and the stats pass fails
     "loaders/host_memory.py": ["tests/unit/test_public_direct_loaders.py", "tests/unit/test_quant_speed_helpers.py",
                                "tests/unit/test_host_memory_exact.py"],
+    "kernels/registry.py": ["tests/unit/test_kernels_registry.py", "tests/unit/test_public_direct_kernels.py",
+                            "tests/unit/test_kernels_registry_exact.py"],
     "vae/metadata.py": ["tests/unit/test_vae_metadata.py", "tests/unit/test_vae_metadata_exact.py",
                         "tests/unit/test_public_direct_cache_vae.py"],
 }
@@ -103,7 +105,16 @@ _SAME_RANK = ("'>=' for '>' on the ranks: at equal rank w1.reshape(*w1.shape, *[
               "no-op view")
 _PAIR_SUM = ("factorization's sum test is dead: below sqrt a divisor pair's sum falls as m grows, and the next "
              "divisor above sqrt is its partner (same sum, same pair)")
+_MENU_GROUPS = ("Registry.menu's group() returns 0, 1, 3 or 4, never 2: '< 2' / '<= 2' / '< 3' pick the same "
+                "impls, as do '>= 2' / '> 2' / '>= 3', and a placeholder's 4 or 5 sorts after every unverified 3")
 EQUIVALENT: dict[str, str] = {
+    "ditkit.kernels.registry.xǁRegistryǁmenu__mutmut_3": _MENU_GROUPS,     # placeholder group 5
+    "ditkit.kernels.registry.xǁRegistryǁmenu__mutmut_23": _MENU_GROUPS,    # group(i) <= 2
+    "ditkit.kernels.registry.xǁRegistryǁmenu__mutmut_24": _MENU_GROUPS,    # group(i) < 3
+    "ditkit.kernels.registry.xǁRegistryǁmenu__mutmut_26": _MENU_GROUPS,    # group(i) > 2
+    "ditkit.kernels.registry.xǁRegistryǁmenu__mutmut_27": _MENU_GROUPS,    # group(i) >= 3
+    "ditkit.kernels.registry.x_triton_check__mutmut_15": ("need_cuda(q) for need_cuda(q, (8, 0)): (8, 0) is "
+                                                          "need_cuda's default"),
     "ditkit.guards.x_guard_node__mutmut_11": _ELSE_BRANCH,   # raw = None
     "ditkit.guards.x_guard_node__mutmut_19": _ELSE_BRANCH,   # isinstance(...) and False
     "ditkit.guards.x_guard_node__mutmut_21": _ELSE_BRANCH,   # getattr(None, "__func__", None)
