@@ -56,7 +56,7 @@ TESTS: dict[str, list[str]] = {
     "cache/teacache.py": ["tests/unit/test_teacache.py", "tests/unit/test_teacache_guards.py"],
     "cache/coefficients.py": ["tests/unit/test_teacache_files.py", "tests/unit/test_coefficient_safety.py",
                               "tests/unit/test_public_direct_cache_vae.py"],
-    "cache/audio_guard.py": ["tests/unit/test_audio_guard.py"],
+    "cache/audio_guard.py": ["tests/unit/test_audio_guard.py", "tests/unit/test_audio_guard_exact.py"],
     "cache/adaln.py": ["tests/unit/test_adaln_core.py", "tests/unit/test_h3_modulation_memo.py"],
     "vae/t1_decode.py": ["tests/unit/test_vae_t1.py", "tests/unit/test_vae_t1_dtypes.py", "tests/unit/test_preflight.py",
                          "tests/unit/test_vae_t1_report.py", "tests/unit/test_progress_callbacks.py"],
@@ -103,6 +103,13 @@ _SAME_RANK = ("'>=' for '>' on the ranks: at equal rank w1.reshape(*w1.shape, *[
               "no-op view")
 _PAIR_SUM = ("factorization's sum test is dead: below sqrt a divisor pair's sum falls as m grows, and the next "
              "divisor above sqrt is its partner (same sum, same pair)")
+_AG = "ditkit.cache.audio_guard."
+_LASTDIM2 = "on a 2-D tensor dim +1 is dim -1: the same axis"
+_WHERE0 = ("torch.where(finite, x, zeros(()) of float32): a 0-d tensor does not promote the float64 operand; the "
+           "result is float64 zeros where x was not finite, as with dtype=x.dtype")
+_DEAD_SILENT = ("the 'silent (item k)' text is unreachable: the RMS is clamped at 1e-12 and the samples are finite, "
+                "so rms_dbfs is >= -240 (or +inf on overflow, never below a threshold): math.isfinite(r) is always "
+                "true when the flag is raised")
 EQUIVALENT: dict[str, str] = {
     "ditkit.guards.x_guard_node__mutmut_11": _ELSE_BRANCH,   # raw = None
     "ditkit.guards.x_guard_node__mutmut_19": _ELSE_BRANCH,   # isinstance(...) and False
@@ -234,6 +241,26 @@ EQUIVALENT: dict[str, str] = {
                                                             "starts with '[' and ends with ']' (never an 'X')"),
     "ditkit.loaders.lokr_math.x_rebuild_w2__mutmut_31": ("b.dim() >= 2: a 2-D w2_b through flatten(1) / reshape is "
                                                         "a @ b of the same shape"),
+    # cache/audio_guard.py (reviewed 2026-12-05)
+    _AG + "x__spectral_jump__mutmut_5": ("n <= n_fft + hop: at n == n_fft + hop there are 2 frames, 1 step, and "
+                                         "max - median of one step is 0.0, the value returned early"),
+    _AG + "x__spectral_jump__mutmut_22": "torch.hann_window's default is periodic=True: the same window",
+    _AG + "x__spectral_jump__mutmut_29": "torch.fft.rfft's default dim is -1",
+    _AG + "x__spectral_jump__mutmut_31": _LASTDIM2,
+    _AG + "x__spectral_jump__mutmut_99": _LASTDIM2,
+    _AG + "x_check_waveform__mutmut_60": _WHERE0,
+    _AG + "x_check_waveform__mutmut_62": _WHERE0,
+    _AG + "x_check_waveform__mutmut_87": _LASTDIM2 + " (rms_db is [B, C])",
+    _AG + "x_check_waveform__mutmut_121": _LASTDIM2 + " (dc is [B, C])",
+    _AG + "x_check_waveform__mutmut_127": _LASTDIM2 + " (clip is [B, C])",
+    _AG + "x_check_waveform__mutmut_136": _LASTDIM2 + " (jumps is [B, C])",
+    _AG + "x_check_waveform__mutmut_168": _DEAD_SILENT,
+    _AG + "x_check_waveform__mutmut_172": _DEAD_SILENT,
+    _AG + "x_check_waveform__mutmut_173": _DEAD_SILENT,
+    _AG + "x_latent_spectrum_db__mutmut_56": _WHERE0,
+    _AG + "x_latent_spectrum_db__mutmut_58": _WHERE0,
+    _AG + "x_latent_spectrum_db__mutmut_67": "torch.fft.rfft's default dim is -1",
+    _AG + "x_latent_spectrum_db__mutmut_68": _LASTDIM2 + " (t is reshaped to [rows, T])",
 }
 
 _SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "mutants", ".pytest_cache", ".ruff_cache",
