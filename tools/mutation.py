@@ -55,7 +55,7 @@ TESTS: dict[str, list[str]] = {
     "kernels/quant.py": ["tests/unit/test_quant.py", "tests/unit/test_public_direct.py"],
     "cache/teacache.py": ["tests/unit/test_teacache.py", "tests/unit/test_teacache_guards.py"],
     "cache/coefficients.py": ["tests/unit/test_teacache_files.py", "tests/unit/test_coefficient_safety.py",
-                              "tests/unit/test_public_direct_cache_vae.py"],
+                              "tests/unit/test_public_direct_cache_vae.py", "tests/unit/test_coefficients_exact.py"],
     "cache/audio_guard.py": ["tests/unit/test_audio_guard.py", "tests/unit/test_audio_guard_exact.py"],
     "cache/adaln.py": ["tests/unit/test_adaln_core.py", "tests/unit/test_h3_modulation_memo.py"],
     "vae/t1_decode.py": ["tests/unit/test_vae_t1.py", "tests/unit/test_vae_t1_dtypes.py", "tests/unit/test_preflight.py",
@@ -110,6 +110,12 @@ _WHERE0 = ("torch.where(finite, x, zeros(()) of float32): a 0-d tensor does not 
 _DEAD_SILENT = ("the 'silent (item k)' text is unreachable: the RMS is clamped at 1e-12 and the samples are finite, "
                 "so rms_dbfs is >= -240 (or +inf on overflow, never below a threshold): math.isfinite(r) is always "
                 "true when the flag is raised")
+_CO = "ditkit.cache.coefficients."
+_EXISTING = "is_coefficient_file's where text: every CoefficientError is caught and False returned; the text is never seen"
+_SAVE_WHAT = ("save's open_root(what=...): with parts=() SafeDir names `what` only when the folder cannot be opened "
+              "after os.makedirs(exist_ok=True) made or found it (a race); no other message of save carries it")
+_MORE_CANDS = ("a looser imaginary-part tolerance only adds evaluation points inside [lo, hi]; the polynomial's minimum "
+               "there is at an end or a real critical point, both candidates already: the same minimum")
 EQUIVALENT: dict[str, str] = {
     "ditkit.guards.x_guard_node__mutmut_11": _ELSE_BRANCH,   # raw = None
     "ditkit.guards.x_guard_node__mutmut_19": _ELSE_BRANCH,   # isinstance(...) and False
@@ -261,6 +267,31 @@ EQUIVALENT: dict[str, str] = {
     _AG + "x_latent_spectrum_db__mutmut_58": _WHERE0,
     _AG + "x_latent_spectrum_db__mutmut_67": "torch.fft.rfft's default dim is -1",
     _AG + "x_latent_spectrum_db__mutmut_68": _LASTDIM2 + " (t is reshaped to [rows, T])",
+    # cache/coefficients.py (reviewed 2026-12-05)
+    _CO + "x_is_coefficient_file__mutmut_2": _EXISTING,
+    _CO + "x_is_coefficient_file__mutmut_5": _EXISTING,
+    _CO + "x_is_coefficient_file__mutmut_6": _EXISTING,
+    _CO + "x_parse_bytes__mutmut_8": _UTF8,
+    _CO + "x_save__mutmut_16": _UTF8,
+    _CO + "x_save__mutmut_8": "json.dumps(allow_nan=None): falsy, the same as False",
+    _CO + "x_save__mutmut_20": _SAVE_WHAT,
+    _CO + "x_save__mutmut_24": _SAVE_WHAT,
+    _CO + "x_save__mutmut_28": _SAVE_WHAT,
+    _CO + "x_save__mutmut_29": _SAVE_WHAT,
+    _CO + "x_save__mutmut_30": _SAVE_WHAT,
+    _CO + "x_polynomial_negative__mutmut_7": "np.asarray of Python floats is float64 without dtype=",
+    _CO + "x_polynomial_negative__mutmut_9": "np.asarray of Python floats is float64 without dtype=",
+    _CO + "x_polynomial_negative__mutmut_12": "np.trim_zeros upper-cases its trim argument: 'F' is 'f'",
+    _CO + "x_polynomial_negative__mutmut_30": ("c[0] <= 0 for < 0: after trim_zeros('f') a non-empty c never starts "
+                                              "with 0"),
+    _CO + "x_polynomial_negative__mutmut_45": "x doubles from 1: 2**39 < 1e12 < 2**40, never equal to 1e12",
+    _CO + "x_polynomial_negative__mutmut_46": "x doubles from 1: no power of two lies in [1e12, 1e12 + 1)",
+    _CO + "x_polynomial_negative__mutmut_57": ("c.size >= 2: the derivative of a line is a constant, np.roots gives "
+                                              "no root"),
+    _CO + "x_polynomial_negative__mutmut_65": _MORE_CANDS,
+    _CO + "x_polynomial_negative__mutmut_70": _MORE_CANDS,
+    _CO + "x_polynomial_negative__mutmut_72": "a root exactly at lo: lo is a candidate already",
+    _CO + "x_polynomial_negative__mutmut_73": "a root exactly at hi: hi is a candidate already (top = hi)",
 }
 
 _SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "mutants", ".pytest_cache", ".ruff_cache",
