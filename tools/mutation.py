@@ -57,7 +57,8 @@ TESTS: dict[str, list[str]] = {
     "cache/coefficients.py": ["tests/unit/test_teacache_files.py", "tests/unit/test_coefficient_safety.py",
                               "tests/unit/test_public_direct_cache_vae.py", "tests/unit/test_coefficients_exact.py"],
     "cache/audio_guard.py": ["tests/unit/test_audio_guard.py", "tests/unit/test_audio_guard_exact.py"],
-    "cache/adaln.py": ["tests/unit/test_adaln_core.py", "tests/unit/test_h3_modulation_memo.py"],
+    "cache/adaln.py": ["tests/unit/test_adaln_core.py", "tests/unit/test_h3_modulation_memo.py",
+                       "tests/unit/test_adaln_exact.py"],
     "vae/t1_decode.py": ["tests/unit/test_vae_t1.py", "tests/unit/test_vae_t1_dtypes.py", "tests/unit/test_preflight.py",
                          "tests/unit/test_vae_t1_report.py", "tests/unit/test_progress_callbacks.py"],
     "vae/preflight.py": ["tests/unit/test_preflight.py", "tests/unit/test_public_direct.py",
@@ -116,6 +117,10 @@ _SAVE_WHAT = ("save's open_root(what=...): with parts=() SafeDir names `what` on
               "after os.makedirs(exist_ok=True) made or found it (a race); no other message of save carries it")
 _MORE_CANDS = ("a looser imaginary-part tolerance only adds evaluation points inside [lo, hi]; the polynomial's minimum "
                "there is at an end or a real critical point, both candidates already: the same minimum")
+_AD = "ditkit.cache.adaln."
+_PIN = ("pin_memory off for the parked host copy: pinning changes the kind of host memory (transfer speed), never a "
+        "value; on a CPU device pin_memory is False either way")
+_BOOLBYTES = "a bool tensor viewed as uint8 / read by numpy is the same 0 / 1 bytes as .to(torch.uint8)"
 EQUIVALENT: dict[str, str] = {
     "ditkit.guards.x_guard_node__mutmut_11": _ELSE_BRANCH,   # raw = None
     "ditkit.guards.x_guard_node__mutmut_19": _ELSE_BRANCH,   # isinstance(...) and False
@@ -292,6 +297,17 @@ EQUIVALENT: dict[str, str] = {
     _CO + "x_polynomial_negative__mutmut_70": _MORE_CANDS,
     _CO + "x_polynomial_negative__mutmut_72": "a root exactly at lo: lo is a candidate already",
     _CO + "x_polynomial_negative__mutmut_73": "a root exactly at hi: hi is a candidate already (top = hi)",
+    # cache/adaln.py (reviewed 2026-12-05)
+    _AD + "x_fp32_bits__mutmut_3": ".tolist() copies to the host whatever the device: the same ints",
+    _AD + "x_fp32_bits__mutmut_5": ".tolist() copies to the host whatever the device: the same ints",
+    _AD + "x_tensor_key__mutmut_7": _BOOLBYTES,
+    _AD + "x_tensor_key__mutmut_10": _BOOLBYTES,
+    _AD + "xǁAdalnScheduleCacheǁ_park_one__mutmut_4": _PIN,
+    _AD + "xǁAdalnScheduleCacheǁ_park_one__mutmut_7": _PIN,
+    _AD + "xǁAdalnScheduleCacheǁ_park_one__mutmut_10": _PIN,
+    _AD + "xǁAdalnScheduleCacheǁ_park_one__mutmut_11": _PIN,
+    _AD + "xǁAdalnScheduleCacheǁunpark__mutmut_14": "Tensor.to's default is non_blocking=False",
+    _AD + "xǁCachedAdalnProjǁsplit__mutmut_13": _LASTDIM2 + " (x is viewed as [M * modalities, expand * hidden])",
 }
 
 _SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "mutants", ".pytest_cache", ".ruff_cache",
