@@ -878,3 +878,52 @@ def test_source_key_is_the_sha256_of_its_documented_record(tmp_path):
                        "rules": rules, "files": files}, sort_keys=True)
     assert recs == files and rules
     assert key == hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _sampled_by_hand(path, samples, sample_bytes):
+    """The documented sampled SHA-256, written here: the 8-byte length, the whole header, then ``samples`` chunks
+    of ``sample_bytes`` at ``hdr_end + (data - chunk) * i // (samples - 1)``."""
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    end = 8 + n
+    data = len(raw) - end
+    h = hashlib.sha256(raw[:end])
+    chunk = min(sample_bytes, data)
+    for i in range(samples):
+        off = end + (data - chunk) * i // max(1, samples - 1)
+        h.update(raw[off:off + chunk])
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 8])
+def test_source_key_samples_every_file_in_order_on_any_number_of_threads(tmp_path, monkeypatch, workers):
+    """Several shards hashed by a thread pool: each record is its own file's (name, size, mtime, sampled hash by the
+    formula above), in the files' order, and the key is the same for any number of threads."""
+    files = []
+    for i, rows in enumerate((3, 40, 7)):                              # different sizes: a mix-up shows
+        g = torch.Generator().manual_seed(i)
+        p = tmp_path / f"model-0000{i + 1}-of-00003.safetensors"
+        save_file({f"w{i}": torch.randn(rows, 300, generator=g)}, p)
+        files.append(str(p))
+    monkeypatch.setattr(C, "SAMPLES", 5)
+    monkeypatch.setattr(C, "SAMPLE_BYTES", 64)
+    monkeypatch.setattr(C, "hash_workers", lambda: workers)
+    key, recs = C.source_key(files, "h3", FMT, QC.RECIPES["h3"])
+    assert [r["name"] for r in recs] == [os.path.basename(f) for f in files]
+    for f, r in zip(files, recs):
+        assert r["bytes"] == os.path.getsize(f) and r["mtime_ns"] == os.stat(f).st_mtime_ns
+        assert r["sampled_sha256"] == _sampled_by_hand(f, 5, 64)
+    monkeypatch.setattr(C, "hash_workers", lambda: 1)
+    assert C.source_key(files, "h3", FMT, QC.RECIPES["h3"]) == (key, recs)
+    assert C.source_key(files[::-1], "h3", FMT, QC.RECIPES["h3"])[0] != key          # the order is part of the key
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_source_key_raises_for_the_first_unreadable_file_in_order(tmp_path, monkeypatch, workers):
+    ok = tmp_path / "a.safetensors"
+    save_file({"w": torch.ones(4, 4)}, ok)
+    missing1, missing2 = tmp_path / "b.safetensors", tmp_path / "c.safetensors"
+    monkeypatch.setattr(C, "hash_workers", lambda: workers)
+    with pytest.raises(FileNotFoundError) as e:
+        C.source_key([str(ok), str(missing1), str(missing2)], "h3", FMT, QC.RECIPES["h3"])
+    assert e.value.filename == str(missing1)
