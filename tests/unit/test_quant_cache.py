@@ -862,7 +862,8 @@ def test_the_report_when_the_cache_cannot_be_written(source, monkeypatch):
 
 def test_source_key_is_the_sha256_of_its_documented_record(tmp_path):
     """The key from its definition (module doc), written out here: SHA-256 of the sorted JSON of the version,
-    family, format, recipe source line, the recipe's rules and per file its name, size, mtime_ns and sample."""
+    family, format, recipe source line, the recipe's rules, the sampling (16 pieces of 64 KiB) and per file its
+    name, size, mtime_ns and sample."""
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     save_file({"x": torch.arange(6, dtype=torch.float32)}, a)
     save_file({"y": torch.ones(3)}, b)
@@ -875,24 +876,10 @@ def test_source_key_is_the_sha256_of_its_documented_record(tmp_path):
                       "sampled_sha256": _sampled_oracle(raw)})
     rules = [[r.pattern.pattern, r.layer_class, r.quantize] for r in recipe["rules"]]
     blob = json.dumps({"version": C.VERSION, "family": "h3", "format": "mxfp8", "recipe": recipe["source"],
-                       "rules": rules, "files": files}, sort_keys=True)
+                       "rules": rules, "files": files, "samples": [16, 64 << 10]}, sort_keys=True)
+    assert (C.SAMPLES, C.SAMPLE_BYTES) == (16, 64 << 10)
     assert recs == files and rules
     assert key == hashlib.sha256(blob.encode()).hexdigest()
-
-
-def _sampled_by_hand(path, samples, sample_bytes):
-    """The documented sampled SHA-256, written here: the 8-byte length, the whole header, then ``samples`` chunks
-    of ``sample_bytes`` at ``hdr_end + (data - chunk) * i // (samples - 1)``."""
-    raw = open(path, "rb").read()
-    n = int.from_bytes(raw[:8], "little")
-    end = 8 + n
-    data = len(raw) - end
-    h = hashlib.sha256(raw[:end])
-    chunk = min(sample_bytes, data)
-    for i in range(samples):
-        off = end + (data - chunk) * i // max(1, samples - 1)
-        h.update(raw[off:off + chunk])
-    return h.hexdigest()
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 8])
@@ -912,7 +899,7 @@ def test_source_key_samples_every_file_in_order_on_any_number_of_threads(tmp_pat
     assert [r["name"] for r in recs] == [os.path.basename(f) for f in files]
     for f, r in zip(files, recs):
         assert r["bytes"] == os.path.getsize(f) and r["mtime_ns"] == os.stat(f).st_mtime_ns
-        assert r["sampled_sha256"] == _sampled_by_hand(f, 5, 64)
+        assert r["sampled_sha256"] == _sampled_oracle(open(f, "rb").read())        # 5 x 64 B
     monkeypatch.setattr(C, "hash_workers", lambda: 1)
     assert C.source_key(files, "h3", FMT, QC.RECIPES["h3"]) == (key, recs)
     assert C.source_key(files[::-1], "h3", FMT, QC.RECIPES["h3"])[0] != key          # the order is part of the key
