@@ -445,6 +445,9 @@ def main(argv=None) -> int:
     ap.add_argument("--recheck", type=Path, metavar="JSON", help="a previous --json summary of this module: restage "
                     "with the current tests and run only its mutants that were not killed (the code must be unchanged:"
                     " the mutant count is compared); the figure combines both runs")
+    ap.add_argument("--only", nargs="+", metavar="GLOB", help="only the mutants whose names match (fnmatch, e.g. "
+                    "'ditkit.kernels.quant.x_to_blocked__mutmut_*'): the functions a change touched in a module too "
+                    "big to run whole; the summary counts those mutants alone and says so")
     ap.add_argument("--summary-only", action="store_true", help="summarize the last run in the workdir, run nothing")
     a = ap.parse_args(argv)
     if a.list or not a.module:
@@ -465,6 +468,8 @@ def main(argv=None) -> int:
             tests = _stage(module, tests, root, a.tests_from)
         prev = json.loads(a.recheck.read_text(encoding="utf-8")) if a.recheck else None
         names = prev["not_killed"] + prev.get("equivalent_names", []) if prev else []
+        if a.only:
+            names = [n for n in names if _matches(n, a.only)] if prev else list(a.only)
         if prev is not None and not names:
             raise SystemExit("mutation: the previous run left nothing to recheck")
         run = subprocess.run([str(mutmut), "run", "--max-children", str(a.max_children), *names], cwd=root,
@@ -474,6 +479,8 @@ def main(argv=None) -> int:
             return 2
         _check_the_mutants_are_imported(root, module, tests)
     by = _results(root, module)
+    if a.only:
+        by = {s: [n for n in v if _matches(n, a.only)] for s, v in by.items()}
     total = sum(len(v) for v in by.values())
     every = {n for v in by.values() for n in v}
     if a.recheck:
@@ -488,11 +495,11 @@ def main(argv=None) -> int:
     names = {n for v in by.values() for n in v}
     equivalent = sorted(n for n in EQUIVALENT if n in names and n not in killed)
     stale = sorted(n for n in EQUIVALENT if n.startswith("ditkit." + module[:-3].replace("/", ".") + ".")
-                   and n not in every)
+                   and n not in every and (not a.only or _matches(n, a.only)))
     counted = total - len(equivalent)
     rate = 100.0 * len(killed) / counted if counted else 0.0
     left = sorted(n for s, v in by.items() if s != "killed" for n in v if n not in equivalent)
-    summary = {"module": module, "tests": tests, "mutants": total, "killed": len(killed),
+    summary = {"module": module, "tests": tests, "only": list(a.only or []), "mutants": total, "killed": len(killed),
                "equivalent": len(equivalent), "equivalent_names": equivalent, "not_killed": left,
                "status": {s: len(v) for s, v in sorted(by.items())}, "kill_rate": round(rate, 1)}
     for name in left:
@@ -501,11 +508,19 @@ def main(argv=None) -> int:
         subprocess.run([str(mutmut), "show", name], cwd=root, env=_env())
     for name in stale:
         print(f"mutation: EQUIVALENT lists {name}, which no longer exists (re-review)")
-    print(f"| {module} | {total} | {len(killed)} | {len(left)} | {len(equivalent)} | {rate:.1f} % |")
+    only = f" (only {', '.join(a.only)})" if a.only else ""
+    print(f"| {module}{only} | {total} | {len(killed)} | {len(left)} | {len(equivalent)} | {rate:.1f} % |")
     print(json.dumps(summary))
     if a.json:
         a.json.write_text(json.dumps(summary, indent=1), encoding="utf-8")
     return 0 if rate >= 90.0 else 1
+
+
+def _matches(name: str, globs) -> bool:
+    """Whether mutant ``name`` matches one of ``globs`` (fnmatch, as mutmut matches the names given to ``run``)."""
+    import fnmatch
+
+    return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
 if __name__ == "__main__":
