@@ -11,7 +11,7 @@ from ..errors import UnsupportedModelError
 from ..memory.model import DiTDims, MemoryModelError, Options, Weights, weights_from_inventory
 from ..memory.preflight import (FLUX2_TEXT_ROWS, CondBatch, MemoryShortfallError, Plan, check_available, check_cfg,
                                 check_limit, cond_batch, flux2_tokens, h3_keyframe_rows, h3_ref_rows, h3_tokens,
-                                ltx2_tokens, plan, zimage_tokens)
+                                ltx2_tokens, plan, uncond_runs, zimage_tokens)
 from .chunking import installed_chunk
 from .contract import Probe, entry
 from .models import diffusion_model, model_family
@@ -228,6 +228,15 @@ def conditioning_batch(model, video_shape, audio_shape, cfg, positive, negative,
                       disable_cfg1_optimization=model.model_options.get("disable_cfg1_optimization", False),
                       fits=None if family == "h3" else host_fits(model, video_shape, audio_shape),
                       uncond_assumed=negative is None, guider=guider)
+
+
+def other_case_cfg(model, cfg) -> float:
+    """A cfg of the other case than ``cfg`` for ``model`` (the figure the node reports beside its own): 1.0 when
+    ComfyUI runs the negative at ``cfg`` (:func:`memory.preflight.uncond_runs`, with the model options'
+    ``disable_cfg1_optimization``), else 2.0. Where the option keeps the negative at cfg 1 both cases batch the
+    same, and the node reports one figure."""
+    flag = model.model_options.get("disable_cfg1_optimization", False)
+    return 1.0 if uncond_runs(cfg, flag) else 2.0
 
 
 def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs=0, keyframes: int = 0,
@@ -655,8 +664,6 @@ class _Stop(Exception):
 def _cfg_rule_probe() -> Probe:
     from comfy.samplers import sampling_function
 
-    from ..memory.preflight import uncond_runs
-
     def ran(cfg, flag) -> bool:
         seen = []
 
@@ -685,9 +692,7 @@ def _cfg_rule_probe() -> Probe:
 def _cond_batch_probe() -> Probe:
     import inspect
 
-    import comfy.conds
     import comfy.samplers as s
-    from comfy.ldm.minimax.model import PackedLayout
     from comfy.model_base import BaseModel, Lumina2, MiniMaxH3
     from comfy.model_patcher import ModelPatcher
 
@@ -708,7 +713,20 @@ def _cond_batch_probe() -> Probe:
         missing.append(f"BaseModel.memory_required{params}")
     if not callable(getattr(ModelPatcher, "get_free_memory", None)):
         missing.append("ModelPatcher.get_free_memory")
-    a, b = (comfy.conds.CONDConstant({"layout": PackedLayout(4, 1, 2, 2, 2)}) for _ in range(2))
-    if a.can_concat(b):
-        missing.append("two H3 payloads with equal layouts concatenate")
     return Probe.broken(f"missing {missing}") if missing else Probe.holds("")
+
+
+@entry("comfy.conds.CONDConstant.can_concat[preflight cfg batch]", nodes=(NODE_ID,), what="behaviour",
+       doc="two H3 payloads (a CONDConstant holding a PackedLayout) never join one forward, equal layouts "
+           "included, so H3's cond and uncond always run as two forwards of batch 1; an equal plain constant joins")
+def _cond_constant_probe() -> Probe:
+    import comfy.conds
+    from comfy.ldm.minimax.model import PackedLayout
+
+    a, b = (comfy.conds.CONDConstant({"layout": PackedLayout(4, 1, 2, 2, 2)}) for _ in range(2))
+    wrong = []
+    if a.can_concat(b):
+        wrong.append("two H3 payloads with equal layouts concatenate")
+    if not comfy.conds.CONDConstant(7).can_concat(comfy.conds.CONDConstant(7)):
+        wrong.append("two equal plain constants do not concatenate")
+    return Probe.broken("; ".join(wrong)) if wrong else Probe.holds("")

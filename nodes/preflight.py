@@ -9,7 +9,6 @@ from comfy_api.latest import io
 
 from ..bridge import preflight as bridge
 from ..memory.model import MemoryModelError
-from ..memory.preflight import uncond_runs
 from ._common import report_target, send_report, ui_report
 
 NODE_ID = "DitKitPreflight"
@@ -80,7 +79,7 @@ class DitKitPreflight(io.ComfyNode):
         zconds = bridge.zimage_conds(positive, text_tokens) if positive is not None and family == "zimage" else None
         batch = bridge.conditioning_batch(model, video, audio, cfg, positive, None, text_tokens, "input")
         p = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes, vae, zconds, batch=batch)
-        other = 1.0 if uncond_runs(cfg, model.model_options.get("disable_cfg1_optimization", False)) else 2.0
+        other = bridge.other_case_cfg(model, cfg)
         alt = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes, vae, zconds,
                               batch=bridge.conditioning_batch(model, video, audio, other, positive, None, text_tokens,
                                                               "input"))

@@ -7,6 +7,7 @@ batch-2 peak exceeds ``limit_gib`` before any forward while the same job at cfg 
 name. H3 never batches its conditionings (one forward each), so its prediction does not change with cfg."""
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -168,8 +169,17 @@ def test_non_finite_cfg_refused_by_name(flux2, forwards, bad):
     with pytest.raises(MemoryModelError, match=r"DitKitPreflight: the sampler's cfg must be finite"):
         ksample(guarded(flux2, lat), lat, bad, ckpt_image.FLUX2["context_dim"])
     assert forwards == []
-    with pytest.raises(MemoryModelError, match=r"DitKitPreflight: input cfg must be finite"):
+    from ditkit.bridge.preflight import conditioning_batch, latent_shapes_of
+    from ditkit.errors import DitKitError
+
+    # the pack's float guard refuses first once the extension has registered the node ('cfg' is nan: ...); called
+    # before that (this test alone), the node's own check does (cfg must be finite): both name the input
+    with pytest.raises(DitKitError, match=rf"^DitKitPreflight: input (cfg must be finite, got {bad!r}$|'cfg' is "
+                                          rf"{bad!r}; it must be a finite number)"):
         DitKitPreflight.execute(flux2, lat, limit_gib=1000.0, text_tokens=77, cfg=bad)
+    with pytest.raises(MemoryModelError, match=r"DitKitPreflight: input cfg must be finite"):
+        conditioning_batch(flux2, latent_shapes_of(lat["samples"], "flux2")[0], None, bad, None, None, 77, "input")
+    assert forwards == []
 
 
 def test_h3_never_batches_its_conditionings(h3, forwards, reports):
@@ -200,15 +210,42 @@ def test_cfg_rule_probe_sees_a_host_with_another_tolerance(comfy, monkeypatch):
     assert probe.state == "broken" and "(1.0000001, None)" in probe.note, probe
 
 
-def test_cond_batch_probe_sees_h3_layouts_that_concatenate(comfy, monkeypatch):
+def test_cond_constant_probe_sees_h3_layouts_that_concatenate(comfy, monkeypatch):
     from comfy.ldm.minimax.model import PackedLayout
 
-    from ditkit.bridge.preflight import _cond_batch_probe
+    from ditkit.bridge.preflight import _cond_batch_probe, _cond_constant_probe
 
-    assert _cond_batch_probe().state == "holds"
+    assert _cond_constant_probe().state == "holds"
     monkeypatch.setattr(PackedLayout, "__eq__", lambda a, b: True, raising=False)
-    probe = _cond_batch_probe()
-    assert probe.state == "broken" and "two H3 payloads with equal layouts concatenate" in probe.note, probe
+    probe = _cond_constant_probe()
+    assert probe.state == "broken" and probe.note == "two H3 payloads with equal layouts concatenate", probe
+    assert _cond_batch_probe().state == "holds"                # the batching code itself did not change
+
+
+def test_cond_constant_probe_sees_constants_that_never_concatenate(comfy, monkeypatch):
+    import comfy.conds
+
+    from ditkit.bridge.preflight import _cond_constant_probe
+
+    monkeypatch.setattr(comfy.conds.CONDConstant, "can_concat", lambda self, other: False)
+    probe = _cond_constant_probe()
+    assert probe.state == "broken" and probe.note == "two equal plain constants do not concatenate", probe
+
+
+@pytest.mark.parametrize("cfg, flag, want", [
+    (1.0, None, 2.0), (1 + 1e-10, None, 2.0), (1.0000001, None, 1.0), (0.9999999, None, 1.0), (7.0, None, 1.0),
+    (0.0, None, 1.0), (1.0, False, 2.0), (1.0, 0, 2.0), (1.0, True, 1.0), (1.0, 1, 1.0), (7.0, True, 1.0)])
+def test_other_case_cfg_is_the_case_comfyui_does_not_run(flux2, cfg, flag, want):
+    """ComfyUI skips the negative when isclose(cfg, 1, rel_tol 1e-9) and disable_cfg1_optimization == False (the
+    host's rule written here): the other case of a cfg that skips it is 2.0, of one that runs it 1.0."""
+    from ditkit.bridge.preflight import other_case_cfg
+
+    m = flux2.clone()
+    if flag is not None:
+        m.model_options["disable_cfg1_optimization"] = flag
+    skips = math.isclose(cfg, 1.0, rel_tol=1e-9) and not flag
+    assert want == (2.0 if skips else 1.0)
+    assert other_case_cfg(m, cfg) == want
 
 
 @pytest.mark.parametrize("neg_rows, batches", [(77, [2]), (20, [1, 1])])
