@@ -92,6 +92,13 @@ FLUX2_CONFIGS = [("flux2-h1024-1024x1024", 1024, 1024, None), ("flux2-h1024-1024
                  ("sdpa-flux2-h1024-1536x1536", 1536, 1536, None),
                  # attention over head groups (DitKitActivationChunking's attention_heads_per_call) on sub_quad
                  ("flux2-h1024-1024x1024-heads2", 1024, 1024, None, 2), ("flux2-h1024-1024x1024-heads1", 1024, 1024, None, 1)]
+# classifier-free guidance: one KSampler step at cfg 1 and cfg 7 (name, family, width, height, length, cfg); FLUX.2
+# batches positive + negative into one forward, H3 never does; predicted by the sampler check's own path
+CFG_CONFIGS = [("cfg1-h3-tiny-512x512x56", "h3", 512, 512, 56, 1.0), ("cfg7-h3-tiny-512x512x56", "h3", 512, 512, 56, 7.0),
+               ("cfg1-flux2-h1024-1024x1024", "flux2", 1024, 1024, 0, 1.0),
+               ("cfg7-flux2-h1024-1024x1024", "flux2", 1024, 1024, 0, 7.0),
+               ("sdpa-cfg7-flux2-h1024-1024x1024", "flux2", 1024, 1024, 0, 7.0),
+               ("sdpa-cfg7-flux2-h1024-1536x1536", "flux2", 1536, 1536, 0, 7.0)]
 # VAE decode (tiny H3 video VAE as ComfyUI builds it; DitKitPreflight's decode parts): (name, width, height, length)
 DECODE_CONFIGS = [("decode-tiny-vae-256x256x22", 256, 256, 22), ("decode-tiny-vae-512x512x56", 512, 512, 56)]
 
@@ -367,7 +374,7 @@ def flux2_child(spec: dict) -> dict:
 
     from benchmarks.bench_quantize import _rss_now, peak_during
     from ditkit.bridge import chunking as bchunk
-    from ditkit.bridge.preflight import latent_shapes_of, run_plan
+    from ditkit.bridge.preflight import conditioning_batch, latent_shapes_of, run_plan
     from ditkit.loaders.safetensors_io import save_file
     from ditkit.tiny import ckpt_image
 
@@ -398,15 +405,101 @@ def flux2_child(spec: dict) -> dict:
     lat = latent(spec["width"], spec["height"])
     free_bytes = int(mm.get_free_memory(torch.device("cpu")))
     v, _ = latent_shapes_of(lat["samples"], "flux2")
-    p = run_plan(m, v, None, 77, free_bytes / 2**30)
+    cfg_scale = float(spec.get("cfg", 1.0))
+    batch = conditioning_batch(m, v, None, cfg_scale, cond, cond, 77)
+    p = run_plan(m, v, None, 77, free_bytes / 2**30, batch=batch)
     out, growth, before, secs = peak_during(
-        lambda: nodes.common_ksampler(m, 0, 1, 1.0, "euler", "simple", cond, cond, lat))
+        lambda: nodes.common_ksampler(m, 0, 1, cfg_scale, "euler", "simple", cond, cond, lat))
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)
     return {"name": spec["name"], "total_growth": (before - base) + growth, "forward_growth": growth,
             "predicted": p.prediction.device, "weights": p.prediction.parts["weights_device"],
-            "tokens": p.tokens.total, "parts": p.prediction.parts, "seconds": secs}
+            "tokens": p.tokens.total, "parts": p.prediction.parts, "seconds": secs, "batch": p.options.batch,
+            "batch_reason": batch.reason}
+
+
+def h3_step_child(spec: dict) -> dict:
+    """One H3 sampling step through ComfyUI's KSampler at ``spec["cfg"]`` in this fresh process (``ltx_child``'s
+    method; the tiny H3 written here, loaded by DitKitH3ModelLoader); predicted by the sampler check's own path
+    (``conditioning_batch`` + ``run_plan``)."""
+    import torch
+
+    sys.path.insert(0, spec["comfyui"])
+    from comfy.cli_args import args as cargs
+
+    cargs.cpu = True
+    import comfy.model_management as mm
+    import folder_paths
+    import nodes
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+    from benchmarks.bench_quantize import _rss_now, peak_during
+    from ditkit.bridge.preflight import conditioning_batch, latent_shapes_of, run_plan
+    from ditkit.loaders.safetensors_io import save_file
+    from ditkit.nodes.h3_loaders import DitKitH3ModelLoader
+    from ditkit.tiny import ckpt_h3
+
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    tmp = Path(tempfile.mkdtemp(prefix="ditkit-bench-h3-"))
+    save_file(ckpt_h3.base_state_dict(dict(ckpt_h3.CONFIG)), tmp / "h3_bench.safetensors")
+    folder_paths.add_model_folder_path("diffusion_models", str(tmp), is_default=True)
+
+    def load():
+        return DitKitH3ModelLoader.execute(model_name="h3_bench.safetensors").args[0]
+
+    text = 64
+    cond = [[torch.randn(1, text, ckpt_h3.CONFIG["text_dim"], generator=torch.Generator().manual_seed(0)), {}]]
+    warm = load()
+    nodes.common_ksampler(warm, 0, 1, 1.0, "euler", "simple", cond, cond,
+                          EmptyMiniMaxH3LatentAV.execute(64, 64, 5).result[0])
+    del warm
+    import gc
+
+    mm.unload_all_models()
+    gc.collect()
+    base = _rss_now()
+    m = load()
+    lat = EmptyMiniMaxH3LatentAV.execute(spec["width"], spec["height"], spec["length"]).result[0]
+    free_bytes = int(mm.get_free_memory(torch.device("cpu")))
+    v, a = latent_shapes_of(lat["samples"], "h3")
+    cfg_scale = float(spec["cfg"])
+    batch = conditioning_batch(m, v, a, cfg_scale, cond, cond, text)
+    p = run_plan(m, v, a, text, free_bytes / 2**30, batch=batch)
+    out, growth, before, secs = peak_during(
+        lambda: nodes.common_ksampler(m, 0, 1, cfg_scale, "euler", "simple", cond, cond, lat))
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"name": spec["name"], "total_growth": (before - base) + growth, "forward_growth": growth,
+            "predicted": p.prediction.device, "weights": p.prediction.parts["weights_device"],
+            "tokens": p.tokens.total, "parts": p.prediction.parts, "seconds": secs, "batch": p.options.batch,
+            "batch_reason": batch.reason}
+
+
+def cfg_table(comfyui: str, threads: int, rows, only=()) -> list[dict]:
+    """One KSampler step at cfg 1 and at cfg 7 per model: ComfyUI batches positive + negative into one forward for
+    FLUX.2 (batch 2), runs them one after the other for H3 (batch 1 each): measured vs the sampler check's
+    prediction."""
+    configs = [c for c in CFG_CONFIGS if not only or any(o in c[0] for o in only)]
+    if not configs:
+        return []
+    print("\n| cfg step | cfg | batch predicted | tokens | weights MiB | measured peak MiB | predicted MiB | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    out = []
+    for name, family, w, h, length, cfg_scale in configs:
+        spec = {"name": name, "width": w, "height": h, "length": length, "chunk": None, "heads": 0,
+                "cfg": cfg_scale, "comfyui": comfyui, "threads": threads}
+        res = run_child(spec, kind="--flux2-child" if family == "flux2" else "--h3-step-child")
+        err = res["predicted"] / res["total_growth"] - 1
+        mib = 2 ** 20
+        print(f"| {name} | {cfg_scale:g} | {res['batch']} | {res['tokens']} | {res['weights'] / mib:.1f} | "
+              f"{res['total_growth'] / mib:.1f} | {res['predicted'] / mib:.1f} | {err:+.1%} |")
+        rows.add(name, "measured_peak", res["total_growth"], "B")
+        rows.add(name, "predicted_peak", res["predicted"], "B")
+        rows.add(name, "error", err, "ratio")
+        out.append({"spec": spec, "res": res, "err": err})
+    return out
 
 
 def flux2_table(comfyui: str, threads: int, rows, only=()) -> list[dict]:
@@ -671,6 +764,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ltx-child")
     ap.add_argument("--zimage-child")
     ap.add_argument("--flux2-child")
+    ap.add_argument("--h3-step-child")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true")
@@ -693,6 +787,9 @@ def main(argv=None) -> int:
     if a.flux2_child:
         print(json.dumps(flux2_child(json.loads(a.flux2_child))))
         return 0
+    if a.h3_step_child:
+        print(json.dumps(h3_step_child(json.loads(a.h3_step_child))))
+        return 0
     if a.decode_child:
         print(json.dumps(decode_child(json.loads(a.decode_child))))
         return 0
@@ -712,6 +809,7 @@ def main(argv=None) -> int:
     table += [] if a.quick else ltx_table(comfyui, a.threads, rows, a.only)
     table += [] if a.quick else zimage_table(comfyui, a.threads, rows, a.only)
     table += [] if a.quick else flux2_table(comfyui, a.threads, rows, a.only)
+    table += [] if a.quick else cfg_table(comfyui, a.threads, rows, a.only)
     dec = [] if a.quick else decode_table(comfyui, a.threads, rows, a.only)
     if not table and not dec:
         print("no configuration selected")

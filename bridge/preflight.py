@@ -9,9 +9,9 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..memory.model import DiTDims, MemoryModelError, Options, Weights, weights_from_inventory
-from ..memory.preflight import (FLUX2_TEXT_ROWS, MemoryShortfallError, Plan, check_available, check_limit,
-                                flux2_tokens, h3_keyframe_rows, h3_ref_rows, h3_tokens, ltx2_tokens, plan,
-                                zimage_tokens)
+from ..memory.preflight import (FLUX2_TEXT_ROWS, CondBatch, MemoryShortfallError, Plan, check_available, check_cfg,
+                                check_limit, cond_batch, flux2_tokens, h3_keyframe_rows, h3_ref_rows, h3_tokens,
+                                ltx2_tokens, plan, uncond_runs, zimage_tokens)
 from .chunking import installed_chunk
 from .contract import Probe, entry
 from .models import diffusion_model, model_family
@@ -159,15 +159,96 @@ def decode_parts(vae, video_shape) -> dict:
     return parts
 
 
+def batch_of(family: str, video_shape) -> int:
+    """The latent's own batch as the forward sees it: H3 runs batch 1 (its forward refuses more), the others the
+    latent's first dimension."""
+    return 1 if family == "h3" else int(video_shape[0])
+
+
+def concat_keys(family: str, entries, default_text: int, source: str = "input 'positive'") -> list:
+    """One key per conditioning item, equal where ComfyUI 0.33's ``can_concat_cond`` joins two items into one forward
+    (contract entry ``comfy.samplers._calc_cond_batch[preflight cfg batch]``): Z-Image the caption rows (its
+    ``num_tokens`` is a CONDConstant) and the omni references; FLUX.2 the caption rows as padded to 512 and the
+    reference latents' shapes; LTX-2 one key (its captions pad to a common length; an upper bound where they do
+    not); H3 None (each item's packed layout is its own object: never joined). No items: one item with
+    ``default_text`` caption rows (``entries`` None; an empty list has none)."""
+    items = [[None, {}]] if entries is None else list(entries)
+    if family == "h3":
+        return [None] * len(items)
+    if family == "ltx2":
+        return [()] * len(items)
+    if family == "zimage":
+        return [(c["text"], tuple(c["refs"]), tuple(c["ref_texts"]), tuple(c["siglip"]))
+                for c in zimage_conds(items, default_text, source)]
+    keys = []
+    for c in items:
+        text, shapes = flux2_rows([c], default_text, source)
+        keys.append((max(text, FLUX2_TEXT_ROWS), shapes))
+    return keys
+
+
+def host_fits(model, video_shape, audio_shape=None):
+    """ComfyUI's own test of whether ``k`` conditionings go into one forward (``_calc_cond_batch``):
+    ``model.memory_required(input_shape) * 1.5 < free memory`` at the step, the input the latent batched ``k``
+    times (a packed audio-video latent: ``[B, 1, video + audio elements]``). The free memory is what the device
+    has now less the weights still to load (none on a CPU host: they are in RAM already)."""
+    import math
+
+    import comfy.model_management as mm
+
+    dev = torch.device(model.load_device)
+    get = getattr(model, "get_free_memory", None)
+    free = get(dev) if callable(get) else mm.get_free_memory(dev)
+    if dev.type != "cpu":
+        free -= max(0, int(mm.module_size(model.model)) - int(model.loaded_size()))
+    shape = [int(x) for x in video_shape]
+    if audio_shape is not None:
+        shape = [shape[0], 1, math.prod(shape[1:]) + math.prod(int(x) for x in audio_shape[1:])]
+
+    def fits(k: int) -> bool:
+        return model.model.memory_required([k * shape[0]] + shape[1:]) * 1.5 < free
+
+    return fits
+
+
+def conditioning_batch(model, video_shape, audio_shape, cfg, positive, negative, default_text: int,
+                       source: str = "the sampler's", guider: str = "") -> CondBatch:
+    """The conditionings ComfyUI runs in one forward of this job at ``cfg`` (:func:`memory.preflight.cond_batch`):
+    the keys of ``positive`` and ``negative`` (:func:`concat_keys`; ``negative`` None: one item shaped like the
+    first positive, the node's assumption), the model options' ``disable_cfg1_optimization``, ComfyUI's own
+    memory test (:func:`host_fits`). A NaN / infinite cfg is refused naming ``source``'s cfg."""
+    family = family_of(model)
+    try:
+        v = check_cfg(cfg, f"{source} cfg")
+    except MemoryModelError as e:
+        raise MemoryModelError(f"{NODE_ID}: {e}") from None
+    ck = concat_keys(family, positive, default_text, f"{source} positive")
+    uk = ck[:1] if negative is None else concat_keys(family, negative, default_text, f"{source} negative")
+    return cond_batch(v, ck, uk, batch_of(family, video_shape), concatenates=family != "h3",
+                      disable_cfg1_optimization=model.model_options.get("disable_cfg1_optimization", False),
+                      fits=None if family == "h3" else host_fits(model, video_shape, audio_shape),
+                      uncond_assumed=negative is None, guider=guider)
+
+
+def other_case_cfg(model, cfg) -> float:
+    """A cfg of the other case than ``cfg`` for ``model`` (the figure the node reports beside its own): 1.0 when
+    ComfyUI runs the negative at ``cfg`` (:func:`memory.preflight.uncond_runs`, with the model options'
+    ``disable_cfg1_optimization``), else 2.0. Where the option keeps the negative at cfg 1 both cases batch the
+    same, and the node reports one figure."""
+    flag = model.model_options.get("disable_cfg1_optimization", False)
+    return 1.0 if uncond_runs(cfg, flag) else 2.0
+
+
 def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs=0, keyframes: int = 0,
-             vae=None, zimage=None) -> Plan:
+             vae=None, zimage=None, batch: CondBatch | None = None) -> Plan:
     """The plan of one job. ``refs``: H3 reference rows (int); FLUX.2 the reference latents' shapes (a tuple,
     :func:`flux2_rows`). ``zimage``: :func:`zimage_conds` of the conditioning (Z-Image; the item with the most
-    rows decides; ``text`` when none)."""
+    rows decides; ``text`` when none). ``batch``: the conditionings in one forward (:func:`conditioning_batch`);
+    None: the cond alone, as at cfg 1 (said in the report)."""
     limit = check_limit(limit_gib)
     family = family_of(model)
     if family == "h3":
-        tokens, batch = h3_tokens(video_shape, audio_shape, text=text, refs=refs, keyframes=keyframes), 1
+        tokens = h3_tokens(video_shape, audio_shape, text=text, refs=refs, keyframes=keyframes)
     elif family == "zimage":   # image + caption rows, each padded to the model's pad_tokens_multiple
         dm = diffusion_model(model)
         p, m, sig = int(dm.patch_size), getattr(dm, "pad_tokens_multiple", None), \
@@ -175,7 +256,6 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs=
         tokens = max((zimage_tokens(video_shape, c["text"], p, m, c["refs"], c["ref_texts"], c["siglip"], sig)
                       for c in (zimage or [{"text": text, "refs": [], "ref_texts": [], "siglip": []}])),
                      key=lambda t: t.total)
-        batch = int(video_shape[0])
     elif family == "flux2":    # image rows, reference latents (``refs``: their shapes), caption padded to 512
         dm = diffusion_model(model)
         tokens = flux2_tokens(video_shape, text, refs or (), int(dm.patch_size))
@@ -185,9 +265,14 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs=
             if int(shape[1]) != want:
                 raise MemoryModelError(f"{NODE_ID}: the FLUX.2 {what} has {int(shape[1])} channels; this model takes "
                                        f"{want} (a FLUX.2 latent: EmptyFlux2LatentImage / the FLUX.2 VAE)")
-        batch = int(video_shape[0])
     else:   # text is cross-attention context; guides (LTXVAddGuide) are frames of the latent itself
-        tokens, batch = ltx2_tokens(video_shape, audio_shape), int(video_shape[0])
+        tokens = ltx2_tokens(video_shape, audio_shape)
+    latent_batch = batch_of(family, video_shape)
+    if batch is None:
+        batch = CondBatch(1, latent_batch, "cfg not given: the cond alone, as at cfg 1")
+    elif batch.latent != latent_batch:
+        raise MemoryModelError(f"{NODE_ID}: the batch was counted for latent batch {batch.latent}; the latent's is "
+                               f"{latent_batch}")
     dims, weights, current, compute = model_facts(model)
     installed, chunk = installed_chunk(model)
     ov = (model.model_options.get("transformer_options") or {}).get("optimized_attention_override")
@@ -198,7 +283,7 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs=
     available, where, streaming_possible = available_memory(model, limit)
     # auto chunking (chunk None) is counted unchunked: the upper bound, said in the report
     opts = Options(compute=compute, weight_format=current, chunk=chunk if installed else None,
-                   attention=attention_class(), free_bytes=available, head_group=head_group, batch=batch)
+                   attention=attention_class(), free_bytes=available, head_group=head_group, batch=batch.total)
 
     def scale(frac: float) -> str:
         if family in ("zimage", "flux2"):
@@ -211,6 +296,7 @@ def run_plan(model, video_shape, audio_shape, text: int, limit_gib: float, refs=
     p = plan(dims, weights, tokens, opts, available, where, streaming_possible, video_scale=scale, decode_parts=dec,
              decode_keeps_weights=torch.device(model.load_device).type == "cpu",
              head_groups=family in ("h3", "flux2"))
+    p.batch = batch
     if installed and chunk is None:
         p.where += " (feed-forward chunking is auto: predicted unchunked, an upper bound)"
     return p
@@ -394,6 +480,21 @@ def packed_rows(entries, video_shape, default_text: int) -> tuple[int, int, int]
     return best or (default_text, 0, 0)
 
 
+def sampler_batch(guider, video_shape, audio_shape, default_text: int) -> CondBatch:
+    """The conditionings in one forward for this guider: ComfyUI's CFGGuider (its ``predict_noise``) by its cfg and
+    its positive / negative; a guider with its own ``predict_noise`` (dual CFG, perp-neg, ...) every conditioning
+    it holds, batched where their shapes allow (an upper bound, named)."""
+    from comfy.samplers import CFGGuider
+
+    conds = getattr(guider, "conds", None) or {}
+    if type(guider).predict_noise is CFGGuider.predict_noise:
+        return conditioning_batch(guider.model_patcher, video_shape, audio_shape, guider.cfg,
+                                  conds.get("positive") or [], conds.get("negative") or [], default_text)
+    rest = [c for k, v in conds.items() if k != "positive" for c in (v or [])]
+    return conditioning_batch(guider.model_patcher, video_shape, audio_shape, 1.0, conds.get("positive") or [], rest,
+                              default_text, guider=type(guider).__name__)
+
+
 def outer_sample_wrapper(executor, *args, **kwargs):
     """The same check when sampling starts, on the latent and conditioning the sampler got, before anything loads."""
     guider = executor.class_obj
@@ -420,7 +521,9 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     zconds = None
     if family == "zimage":
         zconds = zimage_conds(entries, info["text"], "the sampler's conditioning")
-    p = run_plan(guider.model_patcher, video, audio, text, info["limit_gib"], refs, kf, info.get("vae"), zconds)
+    batch = sampler_batch(guider, video, audio, info["text"])
+    p = run_plan(guider.model_patcher, video, audio, text, info["limit_gib"], refs, kf, info.get("vae"), zconds,
+                 batch=batch)
     target, send = info["report"]
     data = dict(p.as_dict(), phase="sampler", seconds=time.perf_counter() - t0)
     send(target, NODE_ID, "preflight", ("sampler check: " + p.summary()), data)
@@ -549,3 +652,81 @@ def _flux2_layout_probe() -> Probe:
               "SiLUActivation": (inspect.getsource(layers.SiLUActivation), ("self.gate_fn(x1) * x2",))}
     missing = [f"{where}: {w}" for where, (src, words) in checks.items() for w in words if w not in src]
     return Probe.broken(f"missing {missing}") if missing else Probe.holds("")
+
+
+class _Stop(Exception):
+    pass
+
+
+@entry("comfy.samplers.sampling_function[preflight cfg rule]", nodes=(NODE_ID,), what="behaviour",
+       doc="the uncond runs unless math.isclose(cfg, 1.0) and disable_cfg1_optimization == False: the host's own "
+           "function, called with a recorder, equals memory.preflight.uncond_runs on both sides of the boundary")
+def _cfg_rule_probe() -> Probe:
+    from comfy.samplers import sampling_function
+
+    def ran(cfg, flag) -> bool:
+        seen = []
+
+        def record(args):
+            seen.append(args["conds"][1] is not None)
+            raise _Stop
+
+        opts = {"sampler_calc_cond_batch_function": record}
+        if flag is not None:
+            opts["disable_cfg1_optimization"] = flag
+        try:
+            sampling_function(None, None, None, ["uncond"], ["cond"], cfg, model_options=opts)
+        except _Stop:
+            pass
+        return seen[0]
+
+    cases = [(c, f) for c in (1.0, 1 + 1e-10, 1.0000001, 0.9999999, 0.0, 7.0) for f in (None, True, 0, 1)]
+    wrong = [(c, f) for c, f in cases if ran(c, f) != uncond_runs(c, False if f is None else f)]
+    return Probe.broken(f"differs at (cfg, disable_cfg1_optimization) {wrong}") if wrong else Probe.holds("")
+
+
+@entry("comfy.samplers._calc_cond_batch[preflight cfg batch]", nodes=(NODE_ID,), what="behaviour",
+       doc="conditionings that can_concat_cond joins run in one forward, tried n, n // 2, ... while "
+           "memory_required(input_shape) * 1.5 < free memory, else one; H3's per-item PackedLayout never joins "
+           "(CONDConstant.can_concat); Z-Image's caption rows are a CONDConstant: concat_keys' rules")
+def _cond_batch_probe() -> Probe:
+    import inspect
+
+    import comfy.samplers as s
+    from comfy.model_base import BaseModel, Lumina2, MiniMaxH3
+    from comfy.model_patcher import ModelPatcher
+
+    checks = {"_calc_cond_batch": (inspect.getsource(s._calc_cond_batch), (
+        "can_concat_cond(to_run[x][0], first[0])", "to_batch = to_batch_temp[:1]",
+        "batch_amount = to_batch_temp[:len(to_batch_temp)//i]",
+        "input_shape = [len(batch_amount) * first_shape[0]] + list(first_shape)[1:]",
+        "model.memory_required(input_shape, cond_shapes=cond_shapes) * 1.5 < free_memory",
+        "free_memory = model.current_patcher.get_free_memory(x_in.device)")),
+              "MiniMaxH3.extra_conds": (inspect.getsource(MiniMaxH3.extra_conds), (
+                  'payload["layout"] = comfy.ldm.minimax.model.PackedLayout(',
+                  "out['minimax_payload'] = comfy.conds.CONDConstant(payload)")),
+              "Lumina2.extra_conds": (inspect.getsource(Lumina2.extra_conds), (
+                  "out['num_tokens'] = comfy.conds.CONDConstant(cross_attn.shape[1])",))}
+    missing = [f"{where}: {w}" for where, (src, words) in checks.items() for w in words if w not in src]
+    params = list(inspect.signature(BaseModel.memory_required).parameters)
+    if params[:3] != ["self", "input_shape", "cond_shapes"]:
+        missing.append(f"BaseModel.memory_required{params}")
+    if not callable(getattr(ModelPatcher, "get_free_memory", None)):
+        missing.append("ModelPatcher.get_free_memory")
+    return Probe.broken(f"missing {missing}") if missing else Probe.holds("")
+
+
+@entry("comfy.conds.CONDConstant.can_concat[preflight cfg batch]", nodes=(NODE_ID,), what="behaviour",
+       doc="two H3 payloads (a CONDConstant holding a PackedLayout) never join one forward, equal layouts "
+           "included, so H3's cond and uncond always run as two forwards of batch 1; an equal plain constant joins")
+def _cond_constant_probe() -> Probe:
+    import comfy.conds
+    from comfy.ldm.minimax.model import PackedLayout
+
+    a, b = (comfy.conds.CONDConstant({"layout": PackedLayout(4, 1, 2, 2, 2)}) for _ in range(2))
+    wrong = []
+    if a.can_concat(b):
+        wrong.append("two H3 payloads with equal layouts concatenate")
+    if not comfy.conds.CONDConstant(7).can_concat(comfy.conds.CONDConstant(7)):
+        wrong.append("two equal plain constants do not concatenate")
+    return Probe.broken("; ".join(wrong)) if wrong else Probe.holds("")

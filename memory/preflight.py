@@ -12,6 +12,7 @@ from .model import GIB, MAX_TOKENS, DiTDims, MemoryModelError, Options, Predicti
 CHUNKS = (4096, 1024, 256)
 SUGGEST_FORMATS = ("float8_e4m3fn", "nvfp4")
 MAX_LATENT_ELEMENTS = 1 << 40
+CFG_REL_TOL = 1e-9   # math.isclose's default: ComfyUI 0.33 sampling_function skips the uncond when isclose(cfg, 1.0)
 
 
 class MemoryShortfallError(MemoryModelError):
@@ -179,6 +180,95 @@ def flux2_tokens(latent_shape, text: int = 0, refs=(), patch: int = 1, min_text:
     return tok
 
 
+def check_cfg(cfg, name: str = "cfg") -> float:
+    """A guidance scale: a finite number (a NaN or infinite cfg would sample NaNs; refused naming ``name``)."""
+    if isinstance(cfg, bool) or not isinstance(cfg, (int, float)):
+        raise MemoryModelError(f"{name} must be a number, got {cfg!r}")
+    v = float(cfg)
+    if not math.isfinite(v):
+        raise MemoryModelError(f"{name} must be finite, got {cfg!r}")
+    return v
+
+
+def uncond_runs(cfg, disable_cfg1_optimization=False) -> bool:
+    """Whether ComfyUI runs the negative conditioning at all: ComfyUI 0.33 ``sampling_function`` drops it when
+    ``math.isclose(cfg, 1.0)`` (relative tolerance 1e-9: 1.0 and 1 + 1e-10 skip it, 1.0000001 runs it) and the
+    model options' ``disable_cfg1_optimization == False`` (the host's own comparison). A NaN / infinite cfg is
+    refused (:func:`check_cfg`)."""
+    v = check_cfg(cfg)
+    optimized = disable_cfg1_optimization == False   # noqa: E712 (ComfyUI's own test: 0 and 0.0 count as False)
+    return not (math.isclose(v, 1.0, rel_tol=CFG_REL_TOL) and optimized)
+
+
+@dataclass(frozen=True)
+class CondBatch:
+    """The rows of one forward: ``groups`` conditioning items ComfyUI concatenates into one forward (cond + uncond
+    under CFG) times the latent's own batch, and why (said in every report)."""
+    groups: int
+    latent: int = 1
+    reason: str = "cond only"
+
+    @property
+    def total(self) -> int:
+        return self.groups * self.latent
+
+    def describe(self) -> str:
+        lat = f" x latent batch {self.latent}" if self.latent != 1 else ""
+        return f"batch {self.total} = {self.groups} conditioning{'s' if self.groups != 1 else ''}{lat} ({self.reason})"
+
+
+def cond_batch(cfg, cond_keys, uncond_keys, latent_batch: int = 1, concatenates: bool = True,
+               disable_cfg1_optimization=False, fits=None, uncond_assumed: bool = False,
+               guider: str = "") -> CondBatch:
+    """How many conditioning items ComfyUI 0.33 runs in one forward of a sampling step (``sampling_function`` +
+    ``_calc_cond_batch``): the cond items always, the uncond items unless :func:`uncond_runs` says ComfyUI skips
+    them; among those, items with equal concat keys (``cond_keys`` / ``uncond_keys``: one hashable per conditioning
+    item, equal when ComfyUI's ``can_concat_cond`` joins them; ``None`` joins nothing) go into one forward, unless
+    the model never concatenates (``concatenates`` False: MiniMax H3's per-item packed layout). ComfyUI then tries
+    ``n``, ``n // 2``, ``n // 3`` ... items and keeps the first that its own memory estimate says fits (``fits(k)``;
+    None: every size fits), else one. ``latent_batch`` multiplies the rows; ``uncond_assumed``: the uncond's keys
+    are a guess (the node, before the sampler's conditioning exists), said in the reason. ``guider``: the name of a
+    guider with its own guidance rule (not ComfyUI's CFGGuider): every item of both lists is taken to run."""
+    v = check_cfg(cfg)
+    if isinstance(latent_batch, bool) or not isinstance(latent_batch, int) or latent_batch < 1:
+        raise MemoryModelError(f"latent batch must be an int >= 1, got {latent_batch!r}")
+    runs = True if guider else uncond_runs(v, disable_cfg1_optimization)
+    items = list(cond_keys) + (list(uncond_keys) if runs else [])
+    if not items:
+        items = [()]
+    why = f"cfg {v:g}"
+    if guider:
+        why = f"{guider}: its own guidance rule, every conditioning taken to run"
+    elif not runs:
+        why += ": ComfyUI skips the uncond"
+    elif not math.isclose(v, 1.0, rel_tol=CFG_REL_TOL):
+        why += ": the uncond runs" + (" (its shape assumed the cond's)" if uncond_assumed else "")
+    else:
+        why += ": the uncond runs (disable_cfg1_optimization)"
+    if not concatenates:
+        n = 1
+        if len(items) > 1:
+            why += "; this model never batches conditionings: one forward each"
+    else:
+        counts: dict = {}
+        for k in items:
+            if k is not None:
+                counts[k] = counts.get(k, 0) + 1
+        n = max(counts.values(), default=1)
+        if n > 1:
+            why += f"; ComfyUI batches {n} into one forward"
+        elif len(items) > 1:
+            why += "; their shapes differ: one forward each"
+    chosen = 1
+    for i in range(1, n + 1):
+        if fits is None or fits(n // i):
+            chosen = n // i
+            break
+    if chosen < n:
+        why += f", but ComfyUI's own memory estimate for {n} does not fit the free memory: {chosen} per forward"
+    return CondBatch(chosen, latent_batch, why)
+
+
 REF_KINDS = ("image", "audio", "video", "video_audio")
 
 
@@ -243,6 +333,8 @@ class Plan:
     suggestions: list[Suggestion] = field(default_factory=list)
     decode_parts: dict = field(default_factory=dict)   # the VAE decode's bytes by part (empty: not planned)
     decode_keeps_weights: bool = False                 # the DiT's weights stay beside the decode (CPU host)
+    batch: CondBatch | None = None                     # the rows of one forward and why (None: not said)
+    note: str = ""                                     # said after the prediction (the node: the other cfg case)
 
     def decode_bytes(self, pred: Prediction | None = None) -> int:
         """Peak of the VAE decode after sampling (0 when no VAE was given)."""
@@ -267,8 +359,11 @@ class Plan:
 
     def summary(self) -> str:
         t = self.tokens
-        head = (f"{t.describe()}; predicted peak {self.peak() / GIB:.2f} GiB vs "
+        batch = f", {self.batch.describe()}" if self.batch is not None else ""
+        head = (f"{t.describe()}{batch}; predicted peak {self.peak() / GIB:.2f} GiB vs "
                 f"{self.available / GIB:.2f} GiB {self.where} [{self.options.describe()}]")
+        if self.note:
+            head += f" ({self.note})"
         if self.decode_parts:
             head += (f"; sampling step {self.prediction.device / GIB:.2f} GiB, VAE decode "
                      f"{self.decode_bytes() / GIB:.2f} GiB")
@@ -287,6 +382,8 @@ class Plan:
                 "decode_parts": dict(self.decode_parts),
                 "available_bytes": self.available, "where": self.where, "fits": self.fits,
                 "shortfall_bytes": self.shortfall, "parts": self.prediction.parts,
+                "batch": self.options.batch,
+                **({"batch_reason": self.batch.reason} if self.batch is not None else {}),
                 "suggestions": [{"settings": s.settings, "predicted_bytes": s.peak}
                                 for s in self.suggestions]}
 

@@ -50,6 +50,12 @@ class DitKitPreflight(io.ComfyNode):
                                      "(weights, ComfyUI's working-set estimate, the decoded frames on a CPU host) "
                                      "joins the plan: the job's peak is the larger of a sampling step and the "
                                      "decode."),
+                io.Float.Input("cfg", default=1.0, min=0.0, max=100.0, step=0.1, round=0.01, optional=True,
+                               tooltip="Optional: the sampler's cfg. At cfg 1 ComfyUI runs the positive alone; at "
+                                       "any other cfg it also runs the negative, and for LTX-2, Z-Image and FLUX.2 "
+                                       "batches both into one forward (twice the activations). The report says "
+                                       "which batch was assumed and the figure at the other case; the sampler "
+                                       "check uses the sampler's own cfg."),
             ],
             outputs=[io.Model.Output(tooltip="The model (a clone) with the sampler-time check installed."),
                      io.Latent.Output(tooltip="The latent, unchanged.")],
@@ -57,7 +63,8 @@ class DitKitPreflight(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, latent, limit_gib=0.0, text_tokens=512, positive=None, vae=None) -> io.NodeOutput:
+    def execute(cls, model, latent, limit_gib=0.0, text_tokens=512, positive=None, vae=None,
+                cfg=1.0) -> io.NodeOutput:
         t0 = time.perf_counter()
         if isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 0:
             raise MemoryModelError(f"{NODE_ID}: text_tokens must be an int >= 0, got {text_tokens!r}")
@@ -70,7 +77,15 @@ class DitKitPreflight(io.ComfyNode):
         if positive is not None and family == "flux2":   # refs: the reference latents' shapes
             text, refs = bridge.flux2_rows(positive, text_tokens)
         zconds = bridge.zimage_conds(positive, text_tokens) if positive is not None and family == "zimage" else None
-        p = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes, vae, zconds)
+        batch = bridge.conditioning_batch(model, video, audio, cfg, positive, None, text_tokens, "input")
+        p = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes, vae, zconds, batch=batch)
+        other = bridge.other_case_cfg(model, cfg)
+        alt = bridge.run_plan(model, video, audio, text, limit_gib, refs, keyframes, vae, zconds,
+                              batch=bridge.conditioning_batch(model, video, audio, other, positive, None, text_tokens,
+                                                              "input"))
+        if alt.options.batch != p.options.batch:
+            p.note = (f"at cfg {'1' if other == 1.0 else '!= 1'}: batch {alt.options.batch}, predicted "
+                      f"{alt.peak() / 2**30:.2f} GiB, {'fits' if alt.fits else 'does not fit'}")
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         data = dict(p.as_dict(), phase="node", seconds=time.perf_counter() - t0)
         payload = send_report(node_id, NODE_ID, "preflight", p.summary(), data)
