@@ -116,11 +116,15 @@ def polynomial_negative(coeffs, x_range, tol: float = NEGATIVE_TOL) -> tuple[flo
         return None
     lo, hi = (float(x_range[0]), float(x_range[1])) if x_range is not None else (0.0, math.inf)
     if math.isinf(hi) and c.size > 1 and c[0] < 0:
-        # the leading term wins for large x: find a point where it is already negative
+        # the leading term wins for large x: find a point where it is already negative. No cap on x: a tiny
+        # leading coefficient (-1e-30 x^2 + 1) is negative only past 1e15, and the point named must be negative
+        # (it is before x overflows: |c[0]| x^n reaches any tolerance long before 1e308)
         x = max(1.0, lo)
-        while np.polyval(c, x) >= -tol and x < 1e12:
-            x *= 2
-        return float(x), float(np.polyval(c, x))
+        with np.errstate(over="ignore", invalid="ignore"):
+            while math.isfinite(x) and not np.polyval(c, x) < -tol:
+                x *= 2
+            v = float(np.polyval(c, x))
+        return (float(x), v) if v < -tol else None
     cands = [lo]
     if c.size > 2:
         for r in np.roots(np.polyder(c)):

@@ -145,7 +145,11 @@ class SafeDir:
         following symlinks (created with mode 0o777 & ~umask when ``create``)."""
         real = os.path.realpath(os.fspath(root))
         if create:
-            os.makedirs(real, exist_ok=True)  # the configured folder itself (its path is the host's, not a prompt's)
+            try:                              # the configured folder itself (its path is the host's, not a prompt's)
+                os.makedirs(real, exist_ok=True)
+            except OSError as e:              # a regular file where a folder must be, no permission, no space
+                raise error(f"{what} '{real}' cannot be created ({e.strerror}: "
+                            f"'{e.filename if e.filename is not None else real}')") from None
         d = cls._open_abs(real, error, what)
         try:
             for p in parts:

@@ -297,6 +297,16 @@ def test_save_writes_the_documented_bytes(tmp_path):
     assert not (tmp_path / "nan.json").exists()
 
 
+def test_save_under_a_regular_file_is_a_coefficient_error(tmp_path):
+    cf = coef.parse(_doc(calibration={"n": 1}), W)
+    (tmp_path / "afile").write_bytes(b"x")
+    with pytest.raises(CoefficientError) as e:
+        coef.save(cf, tmp_path / "afile" / "sub" / "c.json")
+    assert str(e.value) == (f"TeaCache folder '{tmp_path / 'afile' / 'sub'}' cannot be created (Not a directory: "
+                            f"'{tmp_path / 'afile' / 'sub'}')")
+    assert (tmp_path / "afile").read_bytes() == b"x"
+
+
 def test_is_coefficient_file_names_nothing_and_returns_bools():
     assert coef.is_coefficient_file(json.dumps(GOOD).encode()) is True
     assert coef.is_coefficient_file(b"{}") is False
@@ -599,6 +609,22 @@ def _finishes(fn, *a, limit=20.0):
 def test_polynomial_negative_doubling_search_ends():
     # 1 - 1e-6 x^2: p(1024) = 1 - 1.048576 < 0 after 10 doublings from 1 (512: 0.737856 >= 0)
     assert _finishes(coef.polynomial_negative, [-1e-6, 0.0, 1.0], None) == (1024.0, 1 - 1e-6 * 1024 ** 2)
+
+
+@pytest.mark.parametrize("lead, n", [(-1e-30, 2), (-1e-30, 1), (-1e-300, 3)])
+def test_polynomial_negative_names_a_negative_point_for_a_tiny_leading_coefficient(lead, n):
+    """1 + lead x^n with a tiny negative lead is >= 0 up to x = (1e-6 + 1) / |lead| ^ (1/n), far past 1e12: the
+    point named is past that root and its value is below -tol (was: x = 2^40 named with p(x) ~ +1, "negative")."""
+    c = [lead] + [0.0] * (n - 1) + [1.0]
+    x, v = _finishes(coef.polynomial_negative, c, None)
+    root = (1.0 / -lead) ** (1.0 / n)
+    assert x >= root and v < -coef.NEGATIVE_TOL and v == pytest.approx(1.0 + lead * x ** n, rel=1e-12)
+    assert not 1.0 + lead * (x / 2) ** n < -coef.NEGATIVE_TOL           # the first doubling that is negative
+
+
+def test_polynomial_negative_over_a_range_start_past_the_root():
+    # the search starts at max(1, lo): a range opening past the root is negative at lo itself
+    assert coef.polynomial_negative([-1.0, 0.0, 4.0], (8.0, math.inf)) == (8.0, -60.0)
 
 
 def test_weights_fingerprint_keeps_the_order_of_equal_names_and_reads_objects_without_shape():

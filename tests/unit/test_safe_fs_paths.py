@@ -524,6 +524,30 @@ def test_open_root_refusals(tmp_path, mode):
             assert ("No such file" in msg) if target.name == "missing" else ("Not a directory" in msg)
 
 
+def test_open_root_create_refuses_a_file_in_the_way_by_name(tmp_path, mode):
+    """create=True where a regular file stands in the path: the caller's error naming the folder and the file in
+    the way (was: a bare NotADirectoryError / FileExistsError), and nothing is created or changed."""
+    (tmp_path / "afile").write_bytes(b"x")
+    for target, culprit, why in ((tmp_path / "afile", tmp_path / "afile", "File exists"),
+                                 (tmp_path / "afile" / "sub", tmp_path / "afile" / "sub", "Not a directory")):
+        with pytest.raises(MyError) as e:
+            SafeDir.open_root(target, create=True, error=MyError, what="the folder")
+        assert str(e.value) == f"the folder '{target}' cannot be created ({why}: '{culprit}')"
+        assert type(e.value) is MyError and e.value.__cause__ is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and (tmp_path / "afile").read_bytes() == b"x"
+
+
+def test_open_root_create_names_the_folder_when_the_error_has_no_file_name(tmp_path, mode, monkeypatch):
+    def full(path, exist_ok=False):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safe_fs.os, "makedirs", full)
+    with pytest.raises(MyError) as e:
+        SafeDir.open_root(tmp_path / "new", create=True, error=MyError, what="the folder")
+    assert str(e.value) == f"the folder '{tmp_path / 'new'}' cannot be created (No space left on device: " \
+                           f"'{tmp_path / 'new'}')"
+
+
 def test_close(tmp_path, mode):
     d = SafeDir.open_root(tmp_path)
     fd = d.fd
