@@ -52,7 +52,9 @@ TESTS: dict[str, list[str]] = {
                              "tests/unit/test_vsa_layout_buffers.py"],
     "kernels/delta_fuse.py": ["tests/unit/test_kernels_delta_fuse.py", "tests/unit/test_kernels_delta_fuse_layouts.py",
                               "tests/unit/test_public_direct.py"],
-    "kernels/quant.py": ["tests/unit/test_quant.py", "tests/unit/test_public_direct.py"],
+    "kernels/quant.py": ["tests/unit/test_quant.py", "tests/unit/test_public_direct.py", "tests/unit/test_quant_fast.py",
+                         "tests/unit/test_quant_nvfp4_cpu.py", "tests/unit/test_quant_speed_helpers.py",
+                         "tests/unit/test_requant_helpers_direct.py"],
     "cache/teacache.py": ["tests/unit/test_teacache.py", "tests/unit/test_teacache_guards.py"],
     "cache/coefficients.py": ["tests/unit/test_teacache_files.py", "tests/unit/test_coefficient_safety.py",
                               "tests/unit/test_public_direct_cache_vae.py", "tests/unit/test_coefficients_exact.py"],
@@ -77,6 +79,7 @@ TESTS: dict[str, list[str]] = {
                            "tests/unit/test_lokr_add_delta.py", "tests/unit/test_lokr_factorization.py",
                            "tests/unit/test_lokr_rebuild.py"],
     "loaders/quant_cache.py": ["tests/unit/test_quant_cache.py"],
+    "bridge/quant_scales.py": ["tests/unit/test_quant_scales_bytes.py"],
     "loaders/read_progress.py": ["tests/unit/test_progress_callbacks.py"],
     # not test_quantize_memory.py: its peak-RSS tests import the pack in a child process, where mutmut's trampoline
     # (MUTANT_UNDER_TEST inherited) cannot find its configuration and the stats pass fails
@@ -223,6 +226,8 @@ EQUIVALENT: dict[str, str] = {
     "ditkit.loaders.quant_cache.x__sampled_sha256__mutmut_77": "max(2, SAMPLES - 1) for max(1, ...): SAMPLES - 1 is 63 either way",
     "ditkit.loaders.quant_cache.x_cache_location__mutmut_8": ("p.lstrip(os.sep) for rstrip(os.sep): a realpath has no trailing separator "
                                        "but '/', and basename ignores the leading ones"),
+    "ditkit.loaders.quant_cache.x_source_key__mutmut_6": "a pool of 1 thread for n == 1: the same calls in order",
+    "ditkit.loaders.quant_cache.x_source_key__mutmut_60": "'UTF-8' for 'utf-8': the same codec",
     "ditkit.loaders.quant_cache.x_cached_quantize__mutmut_80": "round(seconds, 4) for 3 in the hit report: a timing figure, not a result",
     "ditkit.loaders.quant_cache.x_read__mutmut_113": ("the stored digest sliced 33 bytes long: the digest tensor is the file's last 32 "
                                "bytes (checked), so the slice ends at the end of the map either way"),

@@ -914,3 +914,34 @@ def test_source_key_raises_for_the_first_unreadable_file_in_order(tmp_path, monk
     with pytest.raises(FileNotFoundError) as e:
         C.source_key([str(ok), str(missing1), str(missing2)], "h3", FMT, QC.RECIPES["h3"])
     assert e.value.filename == str(missing1)
+
+
+def test_source_key_samples_at_most_hash_workers_files_at_once(tmp_path, monkeypatch):
+    """2 workers, 4 files: the first two are sampled together (a barrier both must reach), never more than two at
+    once; the records stay in the files' order."""
+    import threading
+
+    files = [str(tmp_path / f"f{i}.safetensors") for i in range(4)]
+    gate = threading.Barrier(2, timeout=20)
+    lock = threading.Lock()
+    state = {"now": 0, "most": 0}
+
+    def fake(path):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        try:
+            if path in files[:2]:
+                gate.wait()                      # a sequential caller never gets past the first file
+            time.sleep(0.05)
+        finally:
+            with lock:
+                state["now"] -= 1
+        return files.index(path), 0, path
+
+    monkeypatch.setattr(C, "_sampled_sha256", fake)
+    monkeypatch.setattr(C, "hash_workers", lambda: 2)
+    _, recs = C.source_key(files, "h3", FMT, QC.RECIPES["h3"])
+    assert state["most"] == 2
+    assert [(r["name"], r["bytes"], r["sampled_sha256"]) for r in recs] == \
+        [(os.path.basename(f), i, f) for i, f in enumerate(files)]
