@@ -226,6 +226,18 @@ EQUIVALENT: dict[str, str] = {
     "ditkit.loaders.quant_cache.x__sampled_sha256__mutmut_77": "max(2, SAMPLES - 1) for max(1, ...): SAMPLES - 1 is 63 either way",
     "ditkit.loaders.quant_cache.x_cache_location__mutmut_8": ("p.lstrip(os.sep) for rstrip(os.sep): a realpath has no trailing separator "
                                        "but '/', and basename ignores the leading ones"),
+    "ditkit.bridge.quant_scales.x__same_bytes__mutmut_1": "shapes equal, element sizes differ, same device: a 1-byte a compares its n bytes "
+        "with b's k*n (never equal); a wider a needs a.dtype == b.dtype, false for other element sizes",
+    "ditkit.bridge.quant_scales.x__same_bytes__mutmut_27": "numel() / 8 == 0 only for an empty tensor: the byte comparison instead of the "
+        "int64 one, the same answer (a speed path)",
+    "ditkit.bridge.quant_scales.x__same_bytes__mutmut_31": "x.storage_offset() / 8 == 0 only at offset 0, where % 8 == 0 too: the int64 path "
+        "taken less often, the same answer",
+    "ditkit.bridge.quant_scales.x__same_bytes__mutmut_35": "y.storage_offset() / 8 == 0 only at offset 0: the int64 path taken less often, the "
+        "same answer",
+    "ditkit.bridge.quant_scales.xǁScaleSharingǁhook__mutmut_63": "pop(key) without a default: the key is present (get() found it just before)",
+    "ditkit.bridge.quant_scales.xǁScaleSharingǁhook__mutmut_67": "trim(force=None): None and False are both false in `force and ...`",
+    "ditkit.bridge.quant_scales.xǁScaleSharingǁhook__mutmut_69": "return for break: the loop is the function's last statement, which returns "
+        "None",
     "ditkit.loaders.quant_cache.x_source_key__mutmut_6": "a pool of 1 thread for n == 1: the same calls in order",
     "ditkit.loaders.quant_cache.x_source_key__mutmut_60": "'UTF-8' for 'utf-8': the same codec",
     "ditkit.loaders.quant_cache.x_cached_quantize__mutmut_80": "round(seconds, 4) for 3 in the hit report: a timing figure, not a result",
