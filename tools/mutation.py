@@ -100,6 +100,7 @@ _EOP = "EOPNOTSUPP == ENOTSUP (95) on Linux, where the attribute exists: the sam
 _LINK = ("the path fallback's os.link(src, dst) with follow_symlinks True: without dir_fd CPython "
          "calls link(2), which never follows a symlink on Linux (the descriptor branch's linkat is tested)")
 _FALSY = "follow_symlinks=None is falsy: the same call as follow_symlinks=False"
+_SLOT = ("a work-buffer slot name (None / renamed) only picks which per-thread buffer holds the values: the idx and vals slots stay distinct, the values are the same")
 _CAST = "memoryview(...).cast('b') for cast('B'): the same bytes are hashed"
 _UTF8 = "'UTF-8' and 'utf-8' name the same codec"
 _SHORT_HEAD = ("_sampled_sha256's header length for a file shorter than 8 bytes: hdr_end is clamped to the size, "
@@ -238,6 +239,15 @@ EQUIVALENT: dict[str, str] = {
     "ditkit.bridge.quant_scales.xǁScaleSharingǁhook__mutmut_67": "trim(force=None): None and False are both false in `force and ...`",
     "ditkit.bridge.quant_scales.xǁScaleSharingǁhook__mutmut_69": "return for break: the loop is the function's last statement, which returns "
         "None",
+    "ditkit.kernels.quant.x__dequant_slice_work__mutmut_41": _SLOT,
+    "ditkit.kernels.quant.x__dequant_slice_work__mutmut_45": _SLOT,
+    "ditkit.kernels.quant.x__dequant_slice_work__mutmut_46": _SLOT,
+    "ditkit.kernels.quant.x__dequant_slice_work__mutmut_73": _SLOT,
+    "ditkit.kernels.quant.x__dequant_slice_work__mutmut_77": _SLOT,
+    "ditkit.kernels.quant.x__dequant_slice_work__mutmut_78": _SLOT,
+    "ditkit.kernels.quant.x__dequant_slice_work__mutmut_93": _SLOT,
+    "ditkit.kernels.quant.x__dequant_slice_work__mutmut_99": _SLOT,
+    "ditkit.kernels.quant.x__dequant_slice_work__mutmut_100": _SLOT,
     "ditkit.loaders.quant_cache.x_source_key__mutmut_6": "a pool of 1 thread for n == 1: the same calls in order",
     "ditkit.loaders.quant_cache.x_source_key__mutmut_60": "'UTF-8' for 'utf-8': the same codec",
     "ditkit.loaders.quant_cache.x_cached_quantize__mutmut_80": "round(seconds, 4) for 3 in the hit report: a timing figure, not a result",

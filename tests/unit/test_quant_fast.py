@@ -353,3 +353,20 @@ def test_blocked_layout_of_byte_scales_matches_the_cublas_offset_formula(rows, c
     mt = codes.t().contiguous().t().view(dtype)                     # a transposed (column-major) input
     assert not mt.is_contiguous() or rows == 1 or cols == 1
     assert torch.equal(Q.to_blocked(mt).view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,cols", [(1, 1), (130, 7), (256, 8)])
+def test_blocked_layout_of_wider_values_matches_the_cublas_offset_formula(rows, cols, dtype):
+    """Not only byte scales: 2-, 4- and 8-byte values land where the same offset formula says (the int32 move is
+    for 1-byte values only)."""
+    m = (torch.arange(rows * cols, dtype=torch.int64) % 250 + 1).to(dtype).reshape(rows, cols)
+    b = Q.to_blocked(m)
+    pr, pc = math.ceil(rows / 128) * 128, math.ceil(cols / 4) * 4
+    assert b.shape == (pr, pc) and b.dtype == dtype
+    ncb = pc // 4
+    want = torch.zeros(pr * pc, dtype=dtype)
+    for r in range(rows):
+        for c in range(cols):
+            want[(r // 128) * ncb * 512 + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4] = m[r, c]
+    assert torch.equal(b.flatten(), want)
