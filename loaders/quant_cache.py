@@ -11,8 +11,8 @@ quantize), verified before anything is handed over.
 * **key** (:func:`source_key`): SHA-256 over the cache format version, the family, the format, the recipe's
   source line and rule set, the sampling (:data:`SAMPLES`, :data:`SAMPLE_BYTES`), and per source file: its name,
   size, ``mtime_ns`` and a *sampled* SHA-256 (the safetensors header, which holds every key, dtype, shape and
-  offset, plus :data:`SAMPLES` chunks of :data:`SAMPLE_BYTES` spread evenly over the data). Why sampled and not a full hash: the point of a hit is not to
-  read the source at all; a full hash would read all of it again (the hour this cache saves). A rewrite of the
+  offset, plus :data:`SAMPLES` chunks of :data:`SAMPLE_BYTES` spread evenly over the data). Why sampled and not
+  a full hash: the point of a hit is not to read the source at all; a full hash would read all of it again (the hour this cache saves). A rewrite of the
   file changes its mtime (and nearly always its size / header); the sampled bytes catch a same-size, same-mtime
   copy of other weights (``cp -p`` / ``rsync -t``) unless it differs from the original in none of the 1 MiB read.
   Not caught: an in-place edit that keeps size and mtime and touches no sampled byte (that needs deliberately
@@ -169,7 +169,7 @@ def _sampled_sha256(path: str) -> tuple[int, int, str]:
 def source_key(files: list[str], family: str, fmt: str, recipe: dict) -> tuple[str, list[dict]]:
     """-> (hex key, per-file records) for the cache of ``files`` quantized to ``fmt`` by ``recipe``. The files are
     sampled by up to :func:`hash_workers` threads at once (hashlib and ``os.pread`` release the GIL: a fixed cost of
-    every cached load, 15 ms for 4 shards on one thread); the records keep ``files``' order, and a file that cannot
+    every cached load, 2.9 ms for 4 shards of a 1 GB H3); the records keep ``files``' order, and a file that cannot
     be read raises as it would alone (the first such file in order)."""
     n = min(len(files), hash_workers())
     if n > 1:
