@@ -8,16 +8,17 @@ quantize), verified before anything is handed over.
   through :mod:`.safe_fs` only (validated name, no symlink followed, temp file + no-replace publish; nothing outside
   that folder, nothing replaced, nothing partial left on a failure);
 * **name**: ``<source stem>.ditkit-<format>-<key[:16]>.safetensors``; the full key is in the file's metadata;
-* **key** (:func:`source_key`): SHA-256 over the cache format version, the family, the format, the recipe's
-  source line and rule set, the sampling (:data:`SAMPLES`, :data:`SAMPLE_BYTES`), and per source file: its name,
-  size, ``mtime_ns`` and a *sampled* SHA-256 (the safetensors header, which holds every key, dtype, shape and
-  offset, plus :data:`SAMPLES` chunks of :data:`SAMPLE_BYTES` spread evenly over the data). Why sampled and not
-  a full hash: the point of a hit is not to read the source at all; a full hash would read all of it again (the
-  hour this cache saves). A rewrite of the file changes its mtime (and nearly always its size / header); the
-  sampled bytes catch a same-size, same-mtime copy of other weights (``cp -p`` / ``rsync -t``) unless it differs from the original in none of the 1 MiB read.
-  Not caught: an in-place edit that keeps size and mtime and touches no sampled byte (that needs deliberately
-  resetting the mtime). Costs 1 MiB of reads per file, the files sampled on a thread pool (16 pieces: another
-  checkpoint of the same shapes differs in every piece; 64 pieces cost 10 ms of every cached load of 4 shards);
+* **key** (:func:`source_key`): SHA-256 over the cache format version, the family, the format, the recipe's source
+  line and rule set, the sampling (:data:`SAMPLES`, :data:`SAMPLE_BYTES`), and per source file: its name, size,
+  ``mtime_ns`` and a *sampled* SHA-256 (the safetensors header, which holds every key, dtype, shape and offset, plus
+  :data:`SAMPLES` chunks of :data:`SAMPLE_BYTES` spread evenly over the data). Why sampled and not a full hash: the
+  point of a hit is not to read the source at all; a full hash would read all of it again (the hour this cache
+  saves). A rewrite of the file changes its mtime (and nearly always its size / header); the sampled bytes catch a
+  same-size, same-mtime copy of other weights (``cp -p`` / ``rsync -t``) unless it differs from the original in none
+  of the 1 MiB read. Not caught: an in-place edit that keeps size and mtime and touches no sampled byte (that needs
+  deliberately resetting the mtime). Costs 1 MiB of reads per file, the files sampled on a thread pool (16 pieces:
+  another checkpoint of the same shapes differs in every piece; 64 pieces cost 10 ms of every cached load of 4
+  shards);
 * **verified on read** (:func:`read`): the file must be a regular file (no symlink), its metadata must carry the
   expected key, format and recipe, and the SHA-256 of its header and every tensor's bytes, computed while reading,
   must equal the digest stored as its last tensor (``ditkit.sha256``, 32 bytes, hashed last when written). Any
