@@ -115,3 +115,17 @@ def _server(comfyui_path, tiny_ckpts, tmp_path_factory, name: str, args: list[st
         yield handle
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def zimage(comfy, tiny_ckpts):
+    """The tiny Z-Image through DitKitZImageLoader (the stock loader cannot load dim 256), one torch thread."""
+    import folder_paths
+    import torch
+
+    from ditkit.nodes.image_loaders import DitKitZImageLoader
+
+    torch.set_num_threads(1)
+    folder_paths.add_model_folder_path("diffusion_models", str(tiny_ckpts / "diffusion_models"), is_default=True)
+    out = DitKitZImageLoader.execute("zimage_tiny.safetensors")
+    return out.args[0] if hasattr(out, "args") else out[0]

@@ -30,18 +30,6 @@ def flux2(comfy, tiny_ckpts):
 
 
 @pytest.fixture(scope="module")
-def zimage(comfy, tiny_ckpts):
-    import folder_paths
-
-    from ditkit.nodes.image_loaders import DitKitZImageLoader
-
-    torch.set_num_threads(1)
-    folder_paths.add_model_folder_path("diffusion_models", str(tiny_ckpts / "diffusion_models"), is_default=True)
-    out = DitKitZImageLoader.execute("zimage_tiny.safetensors")
-    return out.args[0] if hasattr(out, "args") else out[0]
-
-
-@pytest.fixture(scope="module")
 def h3(comfy, tiny_ckpts):
     import folder_paths
 

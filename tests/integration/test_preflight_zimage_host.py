@@ -16,18 +16,6 @@ import torch
 from ditkit.tiny import ckpt_image
 
 
-@pytest.fixture(scope="module")
-def zimage(comfy, tiny_ckpts):
-    import folder_paths
-
-    from ditkit.nodes.image_loaders import DitKitZImageLoader
-
-    torch.set_num_threads(1)
-    folder_paths.add_model_folder_path("diffusion_models", str(tiny_ckpts / "diffusion_models"), is_default=True)
-    out = DitKitZImageLoader.execute("zimage_tiny.safetensors")
-    return out.args[0] if hasattr(out, "args") else out[0]
-
-
 def latent(w=1024, h=1024, batch=1):
     from comfy_extras.nodes_sd3 import EmptySD3LatentImage
 
